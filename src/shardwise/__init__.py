@@ -1,0 +1,45 @@
+"""shardwise: distributed training for PyTorch.
+
+    import shardwise
+    config = shardwise.load_config("examples/digits.toml")
+    summary = shardwise.train(config, nproc=2)
+
+Names are imported on first use, so `shardwise --help` does not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "ConfigError": "shardwise.config",
+    "JobConfig": "shardwise.config",
+    "load_config": "shardwise.config",
+    "train": "shardwise.launch.local",
+    "WorkerFailed": "shardwise.launch.local",
+    "TrainSummary": "shardwise.trainer.loop",
+}
+
+if TYPE_CHECKING:
+    from shardwise.config import ConfigError, JobConfig, load_config
+    from shardwise.launch.local import WorkerFailed, train
+    from shardwise.trainer.loop import TrainSummary
+
+__all__ = [
+    "ConfigError",
+    "JobConfig",
+    "TrainSummary",
+    "WorkerFailed",
+    "__version__",
+    "load_config",
+    "train",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'shardwise' has no attribute {name!r}")

@@ -1,0 +1,88 @@
+"""The `shardwise` command. It parses arguments and reports outcomes; the work happens elsewhere.
+
+Exit codes: 0 done, 1 a worker failed (its rank and error are shown), 2 bad input (one line that
+says what to fix; `--debug` shows the traceback), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from shardwise import __version__
+from shardwise.config import ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardwise", description="Distributed training for PyTorch."
+    )
+    parser.add_argument("--version", action="version", version=f"shardwise {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train = commands.add_parser("train", help="train a model from a job file")
+    train.add_argument("job", help="the job's TOML file")
+    train.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="worker processes on this machine (default 1; ignored under torchrun or srun)",
+    )
+    train.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a job-file value, e.g. --set train.lr=3e-4 (repeatable)",
+    )
+    train.add_argument(
+        "--resume",
+        default="never",
+        metavar="auto|never|PATH",
+        help="auto: continue from the newest complete checkpoint; PATH: from that checkpoint; "
+        "never (default): refuse to overwrite an earlier run's checkpoints",
+    )
+    train.add_argument("--debug", action="store_true", help="show tracebacks for every error")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _train(args)
+    except ConfigError as e:
+        if args.debug:
+            raise
+        print(f"shardwise: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("shardwise: interrupted", file=sys.stderr)
+        return 130
+
+
+def _train(args: argparse.Namespace) -> int:
+    from shardwise.launch.local import WorkerFailed, train
+
+    if args.nproc is not None and args.nproc < 1:
+        raise ConfigError(f"--nproc {args.nproc}: need at least 1 process")
+    try:
+        summary = train(args.job, nproc=args.nproc, resume=args.resume, overrides=args.overrides)
+    except WorkerFailed as failure:
+        print(f"shardwise: {failure}", file=sys.stderr)
+        if failure.traceback:
+            print(f"--- rank {failure.rank} traceback ---\n{failure.traceback}", file=sys.stderr)
+        return 1
+    if summary is not None:
+        metrics = "  ".join(
+            f"{k} {v:.4f}" for k, v in summary.metrics.items() if k.startswith(("loss", "eval/"))
+        )
+        print(f"done: step {summary.step}  {metrics}")
+        print(f"checkpoint: {summary.checkpoint}")
+        if summary.mlflow_run_id:
+            print(f"mlflow run: {summary.mlflow_run_id}")
+    return 0
+
+
+def entry() -> None:  # pragma: no cover - the console script
+    sys.exit(main())

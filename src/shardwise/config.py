@@ -1,0 +1,345 @@
+"""The job file: one pydantic model per TOML section, `--set` overrides, and the numbers derived
+from a config once the world size is known (data-parallel degree, micro-batches, accumulation).
+
+Every user mistake in a job file surfaces here as a `ConfigError` whose message is one line naming
+the key and the fix. This module must not import torch, start processes or touch the file system
+beyond reading the job file: everything above it relies on loading a config being cheap and pure.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+"""Named device-mesh axes, outermost first; their degrees multiply to the world size."""
+
+
+class ConfigError(ValueError):
+    """A mistake the user can fix in the job file, the command line or the inputs.
+
+    The CLI prints the message as one line and exits with code 2.
+    """
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class JobSection(_Section):
+    name: str = Field("run", pattern=r"^[A-Za-z0-9._-]+$")
+    seed: int = 0
+    run_dir: str = ""
+    """Where config, metrics, tracking store and checkpoints go; "" means `runs/<name>`."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads_per_rank: int = Field(0, ge=0)
+    """torch intra-op threads per rank; 0 shares this machine's cores evenly between local ranks."""
+
+
+class ModelSection(_Section):
+    name: str
+    """A built-in model (`mlp`, `cnn`, `gpt`) or a user builder as `package.module:function`."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the builder, checked against its signature before launch."""
+
+
+class DataSection(_Section):
+    name: str
+    """A built-in dataset (`digits`, `text`) or a user builder as `package.module:function`."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    num_workers: int = Field(0, ge=0)
+    """DataLoader worker processes per rank; 0 loads in the training process."""
+
+
+class TrainSection(_Section):
+    steps: int = Field(gt=0)
+    global_batch: int = Field(gt=0)
+    """Samples per optimizer step, summed over all data-parallel ranks and micro-batches."""
+    micro_batch: int | None = Field(None, gt=0)
+    """Samples per forward pass on one rank; default: global_batch / data-parallel ranks."""
+    lr: float = Field(1e-3, gt=0)
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    momentum: float = Field(0.9, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    """Scale `lr` by global_batch / lr_base_batch (linear) or its square root (sqrt)."""
+    lr_base_batch: int = Field(256, gt=0)
+    grad_clip: float = Field(1.0, ge=0)
+    """Clip the global gradient norm to this value; 0 turns clipping off."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    loss: str = "cross_entropy"
+    """A built-in loss (`cross_entropy`, `mse`) or `package.module:function`."""
+
+
+class EvalSection(_Section):
+    every_steps: int = Field(0, ge=0)
+    """Evaluate on the held-out split every k steps; 0 evaluates only at the end."""
+    batch: int | None = Field(None, gt=0)
+    """Samples per evaluation forward pass on one rank; default: train.micro_batch."""
+    max_samples: int | None = Field(None, gt=0)
+    """Evaluate on at most this many held-out samples (the first ones); default: all."""
+
+
+class ParallelSection(_Section):
+    pp: int = 1
+    dp_replicate: int = -1
+    dp_shard: int = 1
+    tp: int = 1
+
+    def degrees(self, world_size: int) -> dict[str, int]:
+        """Resolve `-1` to the ranks left over and check the degrees multiply to the world size."""
+        raw = {axis: getattr(self, axis) for axis in MESH_AXES}
+        for axis, degree in raw.items():
+            if degree == 0 or degree < -1:
+                raise ConfigError(
+                    f"parallel.{axis} = {degree}: a degree is a positive integer or -1"
+                )
+        for axis in ("pp", "tp"):
+            if raw[axis] == -1:
+                raise ConfigError(
+                    f"parallel.{axis} = -1: only data-parallel axes (dp_replicate, dp_shard) "
+                    f"may take the ranks left over; give {axis} a number"
+                )
+        if raw["dp_replicate"] == -1 and raw["dp_shard"] == -1:
+            raise ConfigError(
+                "parallel.dp_replicate and parallel.dp_shard are both -1: at most one axis "
+                "takes the ranks left over; set the other to a number"
+            )
+        fixed = math.prod(d for d in raw.values() if d != -1)
+        if -1 in raw.values():
+            if world_size % fixed:
+                raise ConfigError(
+                    f"the fixed parallel degrees multiply to {fixed}, which does not divide the "
+                    f"world size {world_size}; use a world size that is a multiple of {fixed}"
+                )
+            raw = {a: (world_size // fixed if d == -1 else d) for a, d in raw.items()}
+        if math.prod(raw.values()) != world_size:
+            product = " × ".join(f"{a}={d}" for a, d in raw.items())
+            raise ConfigError(
+                f"parallel degrees {product} = {math.prod(raw.values())} but the world size is "
+                f"{world_size}; make them multiply to {world_size} or set one data-parallel "
+                "axis to -1"
+            )
+        return raw
+
+
+class CheckpointSection(_Section):
+    dir: str = ""
+    """Checkpoint directory; "" means `<run_dir>/checkpoints`."""
+    every_steps: int = Field(0, ge=0)
+    """Save every k steps; 0 saves only at the end. The last step always saves."""
+    keep_last: int = Field(2, gt=0)
+
+
+class TrackingSection(_Section):
+    mlflow: bool = True
+    uri: str = ""
+    """MLflow tracking URI; "" means an embedded SQLite store `<run_dir>/mlflow.db`."""
+    experiment: str = ""
+    """MLflow experiment name; "" means the job name."""
+    log_every: int = Field(10, gt=0)
+    """Reduce, print and record training metrics every k steps."""
+
+
+class FaultSection(_Section):
+    timeout_s: float = Field(600.0, gt=0)
+    """How long a collective may wait for the other ranks before the run fails."""
+
+
+class JobConfig(_Section):
+    """A whole job file. The Python API takes the same object the TOML produces."""
+
+    job: JobSection = JobSection()
+    model: ModelSection
+    data: DataSection
+    train: TrainSection
+    eval: EvalSection = EvalSection()
+    parallel: ParallelSection = ParallelSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    tracking: TrackingSection = TrackingSection()
+    fault: FaultSection = FaultSection()
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.job.run_dir or f"runs/{self.job.name}")
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir / "checkpoints"
+
+    @property
+    def tracking_uri(self) -> str:
+        return self.tracking.uri or f"sqlite:///{(self.run_dir / 'mlflow.db').resolve()}"
+
+
+@dataclass(frozen=True)
+class Derived:
+    """Numbers that follow from a config and a world size; printed at start, saved with the run."""
+
+    world_size: int
+    degrees: dict[str, int]
+    dp: int
+    """Data-parallel ranks: ranks that read different samples (dp_replicate × dp_shard)."""
+    global_batch: int
+    micro_batch: int
+    grad_accum: int
+    """Micro-batches per rank per optimizer step."""
+    lr: float
+    """The learning rate after the batch-size scaling rule."""
+    eval_batch: int
+
+
+def derive(config: JobConfig, world_size: int) -> Derived:
+    """Check a config against a world size and compute what follows from it."""
+    if world_size < 1:
+        raise ConfigError(f"world size {world_size}: need at least one process (--nproc 1 or more)")
+    degrees = config.parallel.degrees(world_size)
+    unsupported = [a for a in ("pp", "dp_shard", "tp") if degrees[a] > 1]
+    if unsupported:
+        names = ", ".join(f"parallel.{a} = {degrees[a]}" for a in unsupported)
+        raise ConfigError(
+            f"{names}: only data parallelism (parallel.dp_replicate) is available in this "
+            "version; set the other axes to 1"
+        )
+    dp = degrees["dp_replicate"] * degrees["dp_shard"]
+    train = config.train
+    micro = train.micro_batch or train.global_batch // dp
+    if micro == 0 or train.global_batch % (micro * dp):
+        raise ConfigError(_batch_hint(train.global_batch, micro, dp))
+    lr = train.lr
+    if train.lr_scaling == "linear":
+        lr *= train.global_batch / train.lr_base_batch
+    elif train.lr_scaling == "sqrt":
+        lr *= math.sqrt(train.global_batch / train.lr_base_batch)
+    return Derived(
+        world_size=world_size,
+        degrees=degrees,
+        dp=dp,
+        global_batch=train.global_batch,
+        micro_batch=micro,
+        grad_accum=train.global_batch // (micro * dp),
+        lr=lr,
+        eval_batch=config.eval.batch or micro,
+    )
+
+
+def resolved(config: JobConfig, derived: Derived) -> JobConfig:
+    """The config with every default that depends on other values written out, as saved with a
+    run: re-running the saved file reproduces the run."""
+    return config.model_copy(
+        update={
+            "job": config.job.model_copy(update={"run_dir": str(config.run_dir)}),
+            "train": config.train.model_copy(update={"micro_batch": derived.micro_batch}),
+            "eval": config.eval.model_copy(update={"batch": derived.eval_batch}),
+            "parallel": config.parallel.model_copy(update=derived.degrees),
+            "checkpoint": config.checkpoint.model_copy(update={"dir": str(config.checkpoint_dir)}),
+            "tracking": config.tracking.model_copy(
+                update={"experiment": config.tracking.experiment or config.job.name}
+            ),
+        }
+    )
+
+
+def _batch_hint(global_batch: int, micro: int, dp: int) -> str:
+    unit = max(micro, 1) * dp
+    lower = global_batch // unit * unit
+    options = [str(b) for b in (lower, lower + unit) if b > 0]
+    return (
+        f"train.global_batch ({global_batch}) must be a multiple of train.micro_batch ({micro}) × "
+        f"data-parallel ranks ({dp}) = {unit}; try train.global_batch = {' or '.join(options)}"
+    )
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """Read a TOML job file, apply `a.b=value` overrides, and validate it."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"job file {path} does not exist; check the path") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path} is a directory; pass the job's .toml file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}") from None
+    for item in overrides:
+        apply_override(raw, item)
+    return validate(raw, source=str(path))
+
+
+def validate(raw: dict[str, Any], *, source: str = "config") -> JobConfig:
+    """Validate a nested dict (a parsed job file) into a `JobConfig`, one line per mistake."""
+    try:
+        return JobConfig.model_validate(raw)
+    except ValidationError as e:
+        problems = [_describe(err) for err in e.errors()]
+        raise ConfigError(f"{source}: " + "; ".join(problems)) from None
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Apply one `--set section.key=value` to a parsed job file; the value is read as TOML."""
+    key, sep, text = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(parts):
+        raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.lr=3e-4")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # a bare word such as `gpt` or a path: keep it as a string
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {item!r}: {part} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def flatten(config: JobConfig) -> dict[str, str]:
+    """The resolved config as dotted keys and string values (for tracking params)."""
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        else:
+            out[prefix] = str(value)
+
+    walk("", config.model_dump(mode="json"))
+    return out
+
+
+def _describe(err: Any) -> str:
+    loc = ".".join(str(p) for p in err["loc"])
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return f"unknown key '{loc}'{_did_you_mean(err['loc'])}"
+    if kind == "missing":
+        return f"missing key '{loc}'"
+    got = err.get("input")
+    return f"{loc}: {err['msg'].lower()} (got {got!r})"
+
+
+def _did_you_mean(loc: tuple[Any, ...]) -> str:
+    model: type[BaseModel] = JobConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        annotation = field.annotation if field else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return ""
+        model = annotation
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1, cutoff=0.6)
+    prefix = ".".join(str(p) for p in loc[:-1])
+    if close:
+        return f"; did you mean '{prefix + '.' if prefix else ''}{close[0]}'?"
+    return f"; valid keys here: {', '.join(model.model_fields)}"

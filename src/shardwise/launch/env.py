@@ -1,0 +1,77 @@
+"""The one place that reads launcher environment variables (torchrun / torch elastic, Slurm).
+
+Everything else receives a `WorkerEnv`. This module must not import torch or start anything, so it
+can be unit-tested with a plain dict standing in for `os.environ`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """Who this process is in a job that something else started."""
+
+    launcher: str
+    """`torchrun` (torch elastic, including `shardwise --nproc`) or `slurm` (`srun`)."""
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    init_method: str
+    """How to reach the rendezvous: `env://` under torch elastic, `tcp://host:port` under Slurm."""
+
+
+def detect(environ: Mapping[str, str] | None = None) -> WorkerEnv | None:
+    """This worker's place in a job something else launched; None if we must launch workers."""
+    env = os.environ if environ is None else environ
+    if "TORCHELASTIC_RUN_ID" in env or all(
+        k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    ):
+        world = int(env["WORLD_SIZE"])
+        return WorkerEnv(
+            launcher="torchrun",
+            rank=int(env["RANK"]),
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            world_size=world,
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),
+            init_method="env://",
+        )
+    # `srun` sets SLURM_STEP_NUM_TASKS for each task of a job step; a batch script alone does not,
+    # so `shardwise train --nproc N` inside `sbatch` still launches its own workers.
+    if int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1 and "SLURM_PROCID" in env:
+        host = env.get("MASTER_ADDR") or first_host(env["SLURM_STEP_NODELIST"])
+        # Every task must agree on the port without talking to the others first, so it is derived
+        # from the job id unless the user exports MASTER_PORT.
+        port = int(env.get("MASTER_PORT") or 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+        tasks_per_node = env.get("SLURM_STEP_TASKS_PER_NODE", "1").split("(")[0].split(",")[0]
+        return WorkerEnv(
+            launcher="slurm",
+            rank=int(env["SLURM_PROCID"]),
+            local_rank=int(env.get("SLURM_LOCALID", "0")),
+            world_size=int(env["SLURM_STEP_NUM_TASKS"]),
+            local_world_size=int(tasks_per_node),
+            init_method=f"tcp://{host}:{port}",
+        )
+    return None
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm hostlist such as `gpu[003-005,9],cpu1` (→ `gpu003`)."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not match:
+        raise ValueError(f"cannot read the Slurm node list {nodelist!r}")
+    prefix, ranges = match.groups()
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def visible_cpus() -> int:
+    """CPU cores this process may run on (affinity-aware, unlike os.cpu_count)."""
+    return len(os.sched_getaffinity(0))

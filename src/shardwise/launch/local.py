@@ -1,0 +1,178 @@
+"""Start a training job: check it, start N workers on this machine through torch's elastic agent
+(the engine behind torchrun) or join the workers torchrun/Slurm started, and turn a worker's
+failure into an error that names the rank.
+
+The path from the command line to `loss.backward()`: `cli.main` → `train` (here) → `run_worker`
+(here, in every rank) → `trainer.loop.train` → `trainer.loop.train_step`.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import uuid
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from shardwise import builders
+from shardwise.checkpoint.manager import MANIFEST, complete_checkpoints, is_complete
+from shardwise.config import ConfigError, JobConfig, apply_override, derive, load_config, validate
+from shardwise.launch.env import detect, visible_cpus
+from shardwise.trainer import loop
+from shardwise.trainer.loop import TrainSummary
+
+
+@dataclass
+class WorkerFailed(RuntimeError):
+    """A worker process ended with an error; `rank` is the first rank that failed."""
+
+    rank: int
+    exitcode: int
+    message: str
+    traceback: str
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} failed (exit code {self.exitcode}): {self.message}"
+
+
+def launch(entry: Callable[..., Any], args: tuple[Any, ...], *, nproc: int) -> dict[int, Any]:
+    """Run `entry(*args)` in `nproc` local processes; return each rank's return value."""
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"shardwise-{uuid.uuid4().hex[:8]}",
+        # c10d rendezvous on port 0: the agent's store takes a free port, no fixed ports anywhere.
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        start_method="spawn",
+    )
+    # shardwise reports failures itself (WorkerFailed); the agent's own log would repeat them.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        results: dict[int, Any] = elastic_launch(config, entry)(*args)
+        return results
+    except ChildFailedError as e:
+        raise _first_failure(e) from None
+
+
+def _first_failure(error: ChildFailedError) -> Exception:
+    rank, failure = error.get_first_failure()
+    data = failure.error_file_data.get("message", {}) if failure.error_file_data else {}
+    message = data.get("message", "") if isinstance(data, dict) else str(data)
+    traceback = data.get("extraInfo", {}).get("py_callstack", "") if isinstance(data, dict) else ""
+    if not message:  # killed by a signal, or exited without raising: no error file
+        message = (
+            failure.message if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
+        )
+    prefix = f"{ConfigError.__name__}: "
+    if message.startswith(prefix):
+        return ConfigError(f"rank {rank}: {message.removeprefix(prefix)}")
+    return WorkerFailed(rank=rank, exitcode=failure.exitcode, message=message, traceback=traceback)
+
+
+def train(
+    config: JobConfig | str | Path,
+    *,
+    nproc: int | None = None,
+    resume: str = "never",
+    overrides: list[str] | tuple[str, ...] = (),
+) -> TrainSummary | None:
+    """Train a job: start `nproc` local workers, or join the job torchrun/Slurm already started.
+
+    `config` is a `JobConfig` or the path of a job file; `resume` is `never` (refuse to overwrite
+    an earlier run's checkpoints), `auto` (continue from the newest complete checkpoint, if any) or
+    the path of a checkpoint. Returns rank 0's summary (None on other ranks under torchrun/Slurm).
+    """
+    if not isinstance(config, JobConfig):
+        config = load_config(config, overrides)
+    elif overrides:
+        raw = config.model_dump(mode="json")
+        for item in overrides:
+            apply_override(raw, item)
+        config = validate(raw)
+    worker = detect()
+    if worker is not None and nproc not in (None, worker.world_size):
+        warnings.warn(
+            f"--nproc {nproc} ignored: this process is rank {worker.rank} of {worker.world_size} "
+            f"started by {worker.launcher}",
+            stacklevel=2,
+        )
+    world_size = worker.world_size if worker else (nproc or 1)
+    derive(config, world_size)
+    builders.check(config)
+    pick_device(config.job.device, local_rank=0)
+    checkpoint = resume_point(config, resume)
+    args = (config.model_dump(mode="json"), str(checkpoint) if checkpoint else None)
+    if worker is not None:
+        return run_worker(*args)
+    summary: TrainSummary | None = launch(run_worker, args, nproc=world_size)[0]
+    return summary
+
+
+def resume_point(config: JobConfig, resume: str) -> Path | None:
+    """The checkpoint to start from, or None for a fresh start; refuses to overwrite a run."""
+    found = complete_checkpoints(config.checkpoint_dir)
+    if resume == "never":
+        if found:
+            raise ConfigError(
+                f"{config.checkpoint_dir} already holds checkpoints of an earlier run (newest: "
+                f"{found[-1].name}); pass --resume auto to continue it, or set job.run_dir to "
+                "start a new run"
+            )
+        return None
+    if resume == "auto":
+        return found[-1] if found else None
+    path = Path(resume)
+    if not is_complete(path):
+        raise ConfigError(
+            f"--resume {resume}: not a complete checkpoint (expected a step_NNNNNNNN directory "
+            f"with {MANIFEST}); use --resume auto to pick the newest one"
+        )
+    return path
+
+
+def run_worker(config_data: dict[str, Any], resume: str | None) -> TrainSummary | None:
+    """What every rank runs: join the process group on the right device, train, leave cleanly."""
+    env = detect()
+    assert env is not None, "run_worker runs under torch elastic or Slurm"
+    config = JobConfig.model_validate(config_data)
+    device = pick_device(config.job.device, local_rank=env.local_rank)
+    threads = config.job.threads_per_rank or max(1, visible_cpus() // env.local_world_size)
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=env.init_method,
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timedelta(seconds=config.fault.timeout_s),
+    )
+    try:
+        return loop.train(config, device=device, resume=resume)
+    finally:
+        # Free DDP's reducer (which holds the process group) while the group is still registered:
+        # if the group's last reference died inside the reducer's destructor, gloo's destructor
+        # would run holding the GIL while its worker thread waits for the GIL (pytorch#56297).
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def pick_device(choice: str, *, local_rank: int) -> torch.device:
+    """`auto`: this rank's GPU when CUDA is present, else the CPU."""
+    has_cuda = torch.cuda.is_available()
+    if choice == "cuda" and not has_cuda:
+        raise ConfigError("job.device = 'cuda' but no GPU is visible; use 'auto' or 'cpu'")
+    if choice == "cpu" or not has_cuda:
+        return torch.device("cpu")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)

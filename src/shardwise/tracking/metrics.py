@@ -1,0 +1,77 @@
+"""Where metrics go: the `Tracker` interface, and the JSONL file every run has.
+
+Trackers live on rank 0 only. A tracker must never raise into the training loop or block it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class Tracker(Protocol):
+    def log_params(self, params: dict[str, str]) -> None: ...
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+    def log_artifact(self, path: Path) -> None: ...
+    def close(self, status: str) -> None:
+        """Flush and finish; `status` is `FINISHED` or `FAILED`."""
+
+
+class JsonlTracker:
+    """One JSON object per line in `<run_dir>/metrics.jsonl`: `{"step", "time", <metrics>}`.
+
+    The file is appended to, never truncated: a resumed run first writes a `{"event": "resume"}`
+    line, after which steps since the checkpoint appear again with their recomputed values.
+    """
+
+    def __init__(self, path: Path, *, resumed_from: int | None = None) -> None:
+        self.path = path
+        # Line-buffered: a crash loses at most the line being written.
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 (open for the run's lifetime)
+        if resumed_from is not None:
+            self._write({"event": "resume", "step": resumed_from, "time": time.time()})
+
+    def log_params(self, params: dict[str, str]) -> None:
+        pass  # the resolved config is saved next to this file as config.toml
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self._write({"step": step, "time": time.time(), **metrics})
+
+    def log_artifact(self, path: Path) -> None:
+        pass
+
+    def close(self, status: str) -> None:
+        self._file.close()
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """All records of a metrics.jsonl file."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class Trackers:
+    """Fan out to several trackers."""
+
+    def __init__(self, trackers: list[Tracker]) -> None:
+        self.trackers = trackers
+
+    def log_params(self, params: dict[str, str]) -> None:
+        for t in self.trackers:
+            t.log_params(params)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        for t in self.trackers:
+            t.log_metrics(metrics, step)
+
+    def log_artifact(self, path: Path) -> None:
+        for t in self.trackers:
+            t.log_artifact(path)
+
+    def close(self, status: str) -> None:
+        for t in self.trackers:
+            t.close(status)

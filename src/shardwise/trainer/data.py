@@ -1,0 +1,147 @@
+"""Which samples each data-parallel rank reads at each step, and the loaders that fetch them.
+
+Sharding rule. Each epoch is a permutation of the training set drawn from (seed, epoch). A step
+takes the next `global_batch` indices of that permutation; data-parallel rank r reads the r-th
+contiguous slice of them and splits it into micro-batches. So the ranks of one step read disjoint
+samples, one epoch of steps reads each sample at most once, and the order does not depend on the
+number of ranks: a run on 1 process with 4 micro-batches reads exactly what 4 ranks read.
+
+Remainder. An epoch ends when fewer than `global_batch` unread indices are left; those few samples
+(`len(dataset) % global_batch`) are skipped in that epoch. The next epoch reshuffles, so a
+different few are skipped each time, and every step has the same number of samples (the loss is
+then a mean over equal-sized batches, which keeps data parallelism exact).
+
+The position (epoch, offset into the permutation) is the whole state: saving it after a step and
+restoring it resumes with the very next sample, whatever the number of ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, default_collate
+
+from shardwise.config import ConfigError
+
+Batch = Any  # whatever the dataset's items collate to, usually (inputs, target)
+
+
+class GlobalBatchSampler:
+    """The indices each data-parallel rank reads, step by step; see the module docstring."""
+
+    def __init__(
+        self, num_samples: int, *, global_batch: int, dp_rank: int, dp_size: int, seed: int
+    ) -> None:
+        if num_samples < global_batch:
+            raise ConfigError(
+                f"the training set has {num_samples} samples, fewer than train.global_batch "
+                f"({global_batch}); lower the global batch or use more data"
+            )
+        assert global_batch % dp_size == 0, "derive() guarantees global_batch divides by dp"
+        self.num_samples = num_samples
+        self.global_batch = global_batch
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.seed = seed
+        self.epoch = 0
+        self.offset = 0
+        self._perm: tuple[int, torch.Tensor] | None = None
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_samples // self.global_batch
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        if self._perm is None or self._perm[0] != epoch:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm = (epoch, torch.randperm(self.num_samples, generator=generator))
+        return self._perm[1]
+
+    def epoch_plan(self) -> list[list[int]]:
+        """This rank's indices for each remaining step of the current epoch."""
+        per_rank = self.global_batch // self.dp_size
+        perm = self.permutation(self.epoch)
+        plan = []
+        for start in range(
+            self.offset, self.num_samples - self.global_batch + 1, self.global_batch
+        ):
+            mine = start + self.dp_rank * per_rank
+            plan.append(perm[mine : mine + per_rank].tolist())
+        return plan
+
+    def advance(self) -> None:
+        """Mark one step as consumed."""
+        self.offset += self.global_batch
+        if self.offset + self.global_batch > self.num_samples:
+            self.epoch, self.offset = self.epoch + 1, 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+        if self.offset + self.global_batch > self.num_samples:  # the global batch changed
+            self.epoch, self.offset = self.epoch + 1, 0
+
+
+class StepLoader:
+    """Yields, for each optimizer step, this rank's list of collated micro-batches.
+
+    Fetching goes through a torch DataLoader per epoch (so `num_workers` prefetches), but the
+    position only moves when the training loop takes a step, so prefetching never skews resume.
+    """
+
+    def __init__(
+        self, dataset: Dataset, sampler: GlobalBatchSampler, *, micro_batch: int, num_workers: int
+    ) -> None:
+        self.dataset = dataset
+        self.sampler = sampler
+        self.micro_batch = micro_batch
+        self.num_workers = num_workers
+        self._micro: Iterator[Batch] | None = None
+
+    def next_step(self) -> list[Batch]:
+        if self._micro is None:
+            self._micro = iter(self._epoch_loader())
+        per_rank = self.sampler.global_batch // self.sampler.dp_size
+        batches = [next(self._micro) for _ in range(per_rank // self.micro_batch)]
+        epoch = self.sampler.epoch
+        self.sampler.advance()
+        if self.sampler.epoch != epoch:
+            self._micro = None
+        return batches
+
+    def _epoch_loader(self) -> DataLoader:
+        micro_batches = [
+            step[i : i + self.micro_batch]
+            for step in self.sampler.epoch_plan()
+            for i in range(0, len(step), self.micro_batch)
+        ]
+        return DataLoader(
+            self.dataset,
+            batch_sampler=micro_batches,
+            num_workers=self.num_workers,
+            collate_fn=default_collate,
+        )
+
+    def state_dict(self) -> dict[str, int]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.sampler.load_state_dict(state)
+        self._micro = None
+
+
+def eval_loader(
+    dataset: Dataset, *, dp_rank: int, dp_size: int, batch: int, max_samples: int | None
+) -> DataLoader:
+    """Held-out samples strided over data-parallel ranks, none dropped and none repeated, so that
+    summing counts across ranks gives exact metrics over the whole split."""
+    total = len(dataset)  # type: ignore[arg-type]
+    if max_samples is not None:
+        total = min(total, max_samples)
+    mine = list(range(dp_rank, total, dp_size))
+    batches = [mine[i : i + batch] for i in range(0, len(mine), batch)]
+    return DataLoader(dataset, batch_sampler=batches, collate_fn=default_collate)

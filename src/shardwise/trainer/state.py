@@ -1,0 +1,106 @@
+"""What a checkpoint holds, and how a run is put back exactly as it was.
+
+A checkpoint is one DCP state dict:
+- `model`, `optim`: from `get_state_dict`, keyed by the user's module names whatever the wrapper,
+  so they load under any layout;
+- `train`: step, data position, LR scheduler, gradient scaler (small, written once by rank 0);
+- `rng`: each rank's random-number generator states under its own key `rank<N>`.
+
+Resuming on the same world size restores every generator, so the continued run is bitwise the run
+that never stopped. On a different world size the old ranks' generators mean nothing; each rank
+then reseeds from (seed, step, rank), which is deterministic but a different stream.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from shardwise.trainer.data import StepLoader
+
+
+def capture(
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    scaler: Any,
+    loader: StepLoader,
+    step: int,
+    rank: int,
+) -> dict[str, Any]:
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {
+        "model": model_state,
+        "optim": optim_state,
+        "train": {
+            "step": step,
+            "data": loader.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict() if scaler.is_enabled() else {},
+        },
+        "rng": {f"rank{rank}": io.BytesIO(pickle.dumps(_rng_states()))},
+    }
+
+
+def apply(
+    state: dict[str, Any],
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    scaler: Any,
+    loader: StepLoader,
+) -> int:
+    """Put a loaded state dict back into the run's objects; returns the step it was taken at."""
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    train = state["train"]
+    scheduler.load_state_dict(train["scheduler"])
+    if scaler.is_enabled() and train["scaler"]:
+        scaler.load_state_dict(train["scaler"])
+    loader.load_state_dict(train["data"])
+    if "rng" in state:
+        (blob,) = state["rng"].values()
+        _set_rng_states(pickle.loads(blob.getvalue()))
+    return int(train["step"])
+
+
+def without_rng(state: dict[str, Any]) -> dict[str, Any]:
+    """The state to request when the checkpoint came from a different world size."""
+    return {k: v for k, v in state.items() if k != "rng"}
+
+
+def reseed(seed: int, step: int, rank: int) -> None:
+    """Seed every generator of this rank from (seed, step, rank)."""
+    value = (seed * 1_000_003 + step) * 1_009 + rank
+    torch.manual_seed(value)
+    random.seed(value)
+    np.random.seed(value % 2**32)
+
+
+def _rng_states() -> dict[str, Any]:
+    states: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
