@@ -58,7 +58,8 @@ def launch(entry: Callable[..., Any], args: tuple[Any, ...], *, nproc: int) -> d
         start_method="spawn",
     )
     # shardwise reports failures itself (WorkerFailed); the agent's own log would repeat them.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    for name in ("torch.distributed.elastic", "torchelastic-events-null"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         results: dict[int, Any] = elastic_launch(config, entry)(*args)
         return results
@@ -71,7 +72,7 @@ def _first_failure(error: ChildFailedError) -> Exception:
     data = failure.error_file_data.get("message", {}) if failure.error_file_data else {}
     message = data.get("message", "") if isinstance(data, dict) else str(data)
     traceback = data.get("extraInfo", {}).get("py_callstack", "") if isinstance(data, dict) else ""
-    if not message:  # killed by a signal, or exited without raising: no error file
+    if message in ("", "<NONE>"):  # killed by a signal, or exited without raising: no error file
         message = (
             failure.message if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
         )

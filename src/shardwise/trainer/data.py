@@ -124,6 +124,7 @@ class StepLoader:
             batch_sampler=micro_batches,
             num_workers=self.num_workers,
             collate_fn=default_collate,
+            generator=_private_generator(self.sampler.seed, self.sampler.epoch),
         )
 
     def state_dict(self) -> dict[str, int]:
@@ -144,4 +145,16 @@ def eval_loader(
         total = min(total, max_samples)
     mine = list(range(dp_rank, total, dp_size))
     batches = [mine[i : i + batch] for i in range(0, len(mine), batch)]
-    return DataLoader(dataset, batch_sampler=batches, collate_fn=default_collate)
+    return DataLoader(
+        dataset,
+        batch_sampler=batches,
+        collate_fn=default_collate,
+        generator=_private_generator(0, 0),
+    )
+
+
+def _private_generator(seed: int, epoch: int) -> torch.Generator:
+    """A generator for a DataLoader's worker seeds. Without one, every `iter(loader)` draws from
+    the global generator, and a resumed run (which starts its loader at a different step) would
+    then draw different dropout masks from the run that never stopped."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + epoch + 7)

@@ -1,0 +1,141 @@
+"""Helpers for tests: small jobs, a multi-process harness, and readers for run outputs."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardwise.config import JobConfig, validate
+
+
+def children_of(pid: int) -> list[int]:
+    """Live direct children of a process, from /proc, except multiprocessing's resource tracker
+    (one per parent process, started by the first spawn and meant to live as long as the parent)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == pid and fields[0] != "Z":
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            if b"multiprocessing.resource_tracker" not in cmdline:
+                found.append(int(entry))
+    return found
+
+
+def digits_job(run_dir: Path, **sections: dict[str, Any]) -> JobConfig:
+    """A small, fast digits job (MLP, no MLflow) writing into `run_dir`; sections override."""
+    raw: dict[str, Any] = {
+        "job": {"name": "test", "run_dir": str(run_dir), "seed": 0},
+        "model": {"name": "mlp", "args": {"hidden": 32}},
+        "data": {"name": "digits"},
+        "train": {"steps": 20, "global_batch": 32, "lr": 1e-2, "warmup_steps": 2},
+        "tracking": {"mlflow": False, "log_every": 1},
+    }
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return validate(raw)
+
+
+def gpt_job(run_dir: Path, **sections: dict[str, Any]) -> JobConfig:
+    """A tiny GPT with dropout on a slice of the stdlib corpus (40 steps cross an epoch)."""
+    raw: dict[str, Any] = {
+        "job": {"name": "gpt-test", "run_dir": str(run_dir), "seed": 3},
+        "model": {
+            "name": "gpt",
+            "args": {"layers": 1, "heads": 2, "hidden": 32, "seq_len": 32, "dropout": 0.1},
+        },
+        "data": {"name": "text", "args": {"seq_len": 32, "max_bytes": 20_000}},
+        "train": {"steps": 40, "global_batch": 16, "micro_batch": 4, "lr": 3e-3},
+        "eval": {"max_samples": 64},
+        "tracking": {"mlflow": False, "log_every": 1},
+    }
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return validate(raw)
+
+
+def load_params(checkpoint: str | Path) -> dict[str, torch.Tensor]:
+    """The model parameters of a shardwise checkpoint, consolidated in this process."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "state.pt"
+        dcp_to_torch_save(str(checkpoint), str(out))
+        state = torch.load(out, weights_only=False)
+    return state["model"]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    from shardwise.tracking.metrics import read_metrics
+
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
+
+
+def free_port() -> int:
+    """A port that was free a moment ago (for launchers that need one up front, like srun)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_distributed(
+    fn: Callable[..., Any], nproc: int, *args: Any, timeout: float = 120
+) -> list[Any]:
+    """Run `fn(*args)` in `nproc` spawned processes joined in one gloo process group through a file
+    rendezvous (no ports); return each rank's result, or raise with the failing rank's traceback."""
+    ctx = mp.get_context("spawn")
+    results: Any = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_entry, args=(fn, rank, nproc, store, results, args))
+            for rank in range(nproc)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            collected = {}
+            for _ in procs:
+                rank, ok, value = results.get(timeout=timeout)
+                if not ok:
+                    raise AssertionError(f"rank {rank} failed:\n{value}")
+                collected[rank] = value
+            return [collected[r] for r in range(nproc)]
+        except queue.Empty:
+            raise AssertionError(f"ranks did not finish within {timeout}s") from None
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+
+
+def _entry(fn, rank, world_size, store, results, args):  # runs in each spawned process
+    import gc
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    try:
+        results.put((rank, True, fn(*args)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        gc.collect()
+        dist.destroy_process_group()

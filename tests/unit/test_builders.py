@@ -1,0 +1,71 @@
+import pytest
+import torch
+
+from helpers import digits_job
+from shardwise.builders import build_datasets, build_loss, build_model, check, cross_entropy
+from shardwise.config import ConfigError
+
+
+def test_builtins_build(tmp_path):
+    config = digits_job(tmp_path, model={"name": "cnn", "args": {"channels": 4}})
+    check(config)
+    model = build_model(config)
+    train, held_out = build_datasets(config)
+    assert len(train) + len(held_out) == 1797
+    image, _ = train[0]
+    assert image.shape == (1, 8, 8) and model(image.unsqueeze(0)).shape == (1, 10)
+    assert build_loss(config) is cross_entropy
+
+
+def test_user_builders_by_import_path(tmp_path, repo_cwd):
+    config = digits_job(
+        tmp_path,
+        model={"name": "examples.tabular:build_model", "args": {"hidden": 8}},
+        data={"name": "examples.tabular:build_datasets", "args": {}},
+        train={"loss": "examples.tabular:loss"},
+    )
+    check(config)
+    model = build_model(config)
+    train, _ = build_datasets(config)
+    features, target = train[0]
+    out = model(features.unsqueeze(0))
+    assert build_loss(config)(out, target.unsqueeze(0)).dim() == 0
+
+
+@pytest.mark.parametrize(
+    ("sections", "message"),
+    [
+        ({"model": {"name": "mpl"}}, "did you mean 'mlp'?"),
+        ({"model": {"name": "no_such_pkg.mod:build"}}, "cannot import module 'no_such_pkg'"),
+        ({"model": {"name": "shardwise.models.vision:nope"}}, "has no attribute 'nope'"),
+        ({"model": {"name": "mlp", "args": {"hiden": 3}}}, "did you mean 'model.args.hidden'?"),
+        (
+            {"model": {"name": "mlp", "args": {"hidden": "wide"}}},
+            "model.args.hidden: input should be a valid integer",
+        ),
+        ({"train": {"loss": "crossentropy"}}, "did you mean 'cross_entropy'?"),
+        (
+            {
+                "model": {"name": "gpt", "args": {"seq_len": 16}},
+                "data": {"name": "text", "args": {"seq_len": 32}},
+            },
+            "longer than model.args.seq_len",
+        ),
+    ],
+)
+def test_bad_names_and_arguments(tmp_path, sections, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("?", r"\?")):
+        check(digits_job(tmp_path, **sections))
+
+
+def test_builder_value_errors_become_config_errors(tmp_path):
+    config = digits_job(tmp_path, data={"name": "digits", "args": {"eval_fraction": 1.5}})
+    with pytest.raises(ConfigError, match="eval_fraction must be between 0 and 1"):
+        build_datasets(config)
+
+
+def test_cross_entropy_handles_sequences():
+    logits = torch.randn(2, 5, 7)
+    target = torch.randint(0, 7, (2, 5))
+    expected = torch.nn.functional.cross_entropy(logits.reshape(10, 7), target.reshape(10))
+    assert torch.allclose(cross_entropy(logits, target), expected)

@@ -1,0 +1,50 @@
+"""The CLI as a user meets it, for the cases that end before any worker starts."""
+
+import pytest
+
+from shardwise.cli import build_parser, main
+
+
+def test_cli_flags_are_pinned():
+    """Adding a flag is a decision: change this test with it."""
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    assert sorted(commands) == ["train"]
+    flags = sorted(o for a in commands["train"]._actions for o in a.option_strings)
+    assert flags == sorted(["-h", "--help", "--nproc", "--set", "--resume", "--debug"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--set", "train.stpes=5"], "did you mean 'train.steps'?"),
+        (["--set", "train.steps=abc"], "train.steps: input should be a valid integer"),
+        (
+            ["--nproc", "3"],
+            "must be a multiple of train.micro_batch (32) × data-parallel ranks (3)",
+        ),
+        (["--set", "model.name=nowhere.mod:build"], "cannot import module 'nowhere'"),
+        (["--set", "model.args.chanels=8"], "did you mean 'model.args.channels'?"),
+        (["--set", "parallel.tp=2", "--nproc", "2"], "only data parallelism"),
+        (["--nproc", "0"], "--nproc 0: need at least 1 process"),
+        (["--resume", "/no/such/checkpoint"], "not a complete checkpoint"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(repo_cwd, tmp_path, capsys, args, message):
+    code = main(["train", "examples/digits.toml", "--set", f"job.run_dir={tmp_path}", *args])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("shardwise: error: ") and err.count("\n") == 1
+    assert message in err
+
+
+def test_missing_job_file(capsys, tmp_path):
+    assert main(["train", str(tmp_path / "missing.toml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_debug_shows_the_traceback(repo_cwd):
+    from shardwise.config import ConfigError
+
+    with pytest.raises(ConfigError):
+        main(["train", "examples/digits.toml", "--set", "train.stpes=1", "--debug"])

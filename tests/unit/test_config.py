@@ -1,0 +1,135 @@
+from pathlib import Path
+
+import pytest
+
+from shardwise.config import (
+    ConfigError,
+    ParallelSection,
+    apply_override,
+    derive,
+    flatten,
+    load_config,
+    resolved,
+    validate,
+)
+
+MINIMAL = """
+[model]
+name = "mlp"
+[data]
+name = "digits"
+[train]
+steps = 10
+global_batch = 64
+"""
+
+
+@pytest.fixture
+def job_file(tmp_path: Path) -> Path:
+    path = tmp_path / "job.toml"
+    path.write_text(MINIMAL)
+    return path
+
+
+def test_defaults_and_overrides(job_file):
+    config = load_config(job_file, ["train.lr=3e-4", "model.args.hidden=16", "job.name=x"])
+    assert config.train.lr == 3e-4
+    assert config.model.args == {"hidden": 16}
+    assert config.run_dir == Path("runs/x")
+    assert config.checkpoint_dir == Path("runs/x/checkpoints")
+    assert config.tracking_uri.startswith("sqlite:///") and config.tracking_uri.endswith(
+        "mlflow.db"
+    )
+
+
+def test_override_values_are_read_as_toml():
+    raw: dict = {}
+    apply_override(raw, "train.betas=[0.9, 0.95]")
+    apply_override(raw, "model.name=gpt")
+    apply_override(raw, "tracking.mlflow=false")
+    assert raw == {
+        "train": {"betas": [0.9, 0.95]},
+        "model": {"name": "gpt"},
+        "tracking": {"mlflow": False},
+    }
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.stpes=5", "unknown key 'train.stpes'; did you mean 'train.steps'?"),
+        ("trian.steps=5", "unknown key 'trian'; did you mean 'train'?"),
+        ("train.steps=abc", "train.steps: input should be a valid integer"),
+        ("train.precision=fp8", "train.precision: input should be 'fp32', 'bf16' or 'fp16'"),
+        ("train.lr=-1", "train.lr: input should be greater than 0"),
+        ("train", "expected section.key=value"),
+    ],
+)
+def test_bad_values_give_one_line(job_file, override, message):
+    with pytest.raises(ConfigError) as caught:
+        load_config(job_file, [override])
+    assert message in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_missing_section_and_file(tmp_path):
+    with pytest.raises(ConfigError, match="missing key 'train'"):
+        validate({"model": {"name": "mlp"}, "data": {"name": "digits"}})
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nsteps = 1")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+
+
+def test_derived_numbers(job_file):
+    config = load_config(job_file, ["train.micro_batch=8"])
+    derived = derive(config, world_size=2)
+    assert (derived.dp, derived.micro_batch, derived.grad_accum) == (2, 8, 4)
+    assert derived.degrees == {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "tp": 1}
+    assert derive(load_config(job_file), world_size=4).micro_batch == 16  # default: one micro-batch
+
+
+def test_batch_must_divide(job_file):
+    config = load_config(job_file, ["train.micro_batch=32"])
+    with pytest.raises(
+        ConfigError, match=r"multiple of train\.micro_batch \(32\) × data-parallel ranks \(3\)"
+    ):
+        derive(config, world_size=3)
+
+
+def test_lr_scaling(job_file):
+    linear = load_config(job_file, ["train.lr_scaling=linear", "train.lr_base_batch=32"])
+    assert derive(linear, 1).lr == pytest.approx(2e-3)
+    sqrt = load_config(job_file, ["train.lr_scaling=sqrt", "train.lr_base_batch=16"])
+    assert derive(sqrt, 1).lr == pytest.approx(2e-3)
+
+
+def test_parallel_degrees():
+    assert ParallelSection().degrees(4)["dp_replicate"] == 4
+    assert ParallelSection(dp_replicate=2, dp_shard=-1).degrees(8)["dp_shard"] == 4
+    with pytest.raises(ConfigError, match="= 4 but the world size is 2; make them multiply to 2"):
+        ParallelSection(dp_replicate=2, tp=2).degrees(2)
+    with pytest.raises(ConfigError, match="both -1"):
+        ParallelSection(dp_replicate=-1, dp_shard=-1).degrees(2)
+    with pytest.raises(ConfigError, match="does not divide the world size 3"):
+        ParallelSection(tp=2).degrees(3)
+    with pytest.raises(ConfigError, match="positive integer or -1"):
+        ParallelSection(pp=0).degrees(2)
+
+
+def test_layouts_not_yet_available_are_refused(job_file):
+    with pytest.raises(ConfigError, match=r"parallel\.tp = 2: only data parallelism"):
+        derive(load_config(job_file, ["parallel.tp=2"]), world_size=2)
+
+
+def test_resolved_config_writes_out_defaults(job_file):
+    config = load_config(job_file)
+    full = resolved(config, derive(config, 2))
+    assert full.train.micro_batch == 32
+    assert full.parallel.dp_replicate == 2
+    assert full.checkpoint.dir == "runs/run/checkpoints"
+    assert full.tracking.experiment == "run"
+    params = flatten(full)
+    assert params["train.steps"] == "10" and params["model.name"] == "mlp"

@@ -1,0 +1,61 @@
+import pytest
+
+from shardwise.launch.env import detect, first_host
+
+
+def test_plain_process_is_not_a_worker():
+    assert detect({}) is None
+    assert detect({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) is None  # sbatch script, no srun
+
+
+def test_torchrun():
+    env = detect(
+        {
+            "TORCHELASTIC_RUN_ID": "x",
+            "RANK": "3",
+            "LOCAL_RANK": "1",
+            "WORLD_SIZE": "4",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "h",
+            "MASTER_PORT": "1",
+        }
+    )
+    assert env is not None
+    assert (env.launcher, env.rank, env.local_rank, env.world_size, env.local_world_size) == (
+        "torchrun",
+        3,
+        1,
+        4,
+        2,
+    )
+    assert env.init_method == "env://"
+
+
+def test_srun():
+    env = detect(
+        {
+            "SLURM_STEP_NUM_TASKS": "8",
+            "SLURM_PROCID": "5",
+            "SLURM_LOCALID": "1",
+            "SLURM_STEP_NODELIST": "gpu[003-006]",
+            "SLURM_JOB_ID": "1234",
+            "SLURM_STEP_TASKS_PER_NODE": "2(x4)",
+        }
+    )
+    assert env is not None
+    assert (env.launcher, env.rank, env.local_rank, env.world_size, env.local_world_size) == (
+        "slurm",
+        5,
+        1,
+        8,
+        2,
+    )
+    assert env.init_method == "tcp://gpu003:21234"
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "first"),
+    [("node1", "node1"), ("gpu[003-005,9],cpu1", "gpu003"), ("a-b[7,9]", "a-b7"), ("x1,x2", "x1")],
+)
+def test_first_host(nodelist, first):
+    assert first_host(nodelist) == first

@@ -1,0 +1,78 @@
+import warnings
+
+from mlflow.tracking import MlflowClient
+
+from helpers import free_port
+from shardwise.tracking.metrics import JsonlTracker, read_metrics
+from shardwise.tracking.mlflow import MlflowTracker
+
+
+def test_jsonl_appends_and_marks_resume(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    first = JsonlTracker(path)
+    first.log_metrics({"loss": 1.5}, step=1)
+    first.close("FINISHED")
+    second = JsonlTracker(path, resumed_from=1)
+    second.log_metrics({"loss": 1.0}, step=2)
+    second.close("FINISHED")
+    records = read_metrics(path)
+    assert [r.get("loss") for r in records] == [1.5, None, 1.0]
+    assert records[1]["event"] == "resume"
+
+
+def test_mlflow_records_params_metrics_and_reopens_the_run(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = MlflowTracker(
+        uri=uri,
+        experiment="exp",
+        run_name="r",
+        artifact_dir=tmp_path / "art",
+        id_file=tmp_path / "run_id",
+    )
+    tracker.log_params({"train.lr": "0.1"})
+    for step in range(1, 2501):  # more than one batch of 1000
+        tracker.log_metrics({"loss": 1.0 / step}, step)
+    (tmp_path / "config.toml").write_text("x = 1\n")
+    tracker.log_artifact(tmp_path / "config.toml")
+    tracker.close("FINISHED")
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(tracker.run_id)
+    assert run.data.params == {"train.lr": "0.1"}
+    assert run.info.status == "FINISHED"
+    assert len(client.get_metric_history(tracker.run_id, "loss")) == 2500
+    assert (tmp_path / "run_id").read_text() == tracker.run_id
+    assert [a.path for a in client.list_artifacts(tracker.run_id)] == ["config.toml"]
+
+    again = MlflowTracker(
+        uri=uri, experiment="exp", run_name="r", artifact_dir=None, run_id=tracker.run_id
+    )
+    again.log_params({"train.lr": "0.1", "train.steps": "5"})
+    again.log_metrics({"loss": 0.0}, 2501)
+    again.close("FINISHED")
+    assert again.run_id == tracker.run_id
+    assert client.get_run(tracker.run_id).data.params["train.steps"] == "5"
+    assert len(client.get_metric_history(tracker.run_id, "loss")) == 2501
+
+
+def test_mlflow_down_warns_and_never_raises(monkeypatch):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tracker = MlflowTracker(uri=uri, experiment="e", run_name="r", artifact_dir=None)
+        tracker.log_metrics({"loss": 1.0}, 1)
+        tracker.close("FINISHED")
+    assert any("MLflow tracking stopped" in str(w.message) for w in caught)
+    assert tracker.run_id is None
+
+
+def test_mlflow_bad_uri_warns():
+    # The warning comes from the tracker's thread, so record around its whole life.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tracker = MlflowTracker(
+            uri="bogus-scheme://nowhere", experiment="e", run_name="r", artifact_dir=None
+        )
+        tracker.close("FINISHED")
+    assert any("training continues" in str(w.message) for w in caught)
