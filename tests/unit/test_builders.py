@@ -69,3 +69,15 @@ def test_cross_entropy_handles_sequences():
     target = torch.randint(0, 7, (2, 5))
     expected = torch.nn.functional.cross_entropy(logits.reshape(10, 7), target.reshape(10))
     assert torch.allclose(cross_entropy(logits, target), expected)
+
+
+def test_digits_table_is_scikit_learns():
+    from sklearn.datasets import load_digits
+
+    from shardwise.datasets.digits import _digits_table
+
+    table, reference = _digits_table(), load_digits()
+    assert torch.equal(
+        torch.tensor(table[:, :64]), torch.tensor(reference.data, dtype=torch.float32)
+    )
+    assert torch.equal(torch.tensor(table[:, 64]).long(), torch.tensor(reference.target))

@@ -1,18 +1,16 @@
 """Checkpoints written with torch.distributed.checkpoint (DCP): every rank writes its own part in
 parallel and rank 0 commits, so the same files serve every later layout (DCP reshards on load).
 
-A checkpoint is complete when its directory has its final name `step_00000100` and holds the
-manifest `shardwise.json`. It is written as `step_00000100.partial` and renamed only after every
-rank's data and DCP's `.metadata` are on disk, so a crash mid-save never leaves a checkpoint that
-looks complete. Directory names sort by step. This module must not know what is in the state: the
-trainer decides that.
+A checkpoint is written as `step_00000100.partial` and renamed to `step_00000100` only after
+every rank's data, DCP's `.metadata` and the manifest are on disk, so a crash mid-save never leaves
+a checkpoint that looks complete (see layout.py). This module must not know what is in the state:
+the trainer decides that.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import time
 from pathlib import Path
@@ -22,29 +20,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-MANIFEST = "shardwise.json"
-_COMPLETE = re.compile(r"^step_(\d{8})$")
-
-
-def complete_checkpoints(directory: Path) -> list[Path]:
-    """Complete checkpoints in `directory`, oldest first."""
-    if not directory.is_dir():
-        return []
-    found = [
-        p
-        for p in directory.iterdir()
-        if _COMPLETE.match(p.name) and (p / MANIFEST).is_file() and (p / ".metadata").is_file()
-    ]
-    return sorted(found, key=lambda p: p.name)
-
-
-def read_manifest(path: Path) -> dict[str, Any]:
-    manifest: dict[str, Any] = json.loads((path / MANIFEST).read_text())
-    return manifest
-
-
-def is_complete(path: Path) -> bool:
-    return (path / MANIFEST).is_file() and (path / ".metadata").is_file()
+from shardwise.checkpoint.layout import MANIFEST, complete_checkpoints, read_manifest
 
 
 class CheckpointManager:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -24,11 +24,12 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from shardwise import builders
-from shardwise.checkpoint.manager import MANIFEST, complete_checkpoints, is_complete
+from shardwise.checkpoint.layout import MANIFEST, complete_checkpoints, is_complete
 from shardwise.config import ConfigError, JobConfig, apply_override, derive, load_config, validate
 from shardwise.launch.env import detect, visible_cpus
-from shardwise.trainer import loop
-from shardwise.trainer.loop import TrainSummary
+
+if TYPE_CHECKING:
+    from shardwise.trainer.loop import TrainSummary
 
 
 @dataclass
@@ -158,6 +159,8 @@ def run_worker(config_data: dict[str, Any], resume: str | None) -> TrainSummary 
         world_size=env.world_size,
         timeout=timedelta(seconds=config.fault.timeout_s),
     )
+    from shardwise.trainer import loop  # here: the launching process never needs the trainer
+
     try:
         return loop.train(config, device=device, resume=resume)
     finally:

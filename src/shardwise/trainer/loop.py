@@ -22,7 +22,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from shardwise import builders
-from shardwise.checkpoint.manager import CheckpointManager, read_manifest
+from shardwise.checkpoint.layout import read_manifest
+from shardwise.checkpoint.manager import CheckpointManager
 from shardwise.config import ConfigError, Derived, JobConfig, derive, flatten, resolved
 from shardwise.parallel.apply import gradient_sync, parallelize
 from shardwise.parallel.mesh import build_mesh, dp_group, dp_position

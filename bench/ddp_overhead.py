@@ -1,0 +1,146 @@
+"""Steady-state step time of `shardwise train` (DDP) against a hand-written torch DDP loop
+(bench/baseline_ddp.py) on the same model, batch and thread settings; and samples/s of
+shardwise on 1 and 2 processes at the same global batch.
+
+Method (../shared/DESIGN.md, "Performance method"): every contender is a whole program started
+the same way (torch's elastic agent), one torch thread per rank and OMP_NUM_THREADS=1. Each is run
+for a short and a long number of steps; (long - short) / (extra steps) is the steady-state step
+time, so start-up cancels out (and is reported separately). Contenders are interleaved and the
+whole comparison repeated; medians and the min-max spread are printed.
+
+    python bench/ddp_overhead.py                 # digits CNN and the byte-level GPT, 5 repeats
+    python bench/ddp_overhead.py --jobs digits --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+JOBS = {
+    # name: (job file, short steps, long steps, extra --set overrides)
+    "digits": (
+        "examples/digits.toml",
+        200,
+        1200,
+        ["train.global_batch=64", "train.micro_batch=32"],
+    ),
+    "gpt": ("examples/text-gpt.toml", 40, 200, ["train.precision=fp32"]),
+}
+COMMON = ["eval.every_steps=0", "checkpoint.every_steps=0", "tracking.log_every=25"]
+
+
+def shardwise_cmd(job: str, steps: int, nproc: int, run_dir: Path, sets: list[str]) -> list[str]:
+    overrides = [*sets, *COMMON, f"train.steps={steps}", f"job.run_dir={run_dir}"]
+    return [
+        str(BIN / "shardwise"),
+        "train",
+        job,
+        "--nproc",
+        str(nproc),
+        *[a for s in overrides for a in ("--set", s)],
+    ]
+
+
+def baseline_cmd(job: str, steps: int, nproc: int, run_dir: Path, sets: list[str]) -> list[str]:
+    del run_dir, sets  # the baseline keeps nothing; its job options come from the same file
+    return [
+        str(BIN / "torchrun"),
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        str(REPO / "bench" / "baseline_ddp.py"),
+        "--job",
+        job,
+        "--steps",
+        str(steps),
+    ]
+
+
+def wall(cmd: list[str]) -> float:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    began = time.perf_counter()
+    done = subprocess.run(
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL
+    )
+    took = time.perf_counter() - began
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+    return took
+
+
+def measure(contenders: dict, job: str, short: int, long: int, sets: list[str], repeats: int):
+    """Per contender: lists of steady-state seconds per step and of start-up seconds."""
+    per_step: dict[str, list[float]] = {name: [] for name in contenders}
+    startup: dict[str, list[float]] = {name: [] for name in contenders}
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(repeats):
+            for name, (make, nproc) in contenders.items():  # interleaved: A, B, A, B, ...
+                times = {}
+                for steps in (short, long):
+                    run_dir = Path(tmp) / f"{name}-{repeat}-{steps}".replace(" ", "_")
+                    times[steps] = wall(make(job, steps, nproc, run_dir, sets))
+                step = (times[long] - times[short]) / (long - short)
+                per_step[name].append(step)
+                startup[name].append(times[short] - short * step)
+                print(f"  repeat {repeat + 1}: {name:<22} {step * 1e3:7.2f} ms/step", flush=True)
+    return per_step, startup
+
+
+def summarize(values: list[float]) -> str:
+    low, high = min(values) * 1e3, max(values) * 1e3
+    return f"{statistics.median(values) * 1e3:7.2f} ms  (spread {low:.2f}-{high:.2f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", nargs="+", default=list(JOBS), choices=list(JOBS))
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    contenders = {
+        "shardwise, 2 ranks": (shardwise_cmd, 2),
+        "hand-written DDP, 2 ranks": (baseline_cmd, 2),
+        "shardwise, 1 process": (shardwise_cmd, 1),
+    }
+    print(
+        f"{os.cpu_count()} cores; 1 torch thread per rank when 2 ranks share them, "
+        "2 threads for 1 process; OMP_NUM_THREADS=1"
+    )
+    for name in args.jobs:
+        job, short, long, sets = JOBS[name]
+        print(f"\n{name}: {job} {' '.join(sets)}, steps {short} vs {long}, {args.repeats} repeats")
+        per_step, startup = measure(contenders, job, short, long, sets, args.repeats)
+        report(name, args.repeats, sets, per_step, startup)
+
+
+def report(name: str, repeats: int, sets: list[str], per_step: dict, startup: dict) -> None:
+    print(f"\n{name} steady-state step time (median of {repeats})")
+    for contender, values in per_step.items():
+        start = statistics.median(startup[contender])
+        print(f"  {contender:<26} {summarize(values)}   start-up {start:.1f} s")
+    ratios = [
+        a / b
+        for a, b in zip(
+            per_step["shardwise, 2 ranks"], per_step["hand-written DDP, 2 ranks"], strict=True
+        )
+    ]
+    print(
+        f"  ratio shardwise / hand-written DDP: median {statistics.median(ratios):.3f} "
+        f"(spread {min(ratios):.3f}-{max(ratios):.3f}; target <= 1.03)"
+    )
+    batch = next(int(s.split("=")[1]) for s in sets if s.startswith("train.global_batch="))
+    for contender in ("shardwise, 1 process", "shardwise, 2 ranks"):
+        rate = batch / statistics.median(per_step[contender])
+        print(f"  {contender:<26} {rate:,.0f} samples/s at global batch {batch}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""`shardwise train` as a user runs it: the console script in a subprocess, real workers, a real
+MLflow store."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from helpers import free_port
+from shardwise.tracking.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[2]
+
+
+def shardwise(*args: str, env: dict[str, str] | None = None, timeout: float = 300):
+    return subprocess.run(
+        [str(BIN / "shardwise"), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def test_digits_job_trains_tracks_and_resumes(tmp_path):
+    run_dir = tmp_path / "digits"
+    job = ["train", "examples/digits.toml", "--nproc", "2", "--set", f"job.run_dir={run_dir}"]
+    done = shardwise(*job)
+    assert done.returncode == 0, done.stderr
+    assert "derived: world size 2" in done.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["metrics"]["eval/accuracy"] >= 0.95
+    assert summary["step"] == 300
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["train.steps"] == "300"
+    assert run.data.params["derived.grad_accum"] == "1"
+    assert len(client.get_metric_history(run.info.run_id, "loss")) == 300 // 25
+    assert run.data.metrics["eval/accuracy"] >= 0.95
+    assert "config.toml" in [a.path for a in client.list_artifacts(run.info.run_id)]
+    assert (run_dir / "config.toml").read_text().count("[train]") == 1
+    assert len([r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]) == 12
+
+    again = shardwise(*job)
+    assert again.returncode == 2
+    assert "already holds checkpoints" in again.stderr and "--resume auto" in again.stderr
+    assert "Traceback" not in again.stderr
+
+    longer = shardwise(*job, "--resume", "auto", "--set", "train.steps=350")
+    assert longer.returncode == 0, longer.stderr
+    assert "resuming after step 300" in longer.stdout
+    resumed = json.loads((run_dir / "summary.json").read_text())
+    assert resumed["step"] == 350 and resumed["resumed_from"] == 300
+    assert resumed["mlflow_run_id"] == summary["mlflow_run_id"]  # the same MLflow run continues
+    history = client.get_metric_history(run.info.run_id, "loss")
+    assert max(m.step for m in history) == 350
+
+
+def test_under_torchrun(tmp_path):
+    done = subprocess.run(
+        [
+            str(BIN / "torchrun"),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "shardwise",
+            "train",
+            "examples/digits.toml",
+            "--set",
+            f"job.run_dir={tmp_path}",
+            "--set",
+            "train.steps=30",
+            "--set",
+            "eval.every_steps=0",
+            "--set",
+            "tracking.mlflow=false",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "summary.json").read_text())["step"] == 30
+    assert done.stdout.count("resolved config") == 1  # printed by rank 0 only
+
+
+def test_under_srun_environment(tmp_path):
+    """Two tasks started the way srun starts them: SLURM_* variables, no torchrun."""
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "SLURM_STEP_NUM_TASKS": "2",
+            "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank),
+            "SLURM_STEP_NODELIST": "localhost",
+            "SLURM_STEP_TASKS_PER_NODE": "2",
+            "SLURM_JOB_ID": "1",
+            "MASTER_PORT": str(port),
+        }
+        procs.append(
+            subprocess.Popen(
+                [
+                    str(BIN / "shardwise"),
+                    "train",
+                    "examples/digits.toml",
+                    "--set",
+                    f"job.run_dir={tmp_path}",
+                    "--set",
+                    "train.steps=20",
+                    "--set",
+                    "tracking.mlflow=false",
+                ],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                stdin=subprocess.DEVNULL,
+            )
+        )
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][1] + outputs[1][1]
+    assert "world size 2" in outputs[0][0]
+    assert json.loads((tmp_path / "summary.json").read_text())["step"] == 20
+
+
+def test_a_failing_worker_is_named(tmp_path):
+    done = shardwise(
+        "train",
+        "examples/digits.toml",
+        "--nproc",
+        "2",
+        "--set",
+        f"job.run_dir={tmp_path}",
+        "--set",
+        "model.name=tests.e2e.faulty:build_model",
+        "--set",
+        "model.args={}",
+        "--set",
+        "tracking.mlflow=false",
+    )
+    assert done.returncode == 1
+    assert "shardwise: rank 1 failed (exit code 1): RuntimeError: injected failure in forward" in (
+        done.stderr
+    )
+    assert "--- rank 1 traceback ---" in done.stderr and "faulty.py" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("job", "extra"),
+    [
+        (
+            "examples/text-gpt.toml",
+            [
+                "--set",
+                "train.steps=6",
+                "--set",
+                "data.args.max_bytes=200000",
+                "--set",
+                "eval.max_samples=32",
+            ],
+        ),
+        ("examples/tabular.toml", ["--set", "train.steps=40"]),
+    ],
+)
+def test_examples_run_as_written(tmp_path, job, extra):
+    done = shardwise(
+        "train",
+        job,
+        "--nproc",
+        "2",
+        "--set",
+        f"job.run_dir={tmp_path}",
+        "--set",
+        "tracking.mlflow=false",
+        *extra,
+    )
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["metrics"]["eval/loss"] > 0
