@@ -25,11 +25,12 @@ def main() -> None:
     parser.add_argument("--job", required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = load_config(args.job, [f"train.steps={args.steps}"])
+    config = load_config(args.job, [*args.overrides, f"train.steps={args.steps}"])
     derived = derive(config, world)
     train = config.train
 

@@ -26,43 +26,50 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 JOBS = {
-    # name: (job file, short steps, long steps, extra --set overrides)
-    "digits": (
-        "examples/digits.toml",
-        200,
-        1200,
-        ["train.global_batch=64", "train.micro_batch=32"],
-    ),
-    "gpt": ("examples/text-gpt.toml", 40, 200, ["train.precision=fp32"]),
+    # name: (job file, short steps, long steps, extra --set overrides). The short run is long
+    # enough that one-off start-up work (MLflow creating its store) ends inside it.
+    "digits": ("examples/digits.toml", 1000, 3000, ["train.global_batch=64"]),
+    "gpt": ("examples/text-gpt.toml", 100, 300, ["train.global_batch=32", "train.precision=fp32"]),
 }
 COMMON = ["eval.every_steps=0", "checkpoint.every_steps=0", "tracking.log_every=25"]
 
 
-def shardwise_cmd(job: str, steps: int, nproc: int, run_dir: Path, sets: list[str]) -> list[str]:
-    overrides = [*sets, *COMMON, f"train.steps={steps}", f"job.run_dir={run_dir}"]
-    return [
-        str(BIN / "shardwise"),
-        "train",
-        job,
-        "--nproc",
-        str(nproc),
-        *[a for s in overrides for a in ("--set", s)],
-    ]
+def shardwise_cmd(nproc: int, *extra: str):
+    def make(job: str, steps: int, run_dir: Path, sets: list[str]) -> list[str]:
+        overrides = [*sets, *COMMON, *extra, f"train.steps={steps}", f"job.run_dir={run_dir}"]
+        flags = [a for s in overrides for a in ("--set", s)]
+        return [str(BIN / "shardwise"), "train", job, "--nproc", str(nproc), *flags]
+
+    return make
 
 
-def baseline_cmd(job: str, steps: int, nproc: int, run_dir: Path, sets: list[str]) -> list[str]:
-    del run_dir, sets  # the baseline keeps nothing; its job options come from the same file
-    return [
-        str(BIN / "torchrun"),
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        str(REPO / "bench" / "baseline_ddp.py"),
-        "--job",
-        job,
-        "--steps",
-        str(steps),
-    ]
+def baseline_cmd(nproc: int):
+    def make(job: str, steps: int, run_dir: Path, sets: list[str]) -> list[str]:
+        del run_dir  # the baseline writes nothing
+        script = str(REPO / "bench" / "baseline_ddp.py")
+        flags = [a for s in sets for a in ("--set", s)]
+        return [
+            str(BIN / "torchrun"),
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            script,
+            "--job",
+            job,
+            "--steps",
+            str(steps),
+            *flags,
+        ]
+
+    return make
+
+
+CONTENDERS = {
+    "shardwise, 2 ranks": shardwise_cmd(2),
+    "hand-written DDP, 2 ranks": baseline_cmd(2),
+    "shardwise, 2 ranks, no MLflow": shardwise_cmd(2, "tracking.mlflow=false"),
+    "shardwise, 1 process": shardwise_cmd(1),
+}
 
 
 def wall(cmd: list[str]) -> float:
@@ -77,21 +84,21 @@ def wall(cmd: list[str]) -> float:
     return took
 
 
-def measure(contenders: dict, job: str, short: int, long: int, sets: list[str], repeats: int):
+def measure(job: str, short: int, long: int, sets: list[str], repeats: int):
     """Per contender: lists of steady-state seconds per step and of start-up seconds."""
-    per_step: dict[str, list[float]] = {name: [] for name in contenders}
-    startup: dict[str, list[float]] = {name: [] for name in contenders}
+    per_step: dict[str, list[float]] = {name: [] for name in CONTENDERS}
+    startup: dict[str, list[float]] = {name: [] for name in CONTENDERS}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(repeats):
-            for name, (make, nproc) in contenders.items():  # interleaved: A, B, A, B, ...
+            for name, make in CONTENDERS.items():  # interleaved: A, B, C, A, B, C, ...
                 times = {}
                 for steps in (short, long):
                     run_dir = Path(tmp) / f"{name}-{repeat}-{steps}".replace(" ", "_")
-                    times[steps] = wall(make(job, steps, nproc, run_dir, sets))
+                    times[steps] = wall(make(job, steps, run_dir, sets))
                 step = (times[long] - times[short]) / (long - short)
                 per_step[name].append(step)
                 startup[name].append(times[short] - short * step)
-                print(f"  repeat {repeat + 1}: {name:<22} {step * 1e3:7.2f} ms/step", flush=True)
+                print(f"  repeat {repeat + 1}: {name:<30} {step * 1e3:7.2f} ms/step", flush=True)
     return per_step, startup
 
 
@@ -105,11 +112,6 @@ def main() -> None:
     parser.add_argument("--jobs", nargs="+", default=list(JOBS), choices=list(JOBS))
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    contenders = {
-        "shardwise, 2 ranks": (shardwise_cmd, 2),
-        "hand-written DDP, 2 ranks": (baseline_cmd, 2),
-        "shardwise, 1 process": (shardwise_cmd, 1),
-    }
     print(
         f"{os.cpu_count()} cores; 1 torch thread per rank when 2 ranks share them, "
         "2 threads for 1 process; OMP_NUM_THREADS=1"
@@ -117,7 +119,7 @@ def main() -> None:
     for name in args.jobs:
         job, short, long, sets = JOBS[name]
         print(f"\n{name}: {job} {' '.join(sets)}, steps {short} vs {long}, {args.repeats} repeats")
-        per_step, startup = measure(contenders, job, short, long, sets, args.repeats)
+        per_step, startup = measure(job, short, long, sets, args.repeats)
         report(name, args.repeats, sets, per_step, startup)
 
 
@@ -125,7 +127,7 @@ def report(name: str, repeats: int, sets: list[str], per_step: dict, startup: di
     print(f"\n{name} steady-state step time (median of {repeats})")
     for contender, values in per_step.items():
         start = statistics.median(startup[contender])
-        print(f"  {contender:<26} {summarize(values)}   start-up {start:.1f} s")
+        print(f"  {contender:<30} {summarize(values)}   start-up {start:.1f} s")
     ratios = [
         a / b
         for a, b in zip(
@@ -136,10 +138,17 @@ def report(name: str, repeats: int, sets: list[str], per_step: dict, startup: di
         f"  ratio shardwise / hand-written DDP: median {statistics.median(ratios):.3f} "
         f"(spread {min(ratios):.3f}-{max(ratios):.3f}; target <= 1.03)"
     )
+    tracking = [
+        a / b
+        for a, b in zip(
+            per_step["shardwise, 2 ranks"], per_step["shardwise, 2 ranks, no MLflow"], strict=True
+        )
+    ]
+    print(f"  ratio with / without MLflow: median {statistics.median(tracking):.3f}")
     batch = next(int(s.split("=")[1]) for s in sets if s.startswith("train.global_batch="))
     for contender in ("shardwise, 1 process", "shardwise, 2 ranks"):
         rate = batch / statistics.median(per_step[contender])
-        print(f"  {contender:<26} {rate:,.0f} samples/s at global batch {batch}")
+        print(f"  {contender:<30} {rate:,.0f} samples/s at global batch {batch}")
 
 
 if __name__ == "__main__":
