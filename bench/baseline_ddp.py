@@ -9,6 +9,7 @@ standard idioms (DataLoader + DistributedSampler). Run under torchrun:
 from __future__ import annotations
 
 import argparse
+import gc
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,16 @@ from shardwise.trainer.optim import lr_factor
 
 
 def main() -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    train_loop()
+    # DDP's reducer holds the process group: free it first, or gloo's teardown can abort the
+    # process ("terminate called without an active exception") at exit.
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def train_loop() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--job", required=True)
     parser.add_argument("--steps", type=int, required=True)
@@ -28,7 +39,6 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     config = load_config(args.job, [*args.overrides, f"train.steps={args.steps}"])
     derived = derive(config, world)
@@ -66,7 +76,6 @@ def main() -> None:
             if step == args.steps:
                 break
         epoch += 1
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The `shardwise` command. It parses arguments and reports outcomes; the work happens elsewhere.
 
 Exit codes: 0 done, 1 a worker failed (its rank and error are shown), 2 bad input (one line that
-says what to fix; `--debug` shows the traceback), 130 interrupted.
+says what to fix; `--debug` shows the traceback), 128 + N stopped by signal N (130 for Ctrl-C).
 """
 
 from __future__ import annotations
@@ -62,12 +62,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from shardwise.launch.local import WorkerFailed, train
+    from shardwise.launch.local import Interrupted, WorkerFailed, train
 
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: need at least 1 process")
     try:
         summary = train(args.job, nproc=args.nproc, resume=args.resume, overrides=args.overrides)
+    except Interrupted as stop:
+        print(f"shardwise: {stop}; checkpoints written so far are kept", file=sys.stderr)
+        return 128 + stop.signum
     except WorkerFailed as failure:
         print(f"shardwise: {failure}", file=sys.stderr)
         if failure.traceback:

@@ -16,8 +16,8 @@ def test_jsonl_appends_and_marks_resume(tmp_path):
     second.log_metrics({"loss": 1.0}, step=2)
     second.close("FINISHED")
     records = read_metrics(path)
-    assert [r.get("loss") for r in records] == [1.5, None, 1.0]
-    assert records[1]["event"] == "resume"
+    assert [r.get("loss") for r in records] == [None, 1.5, None, 1.0]
+    assert [r.get("event") for r in records] == ["start", None, "resume", None]
 
 
 def test_mlflow_records_params_metrics_and_reopens_the_run(tmp_path):

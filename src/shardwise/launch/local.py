@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import signal
 import uuid
 import warnings
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -45,6 +47,14 @@ class WorkerFailed(RuntimeError):
         return f"rank {self.rank} failed (exit code {self.exitcode}): {self.message}"
 
 
+class Interrupted(Exception):
+    """The launcher received a termination signal (Ctrl-C, `kill`); the workers were stopped."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
 def launch(entry: Callable[..., Any], args: tuple[Any, ...], *, nproc: int) -> dict[int, Any]:
     """Run `entry(*args)` in `nproc` local processes; return each rank's return value."""
     config = LaunchConfig(
@@ -66,6 +76,8 @@ def launch(entry: Callable[..., Any], args: tuple[Any, ...], *, nproc: int) -> d
         return results
     except ChildFailedError as e:
         raise _first_failure(e) from None
+    except SignalException as e:  # the agent has already stopped the workers
+        raise Interrupted(e.sigval) from None
 
 
 def _first_failure(error: ChildFailedError) -> Exception:

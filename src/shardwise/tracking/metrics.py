@@ -22,15 +22,18 @@ class Tracker(Protocol):
 class JsonlTracker:
     """One JSON object per line in `<run_dir>/metrics.jsonl`: `{"step", "time", <metrics>}`.
 
-    The file is appended to, never truncated: a resumed run first writes a `{"event": "resume"}`
-    line, after which steps since the checkpoint appear again with their recomputed values.
+    The file is appended to, never truncated. Each run first writes `{"event": "start"}` or
+    `{"event": "resume", "step": N}`; after a resume, the steps since the checkpoint appear again
+    with their recomputed values.
     """
 
     def __init__(self, path: Path, *, resumed_from: int | None = None) -> None:
         self.path = path
         # Line-buffered: a crash loses at most the line being written.
         self._file = open(path, "a", buffering=1)  # noqa: SIM115 (open for the run's lifetime)
-        if resumed_from is not None:
+        if resumed_from is None:
+            self._write({"event": "start", "step": 0, "time": time.time()})
+        else:
             self._write({"event": "resume", "step": resumed_from, "time": time.time()})
 
     def log_params(self, params: dict[str, str]) -> None:
