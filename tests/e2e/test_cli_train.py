@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -195,3 +196,56 @@ def test_examples_run_as_written(tmp_path, job, extra):
     assert done.returncode == 0, done.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["metrics"]["eval/loss"] > 0
+
+
+def session_processes(sid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(stat[3]) == sid and stat[0] != "Z":
+                found.append(int(entry))
+    return found
+
+
+def test_ctrl_c_stops_every_process(tmp_path):
+    proc = subprocess.Popen(
+        [
+            str(BIN / "shardwise"),
+            "train",
+            "examples/digits.toml",
+            "--nproc",
+            "2",
+            "--set",
+            f"job.run_dir={tmp_path}",
+            "--set",
+            "train.steps=1000000",
+            "--set",
+            "tracking.log_every=10",
+            "--set",
+            "tracking.mlflow=false",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        for line in proc.stdout:
+            if line.startswith("step "):
+                break  # training is under way
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "shardwise: stopped by SIGINT" in err
+    assert "Traceback" not in err
+    assert session_processes(proc.pid) == []
