@@ -56,6 +56,8 @@ def check(config: JobConfig) -> None:
     _check_args("model", resolve(config.model.name, MODELS, "model.name"), config.model.args)
     _check_args("data", resolve(config.data.name, DATASETS, "data.name"), config.data.args)
     resolve(config.train.loss, LOSSES, "train.loss")
+    if config.parallel.tp_plan:
+        resolve(config.parallel.tp_plan, {}, "parallel.tp_plan")
     if config.model.name == "gpt" and config.data.name == "text":
         model_len = config.model.args.get("seq_len", 128)
         data_len = config.data.args.get("seq_len", 128)
@@ -97,11 +99,12 @@ def resolve(name: str, builtins: dict[str, Any], key: str) -> Any:
         return builtins[name]
     if ":" not in name:
         close = difflib.get_close_matches(name, list(builtins), n=1)
-        hint = f"did you mean '{close[0]}'?" if close else f"built-ins: {', '.join(builtins)}"
-        raise ConfigError(
-            f"{key} = '{name}' is neither a built-in nor an import path like "
-            f"'package.module:function'; {hint}"
-        )
+        if close:
+            hint = f"; did you mean '{close[0]}'?"
+        else:
+            hint = f"; built-ins: {', '.join(builtins)}" if builtins else ""
+        kind = "neither a built-in nor an import path" if builtins else "not an import path"
+        raise ConfigError(f"{key} = '{name}' is {kind} like 'package.module:function'{hint}")
     module_name, _, attr = name.partition(":")
     cwd = str(Path.cwd())
     if cwd not in sys.path:

@@ -43,14 +43,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: continue from the newest complete checkpoint; PATH: from that checkpoint; "
         "never (default): refuse to overwrite an earlier run's checkpoints",
     )
+    train.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the mesh, which blocks each rank holds and per-rank memory, without training",
+    )
     train.add_argument("--debug", action="store_true", help="show tracebacks for every error")
+    export = commands.add_parser(
+        "export", help="write a checkpoint's model as one safetensors file, from any layout"
+    )
+    export.add_argument("checkpoint", help="a checkpoint directory (…/checkpoints/step_NNNNNNNN)")
+    export.add_argument("output", help="the .safetensors file to write")
+    export.add_argument("--debug", action="store_true", help="show tracebacks for every error")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return _train(args)
+        return _export(args) if args.command == "export" else _train(args)
     except ConfigError as e:
         if args.debug:
             raise
@@ -67,7 +78,13 @@ def _train(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: need at least 1 process")
     try:
-        summary = train(args.job, nproc=args.nproc, resume=args.resume, overrides=args.overrides)
+        summary = train(
+            args.job,
+            nproc=args.nproc,
+            resume=args.resume,
+            overrides=args.overrides,
+            dry_run=args.dry_run,
+        )
     except Interrupted as stop:
         print(f"shardwise: {stop}; checkpoints written so far are kept", file=sys.stderr)
         return 128 + stop.signum
@@ -84,6 +101,20 @@ def _train(args: argparse.Namespace) -> int:
         print(f"checkpoint: {summary.checkpoint}")
         if summary.mlflow_run_id:
             print(f"mlflow run: {summary.mlflow_run_id}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from shardwise.checkpoint.export import export_safetensors
+
+    written = export_safetensors(Path(args.checkpoint), Path(args.output))
+    print(
+        f"wrote {args.output}: {written['tensors']} tensors, {written['parameters']:,} "
+        f"parameters ({written['dtype']}, {written['bytes'] / 2**20:.1f} MiB) from step "
+        f"{written['step']}"
+    )
     return 0
 
 

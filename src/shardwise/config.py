@@ -20,6 +20,22 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 """Named device-mesh axes, outermost first; their degrees multiply to the world size."""
 
+SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
+"""Pipeline schedules with one stage per rank."""
+LOOPED_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+"""Schedules with `stages_per_rank` stages per rank, placed round-robin (r, r + pp, …)."""
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+"""Schedules with exactly two stages per rank, placed in a V (r and 2·pp − 1 − r)."""
+Schedule = Literal[
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+]
+
 
 class ConfigError(ValueError):
     """A mistake the user can fix in the job file, the command line or the inputs.
@@ -47,6 +63,11 @@ class ModelSection(_Section):
     """A built-in model (`mlp`, `cnn`, `gpt`) or a user builder as `package.module:function`."""
     args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments for the builder, checked against its signature before launch."""
+    init: Literal["auto", "meta", "full"] = "auto"
+    """`meta`: build without memory and initialise only this rank's shard, module by module, the
+    same values under every layout (the model must define `init_weights(module)` or rely on its
+    modules' `reset_parameters()`); `full`: every rank builds the whole model as the builder
+    initialises it, then keeps its shard; `auto`: `meta` when the model defines `init_weights`."""
 
 
 class DataSection(_Section):
@@ -92,9 +113,35 @@ class EvalSection(_Section):
 
 class ParallelSection(_Section):
     pp: int = 1
+    """Pipeline-parallel degree: ranks that each hold a different part of the model's blocks."""
     dp_replicate: int = -1
+    """Data-parallel replicas (DDP, or the replicate axis of HSDP)."""
     dp_shard: int = 1
+    """Data-parallel ranks that shard parameters, gradients and optimizer state (FSDP2)."""
     tp: int = 1
+    """Tensor-parallel degree: ranks that split each layer's matrices."""
+    reshard_after_forward: bool = True
+    """FSDP: free the gathered parameters after forward and gather again in backward (ZeRO-3);
+    false keeps them until backward (ZeRO-2: more memory, one all-gather fewer)."""
+    tp_plan: str = ""
+    """A user model's tensor-parallel plan, `package.module:function`; "" uses the model's own
+    `tp_plan()` method (the built-in GPT has one)."""
+    sequence_parallel: bool = False
+    """With tp > 1: norms and dropout work on a slice of the sequence instead of a replica."""
+    activation_checkpoint: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward instead of keeping them: all of each block's (`full`),
+    or all but the matrix-multiply outputs (`selective`)."""
+    pipeline_schedule: Schedule = "1F1B"
+    stages_per_rank: int | None = Field(None, gt=0)
+    """Pipeline stages per rank; default 1, or 2 for the interleaved, looped and V schedules."""
+    num_microbatches: int | None = Field(None, gt=0)
+    """Pipeline micro-batches per step on each rank; default global_batch / (data-parallel
+    ranks × train.micro_batch). Setting it sets train.micro_batch."""
+    pipeline_split: list[str] = Field(default_factory=list)
+    """Explicit stage boundaries: the first block of every stage after the first (e.g.
+    ["layers.2"]); empty splits automatically by `pipeline_balance`."""
+    pipeline_balance: Literal["params", "cost"] = "params"
+    """Automatic split: equal parameter counts, or equal measured forward + backward time."""
 
     def degrees(self, world_size: int) -> dict[str, int]:
         """Resolve `-1` to the ranks left over and check the degrees multiply to the world size."""
@@ -197,6 +244,8 @@ class Derived:
     lr: float
     """The learning rate after the batch-size scaling rule."""
     eval_batch: int
+    stages_per_rank: int
+    """Pipeline stages on each rank (1 without pipeline parallelism)."""
 
 
 def derive(config: JobConfig, world_size: int) -> Derived:
@@ -204,18 +253,36 @@ def derive(config: JobConfig, world_size: int) -> Derived:
     if world_size < 1:
         raise ConfigError(f"world size {world_size}: need at least one process (--nproc 1 or more)")
     degrees = config.parallel.degrees(world_size)
-    unsupported = [a for a in ("pp", "dp_shard", "tp") if degrees[a] > 1]
-    if unsupported:
-        names = ", ".join(f"parallel.{a} = {degrees[a]}" for a in unsupported)
-        raise ConfigError(
-            f"{names}: only data parallelism (parallel.dp_replicate) is available in this "
-            "version; set the other axes to 1"
-        )
+    par = config.parallel
     dp = degrees["dp_replicate"] * degrees["dp_shard"]
     train = config.train
-    micro = train.micro_batch or train.global_batch // dp
+    pp = degrees["pp"]
+    if par.num_microbatches is not None and pp == 1:
+        raise ConfigError(
+            "parallel.num_microbatches applies to pipeline parallelism (parallel.pp > 1); "
+            "for gradient accumulation set train.micro_batch"
+        )
+    micro = train.micro_batch
+    if micro is None and par.num_microbatches is not None:
+        micro = max(train.global_batch // (dp * par.num_microbatches), 1)
+    micro = micro or train.global_batch // dp
     if micro == 0 or train.global_batch % (micro * dp):
         raise ConfigError(_batch_hint(train.global_batch, micro, dp))
+    grad_accum = train.global_batch // (micro * dp)
+    if par.num_microbatches not in (None, grad_accum):
+        raise ConfigError(
+            f"parallel.num_microbatches = {par.num_microbatches} but train.micro_batch = {micro} "
+            f"gives {grad_accum} micro-batches per rank; set only one of them"
+        )
+    stages_per_rank = _stages_per_rank(par, pp)
+    if pp > 1:
+        _check_schedule(par.pipeline_schedule, pp, stages_per_rank, grad_accum)
+    layered = pp > 1 or degrees["tp"] > 1 or degrees["dp_shard"] > 1
+    if train.precision == "fp16" and layered:
+        raise ConfigError(
+            "train.precision = 'fp16' needs a gradient scaler, which shardwise supports with "
+            "plain data parallelism only; use 'bf16' with FSDP, tensor or pipeline parallelism"
+        )
     lr = train.lr
     if train.lr_scaling == "linear":
         lr *= train.global_batch / train.lr_base_batch
@@ -227,10 +294,55 @@ def derive(config: JobConfig, world_size: int) -> Derived:
         dp=dp,
         global_batch=train.global_batch,
         micro_batch=micro,
-        grad_accum=train.global_batch // (micro * dp),
+        grad_accum=grad_accum,
         lr=lr,
         eval_batch=config.eval.batch or micro,
+        stages_per_rank=stages_per_rank,
     )
+
+
+def _stages_per_rank(par: ParallelSection, pp: int) -> int:
+    schedule = par.pipeline_schedule
+    default = 1 if schedule in SINGLE_STAGE_SCHEDULES else 2
+    chosen = par.stages_per_rank or default
+    if pp == 1:
+        return 1
+    if schedule in SINGLE_STAGE_SCHEDULES and chosen != 1:
+        raise ConfigError(
+            f"parallel.pipeline_schedule = '{schedule}' runs one stage per rank but "
+            f"parallel.stages_per_rank = {chosen}; use 'Interleaved1F1B' for several"
+        )
+    if schedule in V_SCHEDULES and chosen != 2:
+        raise ConfigError(
+            f"parallel.pipeline_schedule = '{schedule}' places exactly 2 stages per rank; "
+            "set parallel.stages_per_rank = 2 or leave it out"
+        )
+    return chosen
+
+
+def _check_schedule(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> None:
+    """The micro-batch counts torch's schedules accept, checked before launch."""
+    stages = pp * stages_per_rank
+    fix = "raise train.global_batch or lower train.micro_batch (or set parallel.num_microbatches)"
+    if schedule == "1F1B" and microbatches < pp:
+        raise ConfigError(
+            f"pipeline schedule 1F1B needs at least as many micro-batches as stages ({pp}), "
+            f"got {microbatches}; {fix}"
+        )
+    if schedule == "DualPipeV" and microbatches < stages:
+        raise ConfigError(
+            f"pipeline schedule DualPipeV needs at least as many micro-batches as stages "
+            f"({stages}), got {microbatches}; {fix}"
+        )
+    # torch's looped schedules run micro-batches in rounds of max(1, m // pp); m must divide.
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        rounds = max(1, microbatches // pp)
+        if microbatches % rounds:
+            raise ConfigError(
+                f"pipeline schedule {schedule} runs micro-batches in rounds of {rounds}, which "
+                f"does not divide {microbatches} micro-batches per step; use a multiple of "
+                f"parallel.pp ({pp}): {fix}"
+            )
 
 
 def resolved(config: JobConfig, derived: Derived) -> JobConfig:
@@ -241,7 +353,9 @@ def resolved(config: JobConfig, derived: Derived) -> JobConfig:
             "job": config.job.model_copy(update={"run_dir": str(config.run_dir)}),
             "train": config.train.model_copy(update={"micro_batch": derived.micro_batch}),
             "eval": config.eval.model_copy(update={"batch": derived.eval_batch}),
-            "parallel": config.parallel.model_copy(update=derived.degrees),
+            "parallel": config.parallel.model_copy(
+                update={**derived.degrees, "stages_per_rank": derived.stages_per_rank}
+            ),
             "checkpoint": config.checkpoint.model_copy(update={"dir": str(config.checkpoint_dir)}),
             "tracking": config.tracking.model_copy(
                 update={"experiment": config.tracking.experiment or config.job.name}

@@ -249,3 +249,57 @@ def test_ctrl_c_stops_every_process(tmp_path):
     assert "shardwise: stopped by SIGINT" in err
     assert "Traceback" not in err
     assert session_processes(proc.pid) == []
+
+
+def test_dry_run_shows_the_layout_without_training(tmp_path):
+    done = shardwise(
+        "train",
+        "examples/text-gpt.toml",
+        "--nproc",
+        "2",
+        "--dry-run",
+        "--set",
+        "parallel.pp=2",
+        "--set",
+        "parallel.pipeline_schedule=Interleaved1F1B",
+        "--set",
+        f"job.run_dir={tmp_path / 'run'}",
+    )
+    assert done.returncode == 0, done.stderr
+    assert "dry run: what each rank holds" in done.stdout
+    assert "stage 0: embed … layers.0; stage 2: layers.2" in done.stdout
+    assert "stage 1: layers.1; stage 3: layers.3 … final" in done.stdout
+    assert not (tmp_path / "run").exists()  # nothing trained, nothing written
+
+
+def test_export_a_sharded_checkpoint_for_inference(tmp_path):
+    from safetensors.torch import load_file
+
+    from shardwise.models.gpt import build_gpt
+
+    run_dir = tmp_path / "run"
+    done = shardwise(
+        "train",
+        "examples/text-gpt.toml",
+        "--nproc",
+        "2",
+        "--set",
+        "parallel.tp=2",
+        "--set",
+        "train.steps=4",
+        "--set",
+        "eval.max_samples=16",
+        "--set",
+        "tracking.mlflow=false",
+        "--set",
+        f"job.run_dir={run_dir}",
+    )
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "gpt.safetensors"
+    exported = shardwise("export", str(run_dir / "checkpoints" / "step_00000004"), str(out))
+    assert exported.returncode == 0, exported.stderr
+    assert "from step 4" in exported.stdout and exported.stderr == ""
+    model = build_gpt(layers=4, heads=4, hidden=128, seq_len=128)
+    model.load_state_dict(load_file(out))  # strict: every name and shape matches the model
+    bad = shardwise("export", str(run_dir), str(out))
+    assert bad.returncode == 2 and "not a complete shardwise checkpoint" in bad.stderr

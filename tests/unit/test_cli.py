@@ -9,9 +9,11 @@ def test_cli_flags_are_pinned():
     """Adding a flag is a decision: change this test with it."""
     parser = build_parser()
     commands = parser._subparsers._group_actions[0].choices
-    assert sorted(commands) == ["train"]
+    assert sorted(commands) == ["export", "train"]
     flags = sorted(o for a in commands["train"]._actions for o in a.option_strings)
-    assert flags == sorted(["-h", "--help", "--nproc", "--set", "--resume", "--debug"])
+    assert flags == sorted(["-h", "--help", "--nproc", "--set", "--resume", "--dry-run", "--debug"])
+    flags = sorted(o for a in commands["export"]._actions for o in a.option_strings)
+    assert flags == sorted(["-h", "--help", "--debug"])
 
 
 @pytest.mark.parametrize(
@@ -25,7 +27,18 @@ def test_cli_flags_are_pinned():
         ),
         (["--set", "model.name=nowhere.mod:build"], "cannot import module 'nowhere'"),
         (["--set", "model.args.chanels=8"], "did you mean 'model.args.channels'?"),
-        (["--set", "parallel.tp=2", "--nproc", "2"], "only data parallelism"),
+        (["--set", "parallel.tp=2", "--nproc", "2"], "has no tp_plan() method"),
+        (
+            [
+                "--nproc",
+                "2",
+                "--set",
+                "parallel.pp=2",
+                "--set",
+                "parallel.pipeline_schedule=DualPipeV",
+            ],
+            "DualPipeV needs at least as many micro-batches as stages (4), got 2",
+        ),
         (["--nproc", "0"], "--nproc 0: need at least 1 process"),
         (["--resume", "/no/such/checkpoint"], "not a complete checkpoint"),
     ],
@@ -48,3 +61,29 @@ def test_debug_shows_the_traceback(repo_cwd):
 
     with pytest.raises(ConfigError):
         main(["train", "examples/digits.toml", "--set", "train.stpes=1", "--debug"])
+
+
+INTERLEAVED = "parallel.pipeline_schedule=Interleaved1F1B"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--nproc", "3", "--set", "parallel.tp=3"], "does not divide the 4 attention heads"),
+        (
+            ["--nproc", "4", "--set", "parallel.pp=4", "--set", INTERLEAVED],
+            "8 pipeline stages, but the model has only 6 blocks",
+        ),
+        (["--nproc", "2", "--set", "parallel.tp=4"], "does not divide the world size 2"),
+        (
+            ["--nproc", "2", "--set", "parallel.pp=2", "--set", "train.micro_batch=32"],
+            "1F1B needs at least as many micro-batches as stages (2), got 1",
+        ),
+    ],
+)
+def test_impossible_layouts_exit_2_before_launch(repo_cwd, tmp_path, capsys, args, message):
+    code = main(["train", "examples/text-gpt.toml", "--set", f"job.run_dir={tmp_path}", *args])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("shardwise: error: ") and err.count("\n") == 1
+    assert message in err

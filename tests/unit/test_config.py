@@ -119,9 +119,12 @@ def test_parallel_degrees():
         ParallelSection(pp=0).degrees(2)
 
 
-def test_layouts_not_yet_available_are_refused(job_file):
-    with pytest.raises(ConfigError, match=r"parallel\.tp = 2: only data parallelism"):
-        derive(load_config(job_file, ["parallel.tp=2"]), world_size=2)
+def test_data_parallel_ranks_count_both_axes(job_file):
+    hsdp = derive(load_config(job_file, ["parallel.dp_shard=2"]), world_size=4)
+    assert hsdp.degrees == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "tp": 1}
+    assert (hsdp.dp, hsdp.micro_batch, hsdp.grad_accum) == (4, 16, 1)
+    tp = derive(load_config(job_file, ["parallel.tp=2"]), world_size=2)
+    assert (tp.dp, tp.micro_batch) == (1, 64)  # tensor-parallel peers read the same samples
 
 
 def test_resolved_config_writes_out_defaults(job_file):

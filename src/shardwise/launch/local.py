@@ -29,6 +29,7 @@ from shardwise import builders
 from shardwise.checkpoint.layout import MANIFEST, complete_checkpoints, is_complete
 from shardwise.config import ConfigError, JobConfig, apply_override, derive, load_config, validate
 from shardwise.launch.env import detect, visible_cpus
+from shardwise.parallel.apply import check_layout
 
 if TYPE_CHECKING:
     from shardwise.trainer.loop import TrainSummary
@@ -101,12 +102,15 @@ def train(
     nproc: int | None = None,
     resume: str = "never",
     overrides: list[str] | tuple[str, ...] = (),
+    dry_run: bool = False,
 ) -> TrainSummary | None:
     """Train a job: start `nproc` local workers, or join the job torchrun/Slurm already started.
 
     `config` is a `JobConfig` or the path of a job file; `resume` is `never` (refuse to overwrite
     an earlier run's checkpoints), `auto` (continue from the newest complete checkpoint, if any) or
     the path of a checkpoint. Returns rank 0's summary (None on other ranks under torchrun/Slurm).
+    With `dry_run`, the workers build the layout on the meta device and rank 0 prints what each
+    rank would hold; nothing is trained or written, and None is returned.
     """
     if not isinstance(config, JobConfig):
         config = load_config(config, overrides)
@@ -123,11 +127,12 @@ def train(
             stacklevel=2,
         )
     world_size = worker.world_size if worker else (nproc or 1)
-    derive(config, world_size)
+    derived = derive(config, world_size)
     builders.check(config)
+    check_layout(config, derived)
     pick_device(config.job.device, local_rank=0)
-    checkpoint = resume_point(config, resume)
-    args = (config.model_dump(mode="json"), str(checkpoint) if checkpoint else None)
+    checkpoint = None if dry_run else resume_point(config, resume)
+    args = (config.model_dump(mode="json"), str(checkpoint) if checkpoint else None, dry_run)
     if worker is not None:
         return run_worker(*args)
     summary: TrainSummary | None = launch(run_worker, args, nproc=world_size)[0]
@@ -156,7 +161,9 @@ def resume_point(config: JobConfig, resume: str) -> Path | None:
     return path
 
 
-def run_worker(config_data: dict[str, Any], resume: str | None) -> TrainSummary | None:
+def run_worker(
+    config_data: dict[str, Any], resume: str | None, dry_run: bool = False
+) -> TrainSummary | None:
     """What every rank runs: join the process group on the right device, train, leave cleanly."""
     env = detect()
     assert env is not None, "run_worker runs under torch elastic or Slurm"
@@ -174,6 +181,9 @@ def run_worker(config_data: dict[str, Any], resume: str | None) -> TrainSummary 
     from shardwise.trainer import loop  # here: the launching process never needs the trainer
 
     try:
+        if dry_run:
+            loop.dry_run(config, device)
+            return None
         return loop.train(config, device=device, resume=resume)
     finally:
         # Free DDP's reducer (which holds the process group) while the group is still registered:

@@ -1,35 +1,201 @@
-"""`parallelize`: the one function that turns a plain model into its parallel layout.
+"""`parallelize`: the one function that turns a model into this rank's share of its layout.
 
-Layouts apply in a fixed order, because each wraps what the previous produced: pipeline split
-(which modules live on this rank), then tensor parallel (which needs plain modules to shard), then
-activation checkpointing, then the data-parallel wrapper (FSDP2 or DDP), which must see the final
-module tree so that its gradient hooks cover every parameter. This version implements the
-data-parallel step with DDP; the other steps slot in above it.
+The transforms apply in a fixed order, each to what the previous one produced:
+
+1. pipeline split: which blocks live on this rank (one copy of the model per local stage, the
+   other stages' blocks removed), because every later step works per stage;
+2. tensor parallel: shards the linear layers of the plain modules (it must see them unwrapped);
+3. activation checkpointing: wraps whole blocks, which may now hold DTensor parameters;
+4. data parallel, last, so its gradient hooks cover every parameter of the final module tree:
+   FSDP2 `fully_shard` per block and then the root (ZeRO-3, or ZeRO-2 with
+   `reshard_after_forward = false`; HSDP when both data-parallel axes are > 1), FSDP2's
+   `replicate` when data is only replicated but tensor or pipeline parallelism is on, and DDP
+   for plain data parallelism (the fastest there).
+
+Between 4's FSDP2 and DDP, `init` gives the parameters storage: FSDP2 and tensor parallelism work on
+meta tensors, so each rank allocates only its shard; DDP broadcasts rank 0's weights when it wraps,
+so it needs real ones.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.nn.parallel import DistributedDataParallel
+
+from shardwise.config import ConfigError, Derived, JobConfig, ParallelSection
+from shardwise.parallel.pipeline import (
+    Pipeline,
+    balance,
+    explicit_split,
+    pipeline_blocks,
+    stage_indices,
+    stage_module,
+)
+from shardwise.parallel.tensor import (
+    PlanFn,
+    apply_activation_checkpointing,
+    apply_tensor_parallel,
+    tensor_parallel_plan,
+)
+
+
+@dataclass
+class Layout:
+    """This rank's share of the model."""
+
+    parts: list[nn.Module]
+    """The model parts on this rank: one, or one per local stage under pipeline parallelism."""
+    pipeline: Pipeline | None
+    wrapper: str
+    """The data-parallel wrapper: `none`, `ddp`, `replicate` or `fsdp`."""
+
+
+def data_parallel_wrapper(degrees: dict[str, int]) -> str:
+    if degrees["dp_shard"] > 1:
+        return "fsdp"
+    if degrees["dp_replicate"] > 1:
+        plain = degrees["tp"] == 1 and degrees["pp"] == 1
+        return "ddp" if plain else "replicate"
+    return "none"
 
 
 def parallelize(
-    model: nn.Module, mesh: DeviceMesh, degrees: dict[str, int], *, device: torch.device
-) -> nn.Module:
-    model = model.to(device)
-    if degrees["dp_replicate"] > 1:
-        model = DistributedDataParallel(
-            model,
-            device_ids=[device.index] if device.type == "cuda" else None,
-            device_mesh=mesh["dp_replicate"],
-            # Gradients live inside DDP's all-reduce buckets: one copy fewer, no copy per step.
-            gradient_as_bucket_view=True,
+    model: nn.Module,
+    mesh: DeviceMesh,
+    derived: Derived,
+    parallel: ParallelSection,
+    *,
+    device: torch.device,
+    init: Callable[[list[nn.Module]], None],
+    tp_plan: PlanFn | None = None,
+    param_dtype: torch.dtype | None = None,
+    block_costs: list[float] | None = None,
+) -> Layout:
+    degrees = derived.degrees
+    # 1. Pipeline split.
+    pipe = (
+        split_pipeline(model, mesh, derived, parallel, block_costs) if degrees["pp"] > 1 else None
+    )
+    parts = [pipe.modules[i] for i in sorted(pipe.modules)] if pipe else [model]
+    wrapper = data_parallel_wrapper(degrees)
+    for part in parts:
+        blocks = pipeline_blocks(part) if _has_blocks(part) else []
+        # 2. Tensor parallel.
+        if degrees["tp"] > 1:
+            apply_tensor_parallel(
+                part, mesh["tp"], tp_plan, sequence_parallel=parallel.sequence_parallel
+            )
+        # 3. Activation checkpointing.
+        apply_activation_checkpointing(part, blocks, parallel.activation_checkpoint)
+        # 4a. FSDP2 or its replicate mode.
+        if wrapper in ("fsdp", "replicate"):
+            shard(part, blocks, mesh, degrees, parallel, param_dtype=param_dtype)
+    init(parts)
+    # 4b. DDP.
+    if wrapper == "ddp":
+        parts = [
+            DistributedDataParallel(
+                part,
+                device_ids=[device.index] if device.type == "cuda" else None,
+                device_mesh=mesh["dp_replicate"],
+                # Gradients live inside DDP's all-reduce buckets: one copy fewer per step.
+                gradient_as_bucket_view=True,
+            )
+            for part in parts
+        ]
+    if pipe is not None:
+        pipe.modules = dict(zip(sorted(pipe.modules), parts, strict=True))
+    return Layout(parts=parts, pipeline=pipe, wrapper=wrapper)
+
+
+def shard(
+    part: nn.Module,
+    blocks: list[str],
+    mesh: DeviceMesh,
+    degrees: dict[str, int],
+    parallel: ParallelSection,
+    *,
+    param_dtype: torch.dtype | None,
+) -> None:
+    """FSDP2 on each block, then on the root (which takes every parameter outside the blocks)."""
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    wrap: Callable[[nn.Module], Any]
+    if degrees["dp_shard"] > 1:
+        axes = ("dp_replicate", "dp_shard") if degrees["dp_replicate"] > 1 else ("dp_shard",)
+        wrap = functools.partial(
+            fully_shard,
+            mesh=mesh[axes],
+            reshard_after_forward=parallel.reshard_after_forward,
+            mp_policy=policy,
         )
-    return model
+    else:
+        wrap = functools.partial(replicate, mesh=mesh["dp_replicate"], mp_policy=policy)
+    for name in blocks:
+        wrap(part.get_submodule(name))
+    wrap(part)
+    for module in part.modules():
+        if isinstance(module, FSDPModule):
+            # gloo turns ReduceOp.AVG into a plain sum in reduce-scatter (pytorch#162338):
+            # reduce with SUM and let FSDP divide by the data-parallel size itself.
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def split_pipeline(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    derived: Derived,
+    parallel: ParallelSection,
+    block_costs: list[float] | None,
+) -> Pipeline:
+    """This rank's stages: the model's blocks split into pp × stages_per_rank consecutive groups
+    (explicitly, or balanced by parameter count or measured cost), placed by the schedule."""
+    pp, per_rank = derived.degrees["pp"], derived.stages_per_rank
+    blocks = pipeline_blocks(model)
+    num_stages = pp * per_rank
+    if parallel.pipeline_split:
+        starts = explicit_split(blocks, parallel.pipeline_split, num_stages)
+    else:
+        costs = block_costs or [
+            float(sum(p.numel() for p in model.get_submodule(b).parameters())) for b in blocks
+        ]
+        starts = balance(costs, num_stages)
+    bounds = [*starts, len(blocks)]
+    stage_blocks = {s: blocks[bounds[s] : bounds[s + 1]] for s in range(num_stages)}
+    schedule = parallel.pipeline_schedule
+    owner = [0] * num_stages
+    for r in range(pp):
+        for s in stage_indices(schedule, pp_rank=r, pp=pp, stages_per_rank=per_rank):
+            owner[s] = r
+    pp_rank = mesh.get_local_rank("pp")
+    mine = [s for s in range(num_stages) if owner[s] == pp_rank]
+    return Pipeline(
+        schedule_name=schedule,
+        num_stages=num_stages,
+        num_microbatches=derived.grad_accum,
+        group=mesh.get_group("pp"),
+        owner=owner,
+        modules={s: stage_module(model, blocks, set(stage_blocks[s])) for s in mine},
+        block_names=stage_blocks,
+    )
+
+
+def _has_blocks(model: nn.Module) -> bool:
+    try:
+        pipeline_blocks(model)
+    except ConfigError:
+        return False
+    return True
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -38,8 +204,75 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def gradient_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager[None]:
-    """Skip the gradient all-reduce for all but the last micro-batch of a step: gradients then
+    """Skip the gradient reduction for all but the last micro-batch of a step: gradients then
     accumulate locally and are reduced once, as if the whole batch had gone through at once."""
-    if enabled or not isinstance(model, DistributedDataParallel):
-        return contextlib.nullcontext()
-    return model.no_sync()
+    if isinstance(model, DistributedDataParallel):
+        return contextlib.nullcontext() if enabled else model.no_sync()
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+    return contextlib.nullcontext()
+
+
+def check_layout(config: JobConfig, derived: Derived) -> None:
+    """Check the model against the layout before any process starts (the model is built on the
+    meta device, so this is cheap at any size): enough blocks for the pipeline stages, a
+    tensor-parallel plan whose layers divide by `tp`."""
+    from shardwise import builders
+
+    degrees = derived.degrees
+    if degrees["pp"] == 1 and degrees["tp"] == 1:
+        return
+    with torch.device("meta"):
+        model = builders.build_model(config)
+    if degrees["pp"] > 1:
+        blocks = pipeline_blocks(model)
+        num_stages = degrees["pp"] * derived.stages_per_rank
+        if num_stages > len(blocks):
+            raise ConfigError(
+                f"parallel.pp = {degrees['pp']} × stages_per_rank {derived.stages_per_rank} = "
+                f"{num_stages} pipeline stages, but the model has only {len(blocks)} blocks "
+                f"({blocks[0]} … {blocks[-1]}); lower parallel.pp or stages_per_rank, or add layers"
+            )
+        if config.parallel.pipeline_split:
+            explicit_split(blocks, config.parallel.pipeline_split, num_stages)
+    if degrees["tp"] > 1:
+        tp = degrees["tp"]
+        plan_fn = (
+            builders.resolve(config.parallel.tp_plan, {}, "parallel.tp_plan")
+            if config.parallel.tp_plan
+            else None
+        )
+        plan = tensor_parallel_plan(
+            model, plan_fn, tp=tp, sequence_parallel=config.parallel.sequence_parallel
+        )
+        _check_tp_plan(model, plan, tp)
+
+
+def _check_tp_plan(model: nn.Module, plan: dict[str, Any], tp: int) -> None:
+    for module in model.modules():
+        heads = getattr(module, "heads", None)
+        if isinstance(heads, int) and heads % tp:
+            raise ConfigError(
+                f"parallel.tp = {tp} does not divide the {heads} attention heads: each rank must "
+                f"hold whole heads; use a tp that divides {heads}"
+            )
+    for name, style in plan.items():
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            raise ConfigError(
+                f"the tensor-parallel plan names '{name}', which the model does not have"
+            ) from None
+        dim = {ColwiseParallel: 0, RowwiseParallel: 1}.get(type(style))
+        weight = getattr(module, "weight", None)
+        if dim is None or weight is None or weight.dim() < 2:
+            continue
+        if isinstance(module, nn.Embedding):
+            dim = 0 if isinstance(style, RowwiseParallel) else 1
+        size = weight.shape[dim]
+        if size % tp:
+            raise ConfigError(
+                f"parallel.tp = {tp} does not divide {name}'s {size} "
+                f"{'output' if dim == 0 else 'input'} features; pick a tp that divides the "
+                "model's widths"
+            )

@@ -8,6 +8,7 @@ import time
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
 
 
 class ProgressDisplay:
@@ -50,6 +51,9 @@ class ProgressDisplay:
 
     def print(self, text: str) -> None:
         self.console.print(text, highlight=False, soft_wrap=True)
+
+    def print_table(self, table: Table) -> None:
+        self.console.print(table)
 
     def close(self) -> None:
         if self._bar is not None:

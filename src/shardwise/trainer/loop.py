@@ -1,14 +1,16 @@
 """The training loop every rank runs: build the run, restore it, step, evaluate, checkpoint, report.
 
-`train` reads top to bottom; `train_step` is the one place with forward and backward. This
+`train` reads top to bottom; `step.train_step` is the one place with forward and backward. This
 module expects the process group to exist already (launch/ starts it) and must not read launcher
 environment variables.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,22 +20,26 @@ import tomli_w
 import torch
 import torch.distributed as dist
 from rich.console import Console
+from rich.table import Table
 from torch import nn
-from torch.utils.data import DataLoader
 
 from shardwise import builders
 from shardwise.checkpoint.layout import read_manifest
 from shardwise.checkpoint.manager import CheckpointManager
 from shardwise.config import ConfigError, Derived, JobConfig, derive, flatten, resolved
-from shardwise.parallel.apply import gradient_sync, parallelize
-from shardwise.parallel.mesh import build_mesh, dp_group, dp_position
+from shardwise.parallel.apply import Layout, parallelize
+from shardwise.parallel.init import materialize, supports_meta_init
+from shardwise.parallel.mesh import build_mesh, dp_group, dp_position, pp_group
+from shardwise.parallel.pipeline import measure_block_costs
 from shardwise.tracking.metrics import JsonlTracker, Tracker, Trackers
 from shardwise.tracking.mlflow import MlflowTracker
 from shardwise.tracking.progress import ProgressDisplay
 from shardwise.trainer import state as train_state
 from shardwise.trainer.data import GlobalBatchSampler, StepLoader, eval_loader
+from shardwise.trainer.memory import peak_bytes, state_bytes
 from shardwise.trainer.optim import build_optimizer, build_scheduler
-from shardwise.trainer.precision import autocast, grad_scaler
+from shardwise.trainer.precision import DTYPES, grad_scaler
+from shardwise.trainer.step import Run, evaluate, mean_loss, train_step
 
 
 @dataclass
@@ -47,26 +53,8 @@ class TrainSummary:
     mlflow_run_id: str | None
     samples_per_second: float
     resumed_from: int | None = None
-
-
-@dataclass
-class Run:
-    """The parts of a training run, built once by `build_run`."""
-
-    config: JobConfig
-    derived: Derived
-    device: torch.device
-    model: nn.Module
-    loss_fn: builders.LossFn
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
-    scaler: torch.amp.GradScaler
-    loader: StepLoader
-    eval_data: DataLoader | None
-    checkpoints: CheckpointManager
-    dp_group: dist.ProcessGroup
-    tokens_per_sample: int
-    rank: int = field(default_factory=dist.get_rank)
+    memory: list[dict[str, Any]] = field(default_factory=list)
+    """Per rank: parameter, gradient and optimizer-state bytes, peak memory, pipeline bubble."""
 
 
 def train(config: JobConfig, *, device: torch.device, resume: str | None) -> TrainSummary | None:
@@ -95,10 +83,13 @@ def build_run(config: JobConfig, device: torch.device) -> Run:
     config = resolved(config, derived)
     mesh = build_mesh(derived.degrees, device.type)
     dp_rank, dp_size = dp_position(mesh)
-    torch.manual_seed(config.job.seed)  # identical initial weights on every rank
-    model = parallelize(builders.build_model(config), mesh, derived.degrees, device=device)
     train_set, held_out = builders.build_datasets(config)
-    train_state.reseed(config.job.seed, 0, dp_rank)  # each rank its own dropout stream
+    loss_fn = builders.build_loss(config)
+    layout = build_layout(config, derived, mesh, device, sample=train_set[0])
+    if layout.pipeline is not None:
+        layout.pipeline.start(loss_fn, device)
+    # Each data-parallel rank its own dropout stream; tensor-parallel and pipeline peers share it.
+    train_state.reseed(config.job.seed, 0, dp_rank)
     sampler = GlobalBatchSampler(
         _num_samples(train_set),
         global_batch=derived.global_batch,
@@ -106,15 +97,15 @@ def build_run(config: JobConfig, device: torch.device) -> Run:
         dp_size=dp_size,
         seed=config.job.seed,
     )
-    optimizer = build_optimizer(model, config.train, lr=derived.lr)
+    optimizers = [build_optimizer(part, config.train, lr=derived.lr) for part in layout.parts]
     return Run(
         config=config,
         derived=derived,
         device=device,
-        model=model,
-        loss_fn=builders.build_loss(config),
-        optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, config.train),
+        layout=layout,
+        loss_fn=loss_fn,
+        optimizers=optimizers,
+        schedulers=[build_scheduler(o, config.train) for o in optimizers],
         scaler=grad_scaler(config.train.precision, device),
         loader=StepLoader(
             train_set, sampler, micro_batch=derived.micro_batch, num_workers=config.data.num_workers
@@ -130,7 +121,67 @@ def build_run(config: JobConfig, device: torch.device) -> Run:
         ),
         checkpoints=CheckpointManager(config.checkpoint_dir, keep_last=config.checkpoint.keep_last),
         dp_group=dp_group(mesh),
+        pp_group=pp_group(mesh),
         tokens_per_sample=_tokens_per_sample(train_set[0]),
+        mesh=mesh,
+    )
+
+
+def build_layout(
+    config: JobConfig,
+    derived: Derived,
+    mesh: Any,
+    device: torch.device,
+    *,
+    sample: Any,
+    materialize_weights: bool = True,
+) -> Layout:
+    """Build the model (on the meta device when it supports it) and apply the layout; with
+    `materialize_weights` false (a dry run) the parameters stay on meta."""
+    with torch.device("meta"):
+        model = builders.build_model(config)
+    use_meta = config.model.init == "meta" or (
+        config.model.init == "auto" and callable(getattr(model, "init_weights", None))
+    )
+    if use_meta and not supports_meta_init(model):
+        raise ConfigError(
+            "model.init = 'meta' but some module has no reset_parameters() and the model no "
+            "init_weights(module); set model.init = 'full'"
+        )
+    template = copy.deepcopy(model)
+    if not use_meta and materialize_weights:
+        torch.manual_seed(config.job.seed)  # identical initial weights on every rank
+        model = builders.build_model(config)
+
+    def init(parts: list[nn.Module]) -> None:
+        if not materialize_weights:
+            return
+        if use_meta:
+            materialize(parts, template, seed=config.job.seed, device=device)
+        else:
+            for part in parts:
+                part.to(device)
+
+    costs = None
+    if derived.degrees["pp"] > 1 and config.parallel.pipeline_balance == "cost":
+        costs = measure_block_costs(
+            template, config.job.seed, sample, micro_batch=derived.micro_batch
+        )
+    tp_plan = (
+        builders.resolve(config.parallel.tp_plan, {}, "parallel.tp_plan")
+        if config.parallel.tp_plan
+        else None
+    )
+    return parallelize(
+        model,
+        mesh,
+        derived,
+        config.parallel,
+        device=device,
+        init=init,
+        tp_plan=tp_plan,
+        param_dtype=DTYPES.get(config.train.precision),
+        block_costs=costs,
     )
 
 
@@ -154,11 +205,21 @@ def loop(
         )
     if start >= steps and run.eval_data is not None:
         metrics.update(evaluate(run))
-    run.model.train()
+    for part in run.parts:
+        part.train()
+    memory: list[dict[str, Any]] = []
     for step in range(start + 1, steps + 1):
+        began = time.perf_counter()
         loss, grad_norm = train_step(run, run.loader.next_step())
-        run.scheduler.step()
+        for scheduler in run.schedulers:
+            scheduler.step()
         losses.append(loss)
+        if step == start + 1:  # warm-up: shape inference, allocations; not in the bubble
+            memory = report_memory(run, display, tracker, step)
+            if run.layout.pipeline is not None:
+                run.layout.pipeline.reset_timers()
+        else:
+            run.step_seconds += time.perf_counter() - began
         if step % log_every == 0 or step == steps:
             elapsed = time.perf_counter() - clock
             stats = _train_stats(run, losses, grad_norm, elapsed)
@@ -180,6 +241,8 @@ def loop(
             checkpoint = save(run, step)
             clock += time.perf_counter() - began
             _report(tracker, None, {"checkpoint/save_s": time.perf_counter() - began}, step)
+    if steps > start:
+        memory = report_memory(run, display, tracker, steps, final=True)
     return TrainSummary(
         step=steps,
         metrics=metrics,
@@ -187,64 +250,77 @@ def loop(
         run_dir=str(cfg.run_dir),
         mlflow_run_id=None,
         samples_per_second=_median(rates[1:] or rates),
+        memory=memory,
     )
 
 
-def train_step(run: Run, micro_batches: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One optimizer step over this rank's micro-batches; returns (this rank's mean loss, the
-    global gradient norm before clipping, or None when clipping is off)."""
-    precision = run.config.train.precision
-    total = torch.zeros((), device=run.device)
-    for i, (inputs, target) in enumerate(micro_batches):
-        inputs, target = _to(inputs, run.device), _to(target, run.device)
-        with gradient_sync(run.model, enabled=i == len(micro_batches) - 1):
-            with autocast(precision, run.device):
-                loss = run.loss_fn(run.model(inputs), target) / len(micro_batches)
-            run.scaler.scale(loss).backward()
-        total += loss.detach()
-    run.scaler.unscale_(run.optimizer)
-    grad_norm = None
-    if run.config.train.grad_clip > 0:
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            run.model.parameters(), run.config.train.grad_clip
-        )
-    run.scaler.step(run.optimizer)
-    run.scaler.update()
-    run.optimizer.zero_grad(set_to_none=True)
-    return total, grad_norm
+def report_memory(
+    run: Run,
+    display: ProgressDisplay | None,
+    tracker: Tracker | None,
+    step: int,
+    *,
+    final: bool = False,
+) -> list[dict[str, Any]]:
+    """Gather every rank's state bytes, peak memory and (under pipeline parallelism) measured
+    bubble to rank 0; print them once after the first step and at the end."""
+    mine: dict[str, Any] = {"rank": run.rank, **state_bytes(run.parts, run.optimizers)}
+    mine["peak"] = peak_bytes(run.device)
+    pipe = run.layout.pipeline
+    if pipe is not None and final and run.step_seconds > 0:
+        mine["bubble"] = max(0.0, 1.0 - pipe.busy_seconds() / run.step_seconds)
+        mine["bubble_theory"] = pipe.theoretical_bubble()
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    if run.rank != 0:
+        return []
+    if display is not None:
+        display.print_table(memory_table(ranks, title=f"per rank after step {step}"))
+    if tracker is not None:
+        flat = {
+            f"memory/rank{r['rank']}/{k}": float(v)
+            for r in ranks
+            for k, v in r.items()
+            if k != "rank"
+        }
+        tracker.log_metrics(flat, step)
+    return ranks
 
 
-@torch.no_grad()
-def evaluate(run: Run) -> dict[str, float]:
-    """Held-out loss (and accuracy for classification), exact over the whole split: each rank sums
-    loss × targets, correct predictions and counts; the sums are added across ranks."""
-    assert run.eval_data is not None
-    run.model.eval()
-    # [loss sum, correct, target count, targets where accuracy applies]
-    sums = torch.zeros(4, dtype=torch.float64, device=run.device)
-    for inputs, target in run.eval_data:
-        inputs, target = _to(inputs, run.device), _to(target, run.device)
-        with autocast(run.config.train.precision, run.device):
-            outputs = run.model(inputs)
-        count = target.numel()
-        sums[0] += run.loss_fn(outputs, target).double() * count
-        sums[2] += count
-        if outputs.dim() == target.dim() + 1 and not target.is_floating_point():
-            sums[1] += (outputs.argmax(-1) == target).sum()
-            sums[3] += count
-    dist.all_reduce(sums, group=run.dp_group)
-    run.model.train()
-    result = {"eval/loss": (sums[0] / sums[2].clamp(min=1)).item()}
-    if sums[3] > 0:
-        result["eval/accuracy"] = (sums[1] / sums[3]).item()
-    return result
+def memory_table(ranks: list[dict[str, Any]], *, title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    keys = [k for k in ranks[0] if k != "rank"]
+    table.add_column("rank", justify="right")
+    for key in keys:
+        table.add_column(key, justify="right")
+    for r in ranks:
+        table.add_row(str(r["rank"]), *(_format_value(k, r.get(k)) for k in keys))
+    return table
+
+
+def _format_value(key: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if key.startswith("bubble"):
+        return f"{value:.1%}"
+    if isinstance(value, int | float):
+        return _human_bytes(float(value))
+    return str(value)
+
+
+def _human_bytes(value: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
 
 
 def save(run: Run, step: int) -> Path:
     state = train_state.capture(
-        model=run.model,
-        optimizer=run.optimizer,
-        scheduler=run.scheduler,
+        parts=run.parts,
+        optimizers=run.optimizers,
+        scheduler=run.schedulers[0],
         scaler=run.scaler,
         loader=run.loader,
         step=step,
@@ -254,31 +330,36 @@ def save(run: Run, step: int) -> Path:
 
 
 def restore(run: Run, path: Path) -> int:
-    """Load the checkpoint at `path` into the run; returns the step to continue after."""
-    manifest_world = int(read_manifest(path)["world_size"])
+    """Load the checkpoint at `path` into the run; returns the step to continue after.
+
+    Model, optimizer, schedule and data position load under any layout (DCP reshards). Random
+    states come back only when the layout is the same; otherwise each rank reseeds from
+    (seed, step, data-parallel rank).
+    """
+    manifest = read_manifest(path)
     state = train_state.capture(
-        model=run.model,
-        optimizer=run.optimizer,
-        scheduler=run.scheduler,
+        parts=run.parts,
+        optimizers=run.optimizers,
+        scheduler=run.schedulers[0],
         scaler=run.scaler,
         loader=run.loader,
         step=0,
         rank=run.rank,
     )
-    same_world = manifest_world == run.derived.world_size
-    if not same_world:
+    same_layout = manifest.get("degrees") == run.derived.degrees
+    if not same_layout:
         state = train_state.without_rng(state)
     run.checkpoints.load(path, state)
     step = train_state.apply(
         state,
-        model=run.model,
-        optimizer=run.optimizer,
-        scheduler=run.scheduler,
+        parts=run.parts,
+        optimizers=run.optimizers,
+        schedulers=run.schedulers,
         scaler=run.scaler,
         loader=run.loader,
     )
-    if not same_world:
-        train_state.reseed(run.config.job.seed, step, run.rank)
+    if not same_layout:
+        train_state.reseed(run.config.job.seed, step, dp_position(run.mesh)[0])
     return step
 
 
@@ -292,10 +373,17 @@ def start_reporting(
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     config_toml = tomli_w.dumps(cfg.model_dump(mode="json", exclude_none=True))
     (cfg.run_dir / "config.toml").write_text(config_toml)
-    console = Console()
+    console = _console()
     console.print(f"resolved config (saved to {cfg.run_dir / 'config.toml'}):", highlight=False)
     console.print(config_toml, highlight=False, markup=False, soft_wrap=True)
     console.print(_derived_line(derived, run.tokens_per_sample), highlight=False, soft_wrap=True)
+    pipe = run.layout.pipeline
+    if pipe is not None:
+        stages = ", ".join(
+            f"stage {s} on pp rank {pipe.owner[s]}: {_span(names)}"
+            for s, names in sorted(pipe.block_names.items())
+        )
+        console.print(f"pipeline {pipe.schedule_name}: {stages}", highlight=False, soft_wrap=True)
     if resumed:
         console.print(f"resuming after step {start}", highlight=False)
     trackers: list[Tracker] = [
@@ -310,6 +398,68 @@ def start_reporting(
     tracker.log_artifact(cfg.run_dir / "config.toml")
     display = ProgressDisplay(total_steps=cfg.train.steps, start_step=start, console=console)
     return tracker, display
+
+
+def dry_run(config: JobConfig, device: torch.device) -> None:
+    """Build the layout on the meta device, without allocating or training, and print on rank 0
+    the mesh, which blocks each rank holds and each rank's parameter, gradient and optimizer
+    bytes."""
+    derived = derive(config, dist.get_world_size())
+    config = resolved(config, derived)
+    mesh = build_mesh(derived.degrees, device.type)
+    train_set, _ = builders.build_datasets(config)
+    layout = build_layout(
+        config, derived, mesh, device, sample=train_set[0], materialize_weights=False
+    )
+    per_param = 2 if config.train.optimizer == "adamw" else int(config.train.momentum > 0)
+    mine: dict[str, Any] = {
+        "rank": dist.get_rank(),
+        "coordinates": " ".join(
+            f"{a}={mesh.get_local_rank(a)}" for a in mesh.mesh_dim_names or () if mesh[a].size() > 1
+        ),
+        "holds": _holds(layout),
+        **state_bytes(layout.parts, optimizer_states_per_param=per_param),
+    }
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    if dist.get_rank() != 0:
+        return
+    console = _console()
+    console.print(_derived_line(derived, _tokens_per_sample(train_set[0])), highlight=False)
+    console.print(f"data-parallel wrapper: {layout.wrapper}", highlight=False)
+    table = Table(title="dry run: what each rank holds (nothing was allocated)")
+    for column in ("rank", "mesh", "blocks", "params", "grads", "optimizer"):
+        left = column in ("mesh", "blocks")
+        table.add_column(column, justify="left" if left else "right", no_wrap=True)
+    for r in ranks:
+        table.add_row(
+            str(r["rank"]),
+            r["coordinates"],
+            r["holds"],
+            *(_human_bytes(r[k]) for k in ("params", "grads", "optimizer")),
+        )
+    console.print(table)
+    total = {k: sum(r[k] for r in ranks) for k in ("params", "grads", "optimizer")}
+    console.print(
+        "all ranks: " + ", ".join(f"{k} {_human_bytes(v)}" for k, v in total.items()),
+        highlight=False,
+    )
+
+
+def _holds(layout: Layout) -> str:
+    pipe = layout.pipeline
+    if pipe is None:
+        return "the whole model"
+    return "; ".join(f"stage {s}: {_span(pipe.block_names[s])}" for s in sorted(pipe.modules))
+
+
+def _span(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]} … {names[-1]}"
+
+
+def _console() -> Console:
+    """Rich output; wide when not a terminal (logs and pipes have no width to fit)."""
+    return Console() if sys.stdout.isatty() else Console(width=120)
 
 
 def _open_mlflow(cfg: JobConfig, resumed: bool) -> MlflowTracker:
@@ -336,10 +486,12 @@ def _mlflow_run_id(tracker: Tracker | None) -> str | None:
 def _train_stats(
     run: Run, losses: list[torch.Tensor], grad_norm: torch.Tensor | None, elapsed: float
 ) -> dict[str, float]:
-    loss = torch.stack(losses).mean()
-    dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=run.dp_group)
     samples = run.derived.global_batch * len(losses) / elapsed
-    stats = {"loss": loss.item(), "lr": float(run.scheduler.get_last_lr()[0]), "samples/s": samples}
+    stats = {
+        "loss": mean_loss(run, losses),
+        "lr": float(run.schedulers[0].get_last_lr()[0]),
+        "samples/s": samples,
+    }
     if run.tokens_per_sample > 1:
         stats["tokens/s"] = samples * run.tokens_per_sample
     if grad_norm is not None:
@@ -362,6 +514,7 @@ def _manifest(run: Run) -> dict[str, Any]:
         "world_size": run.derived.world_size,
         "degrees": run.derived.degrees,
         "global_batch": run.derived.global_batch,
+        "model": run.config.model.model_dump(mode="json"),
         "config_sha256": hashlib.sha256(config_json.encode()).hexdigest(),
     }
 
@@ -372,10 +525,13 @@ def _derived_line(derived: Derived, tokens_per_sample: int) -> str:
         "mesh " + " × ".join(f"{a}={d}" for a, d in derived.degrees.items()),
         f"global batch {derived.global_batch}",
         f"micro batch {derived.micro_batch}",
-        f"gradient accumulation {derived.grad_accum}",
-        f"samples/step {derived.global_batch}",
-        f"lr {derived.lr:.3g}",
     ]
+    if derived.degrees["pp"] > 1:
+        parts.append(f"pipeline micro-batches {derived.grad_accum}")
+        parts.append(f"stages per rank {derived.stages_per_rank}")
+    else:
+        parts.append(f"gradient accumulation {derived.grad_accum}")
+    parts += [f"samples/step {derived.global_batch}", f"lr {derived.lr:.3g}"]
     if tokens_per_sample > 1:
         parts.append(f"tokens/step {derived.global_batch * tokens_per_sample:,}")
     return "derived: " + ", ".join(parts)
@@ -397,16 +553,6 @@ def _tokens_per_sample(item: Any) -> int:
 
 def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
-    if isinstance(value, tuple | list):
-        return type(value)(_to(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
-    return value
 
 
 def _median(values: list[float]) -> float:

@@ -1,14 +1,16 @@
 """What a checkpoint holds, and how a run is put back exactly as it was.
 
 A checkpoint is one DCP state dict:
-- `model`, `optim`: from `get_state_dict`, keyed by the user's module names whatever the wrapper,
-  so they load under any layout;
+- `model`, `optim`: from torch's `get_model_state_dict` / `get_optimizer_state_dict` (optimizer
+  state flattened to `state.<param>.<name>` keys), merged over the run's model parts, keyed by
+  the user's module names whatever the wrapper, sharding or pipeline split, so they load under
+  any layout (DCP reshards on load);
 - `train`: step, data position, LR scheduler, gradient scaler (small, written once by rank 0);
 - `rng`: each rank's random-number generator states under its own key `rank<N>`.
 
-Resuming on the same world size restores every generator, so the continued run is bitwise the run
-that never stopped. On a different world size the old ranks' generators mean nothing; each rank
-then reseeds from (seed, step, rank), which is deterministic but a different stream.
+Resuming on the same layout restores every generator, so the continued run is bitwise the run
+that never stopped. On another layout the old ranks' generators mean nothing; each rank then
+reseeds from (seed, step, data-parallel rank), which is deterministic but a different stream.
 """
 
 from __future__ import annotations
@@ -21,22 +23,34 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from shardwise.trainer.data import StepLoader
+
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def capture(
     *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    parts: list[nn.Module],
+    optimizers: list[torch.optim.Optimizer],
     scheduler: Any,
     scaler: Any,
     loader: StepLoader,
     step: int,
     rank: int,
 ) -> dict[str, Any]:
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state: dict[str, Any] = {}
+    optim_state: dict[str, Any] = {}
+    for part, optimizer in zip(parts, optimizers, strict=True):
+        model_state.update(get_model_state_dict(part))
+        optim_state.update(get_optimizer_state_dict(part, optimizer, options=_FLAT))
     return {
         "model": model_state,
         "optim": optim_state,
@@ -53,18 +67,20 @@ def capture(
 def apply(
     state: dict[str, Any],
     *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
+    parts: list[nn.Module],
+    optimizers: list[torch.optim.Optimizer],
+    schedulers: list[Any],
     scaler: Any,
     loader: StepLoader,
 ) -> int:
     """Put a loaded state dict back into the run's objects; returns the step it was taken at."""
-    set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-    )
+    for part, optimizer in zip(parts, optimizers, strict=True):
+        own = get_model_state_dict(part).keys()
+        set_model_state_dict(part, {k: state["model"][k] for k in own})
+        set_optimizer_state_dict(part, optimizer, state["optim"], options=_FLAT)
     train = state["train"]
-    scheduler.load_state_dict(train["scheduler"])
+    for scheduler in schedulers:
+        scheduler.load_state_dict(train["scheduler"])
     if scaler.is_enabled() and train["scaler"]:
         scaler.load_state_dict(train["scaler"])
     loader.load_state_dict(train["data"])
@@ -75,7 +91,7 @@ def apply(
 
 
 def without_rng(state: dict[str, Any]) -> dict[str, Any]:
-    """The state to request when the checkpoint came from a different world size."""
+    """The state to request when the checkpoint came from another layout."""
     return {k: v for k, v in state.items() if k != "rng"}
 
 

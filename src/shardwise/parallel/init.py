@@ -1,0 +1,101 @@
+"""Meta-device initialisation: a model is built without memory (on the `meta` device), split and
+sharded, and only then given storage, so each rank only ever holds its own shard and a model larger
+than one rank's memory can start.
+
+Values do not depend on the layout. Each module that owns parameters is initialised on its own, on
+the CPU, at full size, from a generator seeded by (job seed, module name); then each rank keeps
+its slice. So FSDP on 8 ranks, TP × PP on 4 and a single process start from bitwise the same
+weights, and peak memory is this rank's shard plus the largest single module.
+
+A module is initialised by its own `reset_parameters()` (every torch layer has one) and then, if
+the model defines `init_weights(module)`, by that (the built-in GPT does: GPT-2's init).
+This module must not decide the layout; it fills in whatever layout `parallelize` produced.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+# Segments that wrappers insert into parameter names (activation checkpointing, DDP, compile).
+_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "module", "_orig_mod")
+
+
+def clean_name(name: str) -> str:
+    """A parameter's name as in the user's model, without the segments wrappers insert."""
+    return ".".join(p for p in name.split(".") if p not in _WRAPPER_SEGMENTS)
+
+
+def module_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") % 2**63
+
+
+def supports_meta_init(model: nn.Module) -> bool:
+    """True when every parameter belongs to a module that can re-initialise it, or the model
+    provides `init_weights(module)`."""
+    if callable(getattr(model, "init_weights", None)):
+        return True
+    return all(callable(getattr(m, "reset_parameters", None)) for _, m in _owning_modules(model))
+
+
+def materialize(
+    parts: list[nn.Module], template: nn.Module, *, seed: int, device: torch.device
+) -> None:
+    """Give the (parallelized, meta) `parts` storage on `device` and fill every parameter and
+    buffer with this rank's slice of the value the unsharded `template` (on meta) would get."""
+    targets: dict[str, torch.Tensor] = {}
+    for part in parts:
+        part.to_empty(device=device)
+        for name, tensor in itertools.chain(part.named_parameters(), part.named_buffers()):
+            targets[clean_name(name)] = tensor
+    init_weights = getattr(template, "init_weights", None)
+    for prefix, module in _owning_modules(template):
+        owned = _own_tensors(module, prefix)
+        if not any(name in targets for name, _ in owned):
+            continue  # another pipeline stage owns it
+        module.to_empty(device="cpu", recurse=False)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(module_seed(seed, prefix))
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+            if callable(init_weights):
+                init_weights(module)
+        with torch.no_grad():
+            for name, full in _own_tensors(module, prefix):
+                if name in targets:
+                    copy_slice(full, targets[name])
+        module.to_empty(device="meta", recurse=False)  # free the full-size copy
+
+
+def copy_slice(full: torch.Tensor, target: torch.Tensor) -> None:
+    """Copy into `target` its part of `full`: all of it for a plain tensor, this rank's shard
+    for a DTensor (a local slice: no communication, every rank holds the same `full`)."""
+    if isinstance(target, DTensor):
+        mesh = target.device_mesh
+        replicated = DTensor.from_local(
+            full.to(target.device), mesh, [Replicate()] * mesh.ndim, run_check=False
+        )
+        local = replicated.redistribute(mesh, target.placements).to_local()
+        target.to_local().copy_(local)
+    else:
+        target.copy_(full)
+
+
+def _owning_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    for prefix, module in model.named_modules():
+        if next(itertools.chain(module.parameters(False), module.buffers(False)), None) is not None:
+            yield prefix, module
+
+
+def _own_tensors(module: nn.Module, prefix: str) -> list[tuple[str, torch.Tensor]]:
+    tensors = itertools.chain(
+        module.named_parameters(recurse=False), module.named_buffers(recurse=False)
+    )
+    return [(f"{prefix}.{n}" if prefix else n, t) for n, t in tensors]

@@ -1,0 +1,286 @@
+"""Pipeline parallelism on `torch.distributed.pipelining`: split a model that is a sequence of
+blocks into stages, place the stages on the ranks of the `pp` mesh axis, and run a schedule.
+
+What a model needs: to be a sequence of blocks whose outputs feed the next block's input, either an
+`nn.Sequential` or a module with `pipeline_blocks() -> list[str]` naming its blocks in order (the
+built-in GPT: `embed`, `layers.0` … `layers.N-1`, `final`). A stage is a copy of the model with
+the other stages' blocks removed (deleted from a Sequential or ModuleDict, otherwise set to None,
+which the model's forward must skip), so parameter names stay those of the whole model and
+checkpoints load under any layout.
+
+Placement: single-stage schedules (GPipe, 1F1B) put stage r on pp rank r. Looped schedules
+(Interleaved1F1B, LoopedBFS, InterleavedZeroBubble) put stages r, r + pp, r + 2·pp, … on rank r.
+V schedules (ZBVZeroBubble, DualPipeV) put stages r and 2·pp − 1 − r on rank r.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import _PipelineSchedule, get_schedule_class
+
+from shardwise.config import ConfigError
+
+SINGLE_STAGE = ("GPipe", "1F1B")
+LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+SCHEDULES = SINGLE_STAGE + LOOPED + V_SHAPED
+
+
+def pipeline_blocks(model: nn.Module) -> list[str]:
+    """The names of the model's blocks, in the order data flows through them."""
+    named = getattr(model, "pipeline_blocks", None)
+    if callable(named):
+        return list(named())
+    if isinstance(model, nn.Sequential):
+        return list(model._modules)
+    raise ConfigError(
+        f"pipeline parallelism needs a model that is a sequence of blocks; "
+        f"{type(model).__name__} is neither an nn.Sequential nor has pipeline_blocks() "
+        "(see README, 'Pipeline parallelism'); set parallel.pp = 1"
+    )
+
+
+def stage_indices(schedule: str, *, pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
+    """The global indices of the stages that live on pp rank `pp_rank`."""
+    if schedule in V_SHAPED:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + i * pp for i in range(stages_per_rank)]
+
+
+def balance(costs: list[float], num_stages: int) -> list[int]:
+    """Split consecutive blocks with these costs into `num_stages` non-empty groups so that the
+    most expensive group is as cheap as possible; returns each group's first block index.
+
+    Exact (dynamic programming over split points, O(stages · blocks²)), which is instant for the
+    tens to hundreds of blocks models have.
+    """
+    n = len(costs)
+    assert 1 <= num_stages <= n, "validated against the block count before launch"
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[s][i]: the minimal max-group cost of splitting blocks[:i] into s groups
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for i in range(s, n + 1):
+            for j in range(s - 1, i):
+                value = max(best[s - 1][j], prefix[i] - prefix[j])
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    starts, i = [], n
+    for s in range(num_stages, 0, -1):
+        i = cut[s][i]
+        starts.append(i)
+    return starts[::-1]
+
+
+def explicit_split(blocks: list[str], split: list[str], num_stages: int) -> list[int]:
+    """Stage start indices from `parallel.pipeline_split`: the first block of every stage but the
+    first."""
+    if len(split) != num_stages - 1:
+        raise ConfigError(
+            f"parallel.pipeline_split names {len(split)} boundaries but {num_stages} stages need "
+            f"{num_stages - 1}; list the first block of every stage after the first"
+        )
+    starts = [0]
+    for name in split:
+        if name not in blocks:
+            raise ConfigError(
+                f"parallel.pipeline_split: '{name}' is not one of the model's blocks "
+                f"({', '.join(blocks[:4])}, …)"
+            )
+        starts.append(blocks.index(name))
+    if starts != sorted(set(starts)) or starts[1] == 0:
+        raise ConfigError(
+            "parallel.pipeline_split: boundaries must be distinct blocks in model order, and "
+            "not the first block"
+        )
+    return starts
+
+
+def stage_module(model: nn.Module, blocks: list[str], keep: set[str]) -> nn.Module:
+    """A deep copy of `model` holding only the blocks in `keep`."""
+    stage = copy.deepcopy(model)
+    for name in blocks:
+        if name not in keep:
+            _remove(stage, name)
+    return stage
+
+
+def _remove(model: nn.Module, name: str) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    if isinstance(parent, nn.ModuleDict | nn.Sequential | nn.ModuleList):
+        del parent._modules[leaf]
+    else:
+        setattr(parent, leaf, None)
+
+
+def measure_block_costs(
+    template: nn.Module, seed: int, sample: Any, *, micro_batch: int
+) -> list[float]:
+    """Forward + backward seconds of each block on one micro-batch built from `sample` (a
+    training item), measured on rank 0 with the whole model materialized there, and shared with
+    every rank so that all of them split the model the same way."""
+    costs: list[Any] = [None]
+    if dist.get_rank() == 0:
+        from shardwise.parallel.init import materialize
+
+        model = copy.deepcopy(template)
+        materialize([model], template, seed=seed, device=torch.device("cpu"))
+        inputs = sample[0] if isinstance(sample, tuple | list) else sample
+        h = inputs.unsqueeze(0).expand(micro_batch, *inputs.shape).contiguous()
+        measured = []
+        for name in pipeline_blocks(model):
+            block = model.get_submodule(name)
+            x = h.detach().requires_grad_(h.is_floating_point())
+            times = []
+            for _ in range(3):
+                began = time.perf_counter()
+                out = block(x)
+                out.float().sum().backward()
+                times.append(time.perf_counter() - began)
+            measured.append(sorted(times)[1])
+            h = out.detach()
+        costs = [measured]
+    dist.broadcast_object_list(costs, src=0)
+    return list(costs[0])
+
+
+class TimedStage(PipelineStage):
+    """A pipeline stage that adds up the time it spends computing (forward and backward chunks),
+    so that the bubble, the time a rank waits, can be measured."""
+
+    busy_seconds: float = 0.0
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return super().forward_one_chunk(*args, **kwargs)
+        finally:
+            self.busy_seconds += time.perf_counter() - began
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return super().backward_one_chunk(*args, **kwargs)
+        finally:
+            self.busy_seconds += time.perf_counter() - began
+
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return super().backward_weight_one_chunk(*args, **kwargs)
+        finally:
+            self.busy_seconds += time.perf_counter() - began
+
+
+@dataclass
+class Pipeline:
+    """This rank's share of a pipeline: its stages (by global index) and the schedule."""
+
+    schedule_name: str
+    num_stages: int
+    num_microbatches: int
+    group: dist.ProcessGroup
+    owner: list[int]
+    """The pp rank (index in `group`) that holds each global stage."""
+    modules: dict[int, nn.Module]
+    stages: list[TimedStage] = field(default_factory=list)
+    block_names: dict[int, list[str]] = field(default_factory=dict)
+    """Every stage's blocks (all stages, not only this rank's)."""
+    schedule: _PipelineSchedule | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def pp_rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.modules
+
+    @property
+    def has_last(self) -> bool:
+        return self.num_stages - 1 in self.modules
+
+    def start(self, loss_fn: Any, device: torch.device) -> None:
+        """Create the stages and the schedule (after the stage modules are parallelized and
+        materialized)."""
+        self.device = device
+        self.stages = [
+            TimedStage(module, index, self.num_stages, device, group=self.group)
+            for index, module in sorted(self.modules.items())
+        ]
+        cls = get_schedule_class(self.schedule_name)
+        target = self.stages[0] if self.schedule_name in SINGLE_STAGE else self.stages
+        # scale_grads: the loss is a mean per micro-batch, so gradients summed over the
+        # micro-batches are divided by their number: the gradient of the mean over the batch.
+        self.schedule = cls(target, self.num_microbatches, loss_fn=loss_fn, scale_grads=True)
+
+    def busy_seconds(self) -> float:
+        return sum(s.busy_seconds for s in self.stages)
+
+    def reset_timers(self) -> None:
+        for stage in self.stages:
+            stage.busy_seconds = 0.0
+
+    def theoretical_bubble(self) -> float:
+        """The idle fraction of an ideal schedule with equal stage times: (p − 1) / (v·m + p − 1)
+        for GPipe, 1F1B and the looped schedules with v stages per rank (Narayanan et al., 2021,
+        §2.2); the zero-bubble schedules are designed to approach 0."""
+        p, m = dist.get_world_size(self.group), self.num_microbatches
+        if self.schedule_name in V_SHAPED or self.schedule_name == "InterleavedZeroBubble":
+            return 0.0
+        v = self.num_stages // p
+        return (p - 1) / (v * m + p - 1)
+
+
+@torch.no_grad()
+def pipeline_forward(pipe: Pipeline, inputs: Any) -> torch.Tensor | None:
+    """A plain forward pass through every stage in order (for evaluation): any batch size, no
+    schedule. Returns the last stage's output on the rank that holds it, None elsewhere."""
+    me = pipe.pp_rank
+    h = inputs
+    for index in range(pipe.num_stages):
+        holder = pipe.owner[index]
+        if holder != me:
+            continue
+        if index > 0 and pipe.owner[index - 1] != me:
+            h = _recv(pipe.group, pipe.owner[index - 1], pipe.device)
+        h = pipe.modules[index](h)
+        if index < pipe.num_stages - 1 and pipe.owner[index + 1] != me:
+            _send(h, pipe.group, pipe.owner[index + 1])
+    return h if pipe.has_last else None
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
+
+
+def _send(tensor: torch.Tensor, group: dist.ProcessGroup, peer: int) -> None:
+    header = torch.tensor(
+        [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape], device=tensor.device
+    )
+    header = torch.nn.functional.pad(header, (0, 8 - len(header)))
+    dist.send(header, group=group, group_dst=peer)
+    dist.send(tensor.contiguous(), group=group, group_dst=peer)
+
+
+def _recv(group: dist.ProcessGroup, peer: int, device: torch.device) -> torch.Tensor:
+    header = torch.zeros(8, dtype=torch.long, device=device)
+    dist.recv(header, group=group, group_src=peer)
+    dtype, ndim = _DTYPES[int(header[0])], int(header[1])
+    tensor = torch.empty([int(d) for d in header[2 : 2 + ndim]], dtype=dtype, device=device)
+    dist.recv(tensor, group=group, group_src=peer)
+    return tensor

@@ -1,0 +1,82 @@
+"""Tensor parallelism with DTensor, and activation checkpointing: the two per-block transforms
+`parallelize` applies between the pipeline split and data parallelism.
+
+A tensor-parallel plan maps module names to torch's parallel styles (ColwiseParallel,
+RowwiseParallel, SequenceParallel, PrepareModuleInput, …). It comes from `parallel.tp_plan`
+(`package.module:function`, called as `function(model, sequence_parallel=...)`) or, when that is
+empty, from the model's own `tp_plan(sequence_parallel=...)` method (the built-in GPT has one).
+A plan names only modules present in the model it is given, so it works on a pipeline stage.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from shardwise.config import ConfigError
+
+PlanFn = Callable[..., dict[str, ParallelStyle]]
+
+
+def tensor_parallel_plan(
+    model: nn.Module, plan_fn: PlanFn | None, *, tp: int, sequence_parallel: bool
+) -> dict[str, ParallelStyle]:
+    """The plan from `parallel.tp_plan` if given, else the model's own `tp_plan()`."""
+    if plan_fn is not None:
+        return plan_fn(model, sequence_parallel=sequence_parallel)
+    own = getattr(model, "tp_plan", None)
+    if not callable(own):
+        raise ConfigError(
+            f"parallel.tp = {tp} needs a tensor-parallel plan: {type(model).__name__} has no "
+            "tp_plan() method, so set parallel.tp_plan = 'package.module:function' (see README, "
+            "'Tensor parallelism')"
+        )
+    plan: dict[str, ParallelStyle] = own(sequence_parallel=sequence_parallel)
+    return plan
+
+
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: DeviceMesh, plan_fn: PlanFn | None, *, sequence_parallel: bool
+) -> None:
+    """Shard the model's layers over the `tp` axis, in place."""
+    plan = tensor_parallel_plan(
+        model, plan_fn, tp=tp_mesh.size(), sequence_parallel=sequence_parallel
+    )
+    parallelize_module(model, tp_mesh, plan)
+
+
+# Ops whose outputs selective checkpointing keeps: the matrix multiplies of linear layers, the
+# expensive part to recompute. Everything else (attention core, norms, activations, dropout) is
+# recomputed: the "selective recomputation" of Korthikanti et al. (2022), §4.2, which stores the
+# linear layers' outputs and recomputes the attention scores, softmax and dropout.
+_SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+
+def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpointing(model: nn.Module, blocks: list[str], mode: str) -> None:
+    """Wrap each block so that its activations are recomputed in backward (`full`), or all but
+    the matrix-multiply outputs (`selective`)."""
+    if mode == "none":
+        return
+    kwargs: dict[str, Any] = {"preserve_rng_state": True}  # dropout recomputes the same masks
+    if mode == "selective":
+        kwargs["context_fn"] = functools.partial(
+            create_selective_checkpoint_contexts, _selective_policy
+        )
+    for name in blocks:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        block = parent._modules.get(leaf)
+        if block is not None:
+            parent._modules[leaf] = checkpoint_wrapper(block, **kwargs)

@@ -1,0 +1,200 @@
+"""One optimizer step and one evaluation, for every layout: the only place with forward and
+backward. A run's model is a list of parts (one, or one per local pipeline stage), each with its
+own optimizer; everything else is the same whatever the layout.
+
+This module must not build anything: `loop.build_run` assembles the `Run` it works on.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
+
+from shardwise import builders
+from shardwise.checkpoint.manager import CheckpointManager
+from shardwise.config import Derived, JobConfig
+from shardwise.parallel.apply import Layout, gradient_sync
+from shardwise.parallel.pipeline import pipeline_forward
+from shardwise.trainer.data import StepLoader
+from shardwise.trainer.precision import autocast
+
+
+@dataclass
+class Run:
+    """The parts of a training run, built once by `loop.build_run`."""
+
+    config: JobConfig
+    derived: Derived
+    device: torch.device
+    layout: Layout
+    loss_fn: builders.LossFn
+    optimizers: list[torch.optim.Optimizer]
+    schedulers: list[torch.optim.lr_scheduler.LambdaLR]
+    scaler: torch.amp.GradScaler
+    loader: StepLoader
+    eval_data: DataLoader | None
+    checkpoints: CheckpointManager
+    dp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup | None
+    tokens_per_sample: int
+    mesh: DeviceMesh
+    rank: int = field(default_factory=dist.get_rank)
+    step_seconds: float = 0.0
+    """Time spent in training steps after the first (for the measured pipeline bubble)."""
+
+    @property
+    def parts(self) -> list[nn.Module]:
+        return self.layout.parts
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for part in self.parts for p in part.parameters()]
+
+
+def train_step(run: Run, micro_batches: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One optimizer step over this rank's micro-batches; returns (this rank's mean loss, zero on
+    pipeline ranks without the last stage; the global gradient norm before clipping, or None when
+    clipping is off)."""
+    if run.layout.pipeline is not None:
+        loss = _pipeline_forward_backward(run, micro_batches)
+    else:
+        loss = _forward_backward(run, micro_batches)
+    for optimizer in run.optimizers:
+        run.scaler.unscale_(optimizer)
+    grad_norm = None
+    if run.config.train.grad_clip > 0:
+        grad_norm = clip_grad_norm(run.parameters(), run.config.train.grad_clip, run.pp_group)
+    for optimizer in run.optimizers:
+        run.scaler.step(optimizer)
+    run.scaler.update()
+    for optimizer in run.optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    return loss, grad_norm
+
+
+def _forward_backward(run: Run, micro_batches: list[Any]) -> torch.Tensor:
+    (model,) = run.parts
+    precision = run.config.train.precision
+    total = torch.zeros((), device=run.device)
+    for i, (inputs, target) in enumerate(micro_batches):
+        inputs, target = to_device(inputs, run.device), to_device(target, run.device)
+        with gradient_sync(model, enabled=i == len(micro_batches) - 1):
+            with autocast(precision, run.device):
+                loss = run.loss_fn(model(inputs), target) / len(micro_batches)
+            run.scaler.scale(loss).backward()
+        total += loss.detach()
+    return total
+
+
+def _pipeline_forward_backward(run: Run, micro_batches: list[Any]) -> torch.Tensor:
+    """The schedule splits the rank's batch back into the same micro-batches, runs them through
+    the stages and accumulates their gradients (divided by their number: `scale_grads`)."""
+    pipe = run.layout.pipeline
+    assert pipe is not None
+    assert pipe.schedule is not None
+    inputs = to_device(torch.cat([mb[0] for mb in micro_batches]), run.device)
+    target = to_device(torch.cat([mb[1] for mb in micro_batches]), run.device)
+    losses: list[torch.Tensor] = []
+    args = (inputs,) if pipe.has_first else ()
+    kwargs: dict[str, Any] = {"target": target, "losses": losses} if pipe.has_last else {}
+    with autocast(run.config.train.precision, run.device):
+        pipe.schedule.step(*args, **kwargs)
+    if not losses:
+        return torch.zeros((), device=run.device)
+    return torch.stack(losses).mean().detach()
+
+
+def clip_grad_norm(
+    params: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """Clip the gradient norm of the whole model, whatever holds it: sharded gradients (DTensors,
+    grouped by mesh and placement, each group's norm reduced over its mesh), plain ones, and the
+    other pipeline stages' (their squared norms summed over the `pp` axis)."""
+    groups: dict[Any, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        if p.grad is not None:
+            grad = p.grad
+            key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
+            groups[key].append(grad)
+    norms = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = norms[0] if len(norms) == 1 else torch.stack(norms).norm()
+    if pp_group is not None:
+        squared = total.square()
+        dist.all_reduce(squared, group=pp_group)
+        total = squared.sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for grads in groups.values():
+            for g in grads:
+                (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
+    return total
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> dict[str, float]:
+    """Held-out loss (and accuracy for classification), exact over the whole split: each rank sums
+    loss × targets, correct predictions and counts; the sums are added across ranks."""
+    assert run.eval_data is not None
+    for part in run.parts:
+        part.eval()
+    # [loss sum, correct, target count, targets where accuracy applies]
+    sums = torch.zeros(4, dtype=torch.float64, device=run.device)
+    for inputs, target in run.eval_data:
+        inputs, target = to_device(inputs, run.device), to_device(target, run.device)
+        with autocast(run.config.train.precision, run.device):
+            outputs = _forward(run, inputs)
+        if outputs is None:
+            continue  # a pipeline rank without the last stage
+        count = target.numel()
+        sums[0] += run.loss_fn(outputs, target).double() * count
+        sums[2] += count
+        if outputs.dim() == target.dim() + 1 and not target.is_floating_point():
+            sums[1] += (outputs.argmax(-1) == target).sum()
+            sums[3] += count
+    if run.pp_group is not None:
+        dist.all_reduce(sums, group=run.pp_group)  # only the last stage's ranks counted
+    dist.all_reduce(sums, group=run.dp_group)
+    for part in run.parts:
+        part.train()
+    result = {"eval/loss": (sums[0] / sums[2].clamp(min=1)).item()}
+    if sums[3] > 0:
+        result["eval/accuracy"] = (sums[1] / sums[3]).item()
+    return result
+
+
+def _forward(run: Run, inputs: Any) -> torch.Tensor | None:
+    if run.layout.pipeline is not None:
+        return pipeline_forward(run.layout.pipeline, inputs)
+    (model,) = run.parts
+    out: torch.Tensor = model(inputs)
+    return out
+
+
+def mean_loss(run: Run, losses: list[torch.Tensor]) -> float:
+    """The mean training loss over these steps and over data-parallel ranks (from the last
+    pipeline stage, the only one that computes it)."""
+    loss = torch.stack(losses).mean()
+    if run.pp_group is not None:
+        dist.all_reduce(loss, group=run.pp_group)
+    dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=run.dp_group)
+    return float(loss.item())
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, tuple | list):
+        return type(value)(to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    return value

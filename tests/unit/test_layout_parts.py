@@ -1,0 +1,171 @@
+"""The parts of parallel layouts that need no process group: splitting a model into pipeline
+stages, placing stages on ranks, meta-device initialisation, and the checks made before launch."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import gpt_job
+from shardwise.config import ConfigError, derive
+from shardwise.models.gpt import build_gpt
+from shardwise.parallel.apply import check_layout
+from shardwise.parallel.init import materialize, supports_meta_init
+from shardwise.parallel.pipeline import (
+    balance,
+    explicit_split,
+    pipeline_blocks,
+    stage_indices,
+    stage_module,
+)
+
+
+def test_balance_minimises_the_most_expensive_stage():
+    assert balance([1, 1, 1, 1], 2) == [0, 2]
+    assert balance([5, 1, 1, 1, 1, 1], 2) == [0, 1]  # 5 | 5
+    assert balance([1, 1, 1, 1, 1, 5], 2) == [0, 5]
+    assert balance([3, 3, 3], 3) == [0, 1, 2]
+    costs = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0, 5.0, 3.0]
+    for stages in range(1, 6):
+        best = min(
+            _largest(costs, [0, *cuts])
+            for cuts in itertools.combinations(range(1, len(costs)), stages - 1)
+        )
+        assert _largest(costs, balance(costs, stages)) == best  # as good as trying every split
+
+
+def _largest(costs, starts):
+    bounds = [*starts, len(costs)]
+    return max(sum(costs[bounds[i] : bounds[i + 1]]) for i in range(len(starts)))
+
+
+def test_explicit_split_names_the_first_block_of_each_stage():
+    blocks = ["embed", "layers.0", "layers.1", "final"]
+    assert explicit_split(blocks, ["layers.1"], 2) == [0, 2]
+    with pytest.raises(ConfigError, match="is not one of the model's blocks"):
+        explicit_split(blocks, ["layers.7"], 2)
+    with pytest.raises(ConfigError, match="need 1"):
+        explicit_split(blocks, [], 2)
+    with pytest.raises(ConfigError, match="distinct blocks in model order"):
+        explicit_split(blocks, ["final", "layers.0"], 3)
+
+
+def test_stage_placement_follows_the_schedule():
+    assert stage_indices("1F1B", pp_rank=1, pp=4, stages_per_rank=1) == [1]
+    assert stage_indices("Interleaved1F1B", pp_rank=1, pp=4, stages_per_rank=2) == [1, 5]
+    assert stage_indices("ZBVZeroBubble", pp_rank=0, pp=4, stages_per_rank=2) == [0, 7]
+    assert stage_indices("DualPipeV", pp_rank=3, pp=4, stages_per_rank=2) == [3, 4]
+
+
+def test_stages_keep_the_whole_models_names_and_compose_to_it():
+    model = build_gpt(layers=2, heads=2, hidden=16, seq_len=8)
+    blocks = pipeline_blocks(model)
+    assert blocks == ["embed", "layers.0", "layers.1", "final"]
+    first = stage_module(model, blocks, {"embed", "layers.0"})
+    second = stage_module(model, blocks, {"layers.1", "final"})
+    assert set(dict(first.named_parameters())) | set(dict(second.named_parameters())) == set(
+        dict(model.named_parameters())
+    )
+    tokens = torch.randint(0, 256, (2, 8))
+    torch.testing.assert_close(second(first(tokens)), model(tokens))
+
+
+def test_a_sequential_model_splits_too():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    blocks = pipeline_blocks(model)
+    head = stage_module(model, blocks, {"0", "1"})
+    tail = stage_module(model, blocks, {"2"})
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(tail(head(x)), model(x))
+    assert list(dict(tail.named_parameters())) == ["2.weight", "2.bias"]
+
+
+def test_a_model_that_is_not_a_sequence_is_refused():
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(2, 2)
+
+    with pytest.raises(ConfigError, match="sequence of blocks"):
+        pipeline_blocks(Branchy())
+
+
+def test_meta_init_gives_the_same_values_whatever_is_materialized():
+    with torch.device("meta"):
+        model = build_gpt(layers=2, heads=2, hidden=16, seq_len=8)
+    assert supports_meta_init(model)
+    template = copy.deepcopy(model)
+    whole = copy.deepcopy(model)
+    materialize([whole], template, seed=7, device=torch.device("cpu"))
+    blocks = pipeline_blocks(model)
+    stage = stage_module(model, blocks, {"layers.1", "final"})
+    materialize([stage], template, seed=7, device=torch.device("cpu"))
+    for name, value in stage.named_parameters():
+        assert torch.equal(value, dict(whole.named_parameters())[name]), name
+    # GPT-2's init: weights normal(0, 0.02), biases zero, norms one
+    assert whole.layers["0"].mlp.up.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    assert torch.all(whole.layers["0"].mlp.up.bias == 0)
+    assert torch.all(whole.final.norm.weight == 1)
+    # modules get different streams; another seed gives other values
+    assert not torch.equal(whole.layers["0"].attn.q.weight, whole.layers["0"].attn.k.weight)
+    again = copy.deepcopy(model)
+    materialize([again], template, seed=8, device=torch.device("cpu"))
+    assert not torch.equal(again.embed.tok.weight, whole.embed.tok.weight)
+
+
+def gpt_layout(tmp_path, world_size, **parallel):
+    config = gpt_job(
+        tmp_path, model={"args": {"layers": 2, "heads": 4, "hidden": 32}}, parallel=parallel
+    )
+    return config, derive(config, world_size)
+
+
+@pytest.mark.parametrize(
+    ("world", "parallel", "message"),
+    [
+        (4, {"pp": 4, "pipeline_schedule": "Interleaved1F1B"}, "8 pipeline stages, but the model"),
+        (3, {"tp": 3}, "does not divide the 4 attention heads"),
+        (2, {"pp": 2, "pipeline_split": ["layers.9"]}, "is not one of the model's blocks"),
+    ],
+)
+def test_impossible_layouts_fail_before_launch(tmp_path, world, parallel, message):
+    config, derived = gpt_layout(tmp_path, world, **parallel)
+    with pytest.raises(ConfigError, match=message):
+        check_layout(config, derived)
+
+
+@pytest.mark.parametrize(
+    ("world", "parallel", "train", "message"),
+    [
+        (2, {"pp": 2, "pipeline_schedule": "1F1B"}, {"micro_batch": 16}, "at least as many"),
+        (2, {"pp": 2, "pipeline_schedule": "DualPipeV"}, {"micro_batch": 8}, "DualPipeV needs"),
+        (2, {"pp": 2, "pipeline_schedule": "GPipe", "stages_per_rank": 2}, {}, "one stage per"),
+        (2, {"pp": 2, "pipeline_schedule": "ZBVZeroBubble", "stages_per_rank": 3}, {}, "exactly 2"),
+        (2, {"num_microbatches": 2}, {}, "applies to pipeline parallelism"),
+        (2, {"dp_shard": 2}, {"precision": "fp16"}, "use 'bf16'"),
+        (
+            2,
+            {"pp": 2, "pipeline_schedule": "Interleaved1F1B"},
+            {"global_batch": 10, "micro_batch": 2},
+            "rounds of 2",
+        ),
+    ],
+)
+def test_pipeline_and_precision_settings_are_checked(tmp_path, world, parallel, train, message):
+    config = gpt_job(tmp_path, parallel=parallel, train=train)
+    with pytest.raises(ConfigError, match=message):
+        derive(config, world)
+
+
+def test_pipeline_micro_batches_derive_from_either_key(tmp_path):
+    config = gpt_job(
+        tmp_path, parallel={"pp": 2, "num_microbatches": 8}, train={"micro_batch": None}
+    )
+    derived = derive(config, 2)
+    assert (derived.micro_batch, derived.grad_accum, derived.stages_per_rank) == (2, 8, 1)
+    looped = gpt_job(tmp_path, parallel={"pp": 2, "pipeline_schedule": "Interleaved1F1B"})
+    assert derive(looped, 2).stages_per_rank == 2
