@@ -1,12 +1,18 @@
-"""A user-supplied model, datasets and loss, loaded by shardwise from their import paths.
+"""A user-supplied model, datasets, loss and tensor-parallel plan, loaded by shardwise from their
+import paths.
 
     shardwise train examples/tabular.toml --nproc 2
+    shardwise train examples/tabular.toml --nproc 2 --set parallel.tp=2 \
+        --set parallel.tp_plan=examples.tabular:tp_plan
+    shardwise train examples/tabular.toml --nproc 2 --set parallel.pp=2
 
 The contracts (see README, "Bring your own model and data"):
 - build_model(**model.args) -> torch.nn.Module, called with the same seed on every rank;
 - build_datasets(**data.args) -> (train, held_out): map-style datasets of (inputs, target) pairs,
   held_out may be None;
-- loss(outputs, target) -> scalar tensor, the mean over the batch.
+- loss(outputs, target) -> scalar tensor, the mean over the batch;
+- tp_plan(model, *, sequence_parallel) -> {module name: torch parallel style}, for parallel.tp > 1;
+- pipeline parallelism needs nothing more: the model is an nn.Sequential, a sequence of blocks.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from sklearn.datasets import load_breast_cancer
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.utils.data import TensorDataset
 
 
@@ -44,3 +51,11 @@ def build_datasets(*, eval_fraction: float = 0.25) -> tuple[TensorDataset, Tenso
 def loss(outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Cross-entropy with a little label smoothing."""
     return F.cross_entropy(outputs, target, label_smoothing=0.05)
+
+
+def tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """Megatron's MLP split: the first layer by output columns (each rank a slice of the hidden
+    units; ReLU and dropout work on the slice), the last by input rows, summed across ranks.
+    There is no sequence here, so `sequence_parallel` changes nothing."""
+    del sequence_parallel
+    return {"0": ColwiseParallel(), "3": RowwiseParallel()}

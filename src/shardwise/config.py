@@ -262,19 +262,24 @@ def derive(config: JobConfig, world_size: int) -> Derived:
             "parallel.num_microbatches applies to pipeline parallelism (parallel.pp > 1); "
             "for gradient accumulation set train.micro_batch"
         )
+    stages_per_rank = _stages_per_rank(par, pp)
+    microbatches = par.num_microbatches
+    if pp > 1 and microbatches is None and train.micro_batch is None:
+        microbatches = pp * stages_per_rank  # enough for every schedule to fill the pipeline
     micro = train.micro_batch
-    if micro is None and par.num_microbatches is not None:
-        micro = max(train.global_batch // (dp * par.num_microbatches), 1)
+    if micro is None and microbatches is not None:
+        micro = max(train.global_batch // (dp * microbatches), 1)
     micro = micro or train.global_batch // dp
     if micro == 0 or train.global_batch % (micro * dp):
         raise ConfigError(_batch_hint(train.global_batch, micro, dp))
     grad_accum = train.global_batch // (micro * dp)
-    if par.num_microbatches not in (None, grad_accum):
+    if microbatches not in (None, grad_accum):
         raise ConfigError(
-            f"parallel.num_microbatches = {par.num_microbatches} but train.micro_batch = {micro} "
-            f"gives {grad_accum} micro-batches per rank; set only one of them"
+            f"{microbatches} pipeline micro-batches per rank (parallel.num_microbatches) do not "
+            f"divide train.global_batch ({train.global_batch}) over {dp} data-parallel ranks "
+            f"with train.micro_batch = {micro}; set train.micro_batch or num_microbatches so "
+            "that global_batch = micro_batch × num_microbatches × data-parallel ranks"
         )
-    stages_per_rank = _stages_per_rank(par, pp)
     if pp > 1:
         _check_schedule(par.pipeline_schedule, pp, stages_per_rank, grad_accum)
     layered = pp > 1 or degrees["tp"] > 1 or degrees["dp_shard"] > 1

@@ -20,7 +20,8 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 # Segments that wrappers insert into parameter names (activation checkpointing, DDP, compile).
 _WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "module", "_orig_mod")
@@ -55,11 +56,11 @@ def materialize(
         for name, tensor in itertools.chain(part.named_parameters(), part.named_buffers()):
             targets[clean_name(name)] = tensor
     init_weights = getattr(template, "init_weights", None)
+    scratch = _Scratch()
     for prefix, module in _owning_modules(template):
-        owned = _own_tensors(module, prefix)
-        if not any(name in targets for name, _ in owned):
+        if not any(name in targets for name, _ in _own_tensors(module, prefix)):
             continue  # another pipeline stage owns it
-        module.to_empty(device="cpu", recurse=False)
+        scratch.attach(module)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(module_seed(seed, prefix))
             reset = getattr(module, "reset_parameters", None)
@@ -71,19 +72,55 @@ def materialize(
             for name, full in _own_tensors(module, prefix):
                 if name in targets:
                     copy_slice(full, targets[name])
-        module.to_empty(device="meta", recurse=False)  # free the full-size copy
+        module.to_empty(device="meta", recurse=False)
+
+
+class _Scratch:
+    """One reusable CPU buffer per dtype for the full-size copy of the module being initialised.
+    Allocating and freeing a full-size copy per module instead lets the C allocator keep the
+    freed memory (measured: a 400 MB model sharded over 2 ranks grew each rank by 450 MB, not
+    200), which defeats the point of initialising on the meta device."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+
+    def attach(self, module: nn.Module) -> None:
+        """Point the module's own parameters and buffers at views of the scratch buffers."""
+        own = [*module._parameters.items(), *module._buffers.items()]
+        needed: dict[torch.dtype, int] = {}
+        for _, t in own:
+            if t is not None:
+                needed[t.dtype] = needed.get(t.dtype, 0) + t.numel()
+        offsets = dict.fromkeys(needed, 0)
+        for name, t in own:
+            if t is None:
+                continue
+            buffer = self._buffer(t.dtype, needed[t.dtype])
+            start = offsets[t.dtype]
+            view = buffer[start : start + t.numel()].view(t.shape)
+            offsets[t.dtype] += t.numel()
+            if name in module._parameters:
+                module._parameters[name] = nn.Parameter(view, requires_grad=t.requires_grad)
+            else:
+                module._buffers[name] = view
+
+    def _buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        buffer = self._buffers.get(dtype)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._buffers[dtype] = torch.empty(numel, dtype=dtype)
+        return buffer
 
 
 def copy_slice(full: torch.Tensor, target: torch.Tensor) -> None:
-    """Copy into `target` its part of `full`: all of it for a plain tensor, this rank's shard
-    for a DTensor (a local slice: no communication, every rank holds the same `full`)."""
+    """Copy into `target` its part of `full`: all of it for a plain tensor, this rank's shard for
+    a DTensor (a slice at the shard's offset: no communication, every rank holds the same
+    `full`)."""
     if isinstance(target, DTensor):
-        mesh = target.device_mesh
-        replicated = DTensor.from_local(
-            full.to(target.device), mesh, [Replicate()] * mesh.ndim, run_check=False
+        shape, offset = compute_local_shape_and_global_offset(
+            full.shape, target.device_mesh, target.placements
         )
-        local = replicated.redistribute(mesh, target.placements).to_local()
-        target.to_local().copy_(local)
+        index = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+        target.to_local().copy_(full[index])
     else:
         target.copy_(full)
 
