@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from shardwise import builders
 from shardwise.config import derive, load_config
-from shardwise.trainer.optim import lr_factor
+from shardwise.trainer.optim import build_optimizer, lr_factor
 
 
 def main() -> None:
@@ -49,9 +49,9 @@ def train_loop() -> None:
     train_set, _ = builders.build_datasets(config)
     sampler = DistributedSampler(train_set, shuffle=True, seed=config.job.seed, drop_last=True)
     loader = DataLoader(train_set, batch_size=derived.micro_batch, sampler=sampler, drop_last=True)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=derived.lr, betas=train.betas, weight_decay=train.weight_decay
-    )
+    # The same parameter groups as shardwise (no weight decay on biases and norms), so both
+    # do the same optimizer work.
+    optimizer = build_optimizer(model, train, lr=derived.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: lr_factor(k + 1, train))
     loss_fn = builders.build_loss(config)
 

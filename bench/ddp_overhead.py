@@ -3,9 +3,11 @@
 shardwise on 1 and 2 processes at the same global batch.
 
 Method (../shared/DESIGN.md, "Performance method"): every contender is a whole program started
-the same way (torch's elastic agent), one torch thread per rank and OMP_NUM_THREADS=1. Each is run
-for a short and a long number of steps; (long - short) / (extra steps) is the steady-state step
-time, so start-up cancels out (and is reported separately). Contenders are interleaved and the
+the same way (torch's elastic agent), one torch thread per rank and OMP_NUM_THREADS=1. Each prints
+a line every `log_every` steps; this script timestamps those lines as they arrive, and the
+steady-state step time is (time of the last step's line - time of the line at the warm-up step) /
+(steps between them). Start-up (launch to the first line) and the end (evaluation, checkpoint,
+exit) fall outside the window and are reported separately. Contenders are interleaved and the
 whole comparison repeated; medians and the min-max spread are printed.
 
     python bench/ddp_overhead.py                 # digits CNN and the byte-level GPT, 5 repeats
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -26,10 +29,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 JOBS = {
-    # name: (job file, short steps, long steps, extra --set overrides). The short run is long
+    # name: (job file, warm-up steps, total steps, extra --set overrides). The warm-up is long
     # enough that one-off start-up work (MLflow creating its store) ends inside it.
-    "digits": ("examples/digits.toml", 1000, 3000, ["train.global_batch=64"]),
-    "gpt": ("examples/text-gpt.toml", 100, 300, ["train.global_batch=32", "train.precision=fp32"]),
+    "digits": ("examples/digits.toml", 500, 3000, ["train.global_batch=64"]),
+    "gpt": ("examples/text-gpt.toml", 50, 250, ["train.global_batch=32", "train.precision=fp32"]),
 }
 COMMON = ["eval.every_steps=0", "checkpoint.every_steps=0", "tracking.log_every=25"]
 
@@ -47,7 +50,7 @@ def baseline_cmd(nproc: int):
     def make(job: str, steps: int, run_dir: Path, sets: list[str]) -> list[str]:
         del run_dir  # the baseline writes nothing
         script = str(REPO / "bench" / "baseline_ddp.py")
-        flags = [a for s in sets for a in ("--set", s)]
+        flags = [a for s in [*sets, *COMMON] for a in ("--set", s)]
         return [
             str(BIN / "torchrun"),
             "--standalone",
@@ -72,32 +75,45 @@ CONTENDERS = {
 }
 
 
-def wall(cmd: list[str]) -> float:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    began = time.perf_counter()
-    done = subprocess.run(
-        cmd, cwd=REPO, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL
+STEP_LINE = re.compile(r"^step (\d+)")
+
+
+def timed(cmd: list[str], warmup: int, steps: int) -> tuple[float, float]:
+    """Run a contender; return (steady-state seconds per step, start-up seconds)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    began = time.monotonic()
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
     )
-    took = time.perf_counter() - began
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
-    return took
+    assert proc.stdout is not None
+    seen: dict[int, float] = {}
+    for line in proc.stdout:
+        match = STEP_LINE.match(line)
+        if match:
+            seen.setdefault(int(match.group(1)), time.monotonic())
+    _, err = proc.communicate()
+    if proc.returncode != 0 or warmup not in seen or steps not in seen:
+        raise SystemExit(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{err[-3000:]}")
+    return (seen[steps] - seen[warmup]) / (steps - warmup), min(seen.values()) - began
 
 
-def measure(job: str, short: int, long: int, sets: list[str], repeats: int):
+def measure(job: str, warmup: int, steps: int, sets: list[str], repeats: int):
     """Per contender: lists of steady-state seconds per step and of start-up seconds."""
     per_step: dict[str, list[float]] = {name: [] for name in CONTENDERS}
     startup: dict[str, list[float]] = {name: [] for name in CONTENDERS}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(repeats):
             for name, make in CONTENDERS.items():  # interleaved: A, B, C, A, B, C, ...
-                times = {}
-                for steps in (short, long):
-                    run_dir = Path(tmp) / f"{name}-{repeat}-{steps}".replace(" ", "_")
-                    times[steps] = wall(make(job, steps, run_dir, sets))
-                step = (times[long] - times[short]) / (long - short)
+                run_dir = Path(tmp) / f"{name}-{repeat}".replace(" ", "_")
+                step, start = timed(make(job, steps, run_dir, sets), warmup, steps)
                 per_step[name].append(step)
-                startup[name].append(times[short] - short * step)
+                startup[name].append(start)
                 print(f"  repeat {repeat + 1}: {name:<30} {step * 1e3:7.2f} ms/step", flush=True)
     return per_step, startup
 
@@ -117,9 +133,11 @@ def main() -> None:
         "2 threads for 1 process; OMP_NUM_THREADS=1"
     )
     for name in args.jobs:
-        job, short, long, sets = JOBS[name]
-        print(f"\n{name}: {job} {' '.join(sets)}, steps {short} vs {long}, {args.repeats} repeats")
-        per_step, startup = measure(job, short, long, sets, args.repeats)
+        job, warmup, steps, sets = JOBS[name]
+        print(
+            f"\n{name}: {job} {' '.join(sets)}, steps {warmup} to {steps}, {args.repeats} repeats"
+        )
+        per_step, startup = measure(job, warmup, steps, sets, args.repeats)
         report(name, args.repeats, sets, per_step, startup)
 
 

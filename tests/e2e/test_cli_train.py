@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -248,6 +249,9 @@ def test_ctrl_c_stops_every_process(tmp_path):
     assert proc.returncode == 130, err
     assert "shardwise: stopped by SIGINT" in err
     assert "Traceback" not in err
+    deadline = time.monotonic() + 10  # processes the launcher stopped may still be exiting
+    while session_processes(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert session_processes(proc.pid) == []
 
 
