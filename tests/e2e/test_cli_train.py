@@ -165,29 +165,31 @@ def test_a_failing_worker_is_named(tmp_path):
     assert "--- rank 1 traceback ---" in done.stderr and "faulty.py" in done.stderr
 
 
+USER_PLAN = "parallel.tp_plan=examples.tabular:tp_plan"
+SHORT_GPT = ["--set", "data.args.max_bytes=200000", "--set", "eval.max_samples=32"]
+
+
 @pytest.mark.parametrize(
-    ("job", "extra"),
+    ("job", "nproc", "extra"),
     [
+        ("examples/text-gpt.toml", 2, ["--set", "train.steps=6", *SHORT_GPT]),
+        ("examples/gpt-hybrid.toml", 4, ["--set", "train.steps=3", *SHORT_GPT]),
+        ("examples/tabular.toml", 2, ["--set", "train.steps=40"]),
         (
-            "examples/text-gpt.toml",
-            [
-                "--set",
-                "train.steps=6",
-                "--set",
-                "data.args.max_bytes=200000",
-                "--set",
-                "eval.max_samples=32",
-            ],
+            "examples/tabular.toml",
+            2,
+            ["--set", "train.steps=40", "--set", "parallel.tp=2", "--set", USER_PLAN],
         ),
-        ("examples/tabular.toml", ["--set", "train.steps=40"]),
+        ("examples/tabular.toml", 2, ["--set", "train.steps=40", "--set", "parallel.pp=2"]),
     ],
+    ids=["text-gpt", "gpt-hybrid", "tabular", "tabular-tp", "tabular-pp"],
 )
-def test_examples_run_as_written(tmp_path, job, extra):
+def test_examples_run_as_written(tmp_path, job, nproc, extra):
     done = shardwise(
         "train",
         job,
         "--nproc",
-        "2",
+        str(nproc),
         "--set",
         f"job.run_dir={tmp_path}",
         "--set",
@@ -197,6 +199,7 @@ def test_examples_run_as_written(tmp_path, job, extra):
     assert done.returncode == 0, done.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["metrics"]["eval/loss"] > 0
+    assert len(summary["memory"]) == nproc
 
 
 def session_processes(sid: int) -> list[int]:
