@@ -26,7 +26,11 @@ from typing import Any
 _FLUSH_SECONDS = 1.0
 _BATCH_LIMIT = 1000  # MLflow's log_batch accepts at most 1000 metrics per call
 _CLOSE_TIMEOUT = 120.0
-_NICENESS = 10
+# The lowest priority: when the trainer's ranks keep every core busy, CFS gives a nice-19 process
+# about 1.5% of a core, so MLflow's start-up (importing it, creating the store: ~3 s of CPU) and
+# its batches happen in the time the ranks leave idle. At nice 10 (~10% of a core) its start-up
+# still cost a 2-rank GPT run 5% of its throughput (bench/ddp_overhead.py).
+_NICENESS = 19
 
 
 class MlflowTracker:
@@ -102,7 +106,7 @@ def _serve(requests: Any, replies: Any, settings: tuple[Any, ...]) -> None:
     """The tracking process: open the store, then batch what the trainer sends until it closes
     the run. After a failure, keep reading (and dropping) until then."""
     uri, experiment, run_name, artifact_dir, run_id, id_file, parent = settings
-    os.nice(_NICENESS)  # the trainer's ranks come first; tracking uses what they leave idle
+    os.nice(_NICENESS)
     try:
         client, run_id = _open(uri, experiment, run_name, artifact_dir, run_id, id_file)
         replies.put(("run_id", run_id))

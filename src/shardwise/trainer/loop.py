@@ -10,33 +10,29 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tomli_w
 import torch
 import torch.distributed as dist
-from rich.console import Console
-from rich.table import Table
 from torch import nn
 
 from shardwise import builders
 from shardwise.checkpoint.layout import read_manifest
 from shardwise.checkpoint.manager import CheckpointManager
-from shardwise.config import ConfigError, Derived, JobConfig, derive, flatten, resolved
+from shardwise.config import ConfigError, Derived, JobConfig, derive, resolved
 from shardwise.parallel.apply import Layout, parallelize
 from shardwise.parallel.init import materialize, supports_meta_init
 from shardwise.parallel.mesh import build_mesh, dp_group, dp_position, pp_group
 from shardwise.parallel.pipeline import measure_block_costs
-from shardwise.tracking.metrics import JsonlTracker, Tracker, Trackers
-from shardwise.tracking.mlflow import MlflowTracker
+from shardwise.tracking.metrics import Tracker
 from shardwise.tracking.progress import ProgressDisplay
+from shardwise.trainer import report
 from shardwise.trainer import state as train_state
 from shardwise.trainer.data import GlobalBatchSampler, StepLoader, eval_loader
-from shardwise.trainer.memory import peak_bytes, state_bytes
+from shardwise.trainer.memory import state_bytes
 from shardwise.trainer.optim import build_optimizer, build_scheduler
 from shardwise.trainer.precision import DTYPES, grad_scaler
 from shardwise.trainer.step import Run, evaluate, mean_loss, train_step
@@ -61,7 +57,7 @@ def train(config: JobConfig, *, device: torch.device, resume: str | None) -> Tra
     """Train to `train.steps`, resuming from the checkpoint at `resume` if given."""
     run = build_run(config, device)
     start = restore(run, Path(resume)) if resume else 0
-    tracker, display = start_reporting(run, start, resumed=resume is not None)
+    tracker, display = report.start(run, start, resumed=resume is not None)
     status, summary = "FAILED", None
     try:
         summary = loop(run, start, tracker, display, resumed_from=Path(resume) if resume else None)
@@ -72,7 +68,7 @@ def train(config: JobConfig, *, device: torch.device, resume: str | None) -> Tra
         if tracker is not None:
             tracker.close(status)
     if summary is not None and run.rank == 0:
-        summary.mlflow_run_id = _mlflow_run_id(tracker)
+        summary.mlflow_run_id = report.mlflow_run_id(tracker)
         summary.resumed_from = start if resume else None
         (config.run_dir / "summary.json").write_text(_json(asdict(summary)))
     return summary if run.rank == 0 else None
@@ -215,7 +211,7 @@ def loop(
             scheduler.step()
         losses.append(loss)
         if step == start + 1:  # warm-up: shape inference, allocations; not in the bubble
-            memory = report_memory(run, display, tracker, step)
+            memory = report.memory(run, display, tracker, step)
             if run.layout.pipeline is not None:
                 run.layout.pipeline.reset_timers()
         else:
@@ -226,23 +222,23 @@ def loop(
             rates.append(stats["samples/s"])
             metrics.update(stats)
             losses, clock = [], time.perf_counter()
-            _report(tracker, display, stats, step)
+            report.report(tracker, display, stats, step)
         # Evaluation and checkpoint time is moved out of the throughput window (clock += ...).
         if _due(step, cfg.eval.every_steps, steps) and run.eval_data is not None:
             began = time.perf_counter()
             evaluation = evaluate(run)
             clock += time.perf_counter() - began
             metrics.update(evaluation)
-            _report(tracker, None, evaluation, step)
+            report.report(tracker, None, evaluation, step)
             if display is not None:
                 display.report(step, evaluation)
         if _due(step, cfg.checkpoint.every_steps, steps):
             began = time.perf_counter()
             checkpoint = save(run, step)
             clock += time.perf_counter() - began
-            _report(tracker, None, {"checkpoint/save_s": time.perf_counter() - began}, step)
+            report.report(tracker, None, {"checkpoint/save_s": time.perf_counter() - began}, step)
     if steps > start:
-        memory = report_memory(run, display, tracker, steps, final=True)
+        memory = report.memory(run, display, tracker, steps, final=True)
     return TrainSummary(
         step=steps,
         metrics=metrics,
@@ -252,68 +248,6 @@ def loop(
         samples_per_second=_median(rates[1:] or rates),
         memory=memory,
     )
-
-
-def report_memory(
-    run: Run,
-    display: ProgressDisplay | None,
-    tracker: Tracker | None,
-    step: int,
-    *,
-    final: bool = False,
-) -> list[dict[str, Any]]:
-    """Gather every rank's state bytes, peak memory and (under pipeline parallelism) measured
-    bubble to rank 0; print them once after the first step and at the end."""
-    mine: dict[str, Any] = {"rank": run.rank, **state_bytes(run.parts, run.optimizers)}
-    mine["peak"] = peak_bytes(run.device)
-    pipe = run.layout.pipeline
-    if pipe is not None and final and run.step_seconds > 0:
-        mine["bubble"] = max(0.0, 1.0 - pipe.busy_seconds() / run.step_seconds)
-        mine["bubble_theory"] = pipe.theoretical_bubble()
-    ranks: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(ranks, mine)
-    if run.rank != 0:
-        return []
-    if display is not None:
-        display.print_table(memory_table(ranks, title=f"per rank after step {step}"))
-    if tracker is not None:
-        flat = {
-            f"memory/rank{r['rank']}/{k}": float(v)
-            for r in ranks
-            for k, v in r.items()
-            if k != "rank"
-        }
-        tracker.log_metrics(flat, step)
-    return ranks
-
-
-def memory_table(ranks: list[dict[str, Any]], *, title: str) -> Table:
-    table = Table(title=title, title_justify="left")
-    keys = [k for k in ranks[0] if k != "rank"]
-    table.add_column("rank", justify="right")
-    for key in keys:
-        table.add_column(key, justify="right")
-    for r in ranks:
-        table.add_row(str(r["rank"]), *(_format_value(k, r.get(k)) for k in keys))
-    return table
-
-
-def _format_value(key: str, value: Any) -> str:
-    if value is None:
-        return "-"
-    if key.startswith("bubble"):
-        return f"{value:.1%}"
-    if isinstance(value, int | float):
-        return _human_bytes(float(value))
-    return str(value)
-
-
-def _human_bytes(value: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} GiB"
 
 
 def save(run: Run, step: int) -> Path:
@@ -363,43 +297,6 @@ def restore(run: Run, path: Path) -> int:
     return step
 
 
-def start_reporting(
-    run: Run, start: int, *, resumed: bool
-) -> tuple[Tracker | None, ProgressDisplay | None]:
-    """On rank 0: print the resolved config and derived numbers, save them, open the trackers."""
-    if run.rank != 0:
-        return None, None
-    cfg, derived = run.config, run.derived
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    config_toml = tomli_w.dumps(cfg.model_dump(mode="json", exclude_none=True))
-    (cfg.run_dir / "config.toml").write_text(config_toml)
-    console = _console()
-    console.print(f"resolved config (saved to {cfg.run_dir / 'config.toml'}):", highlight=False)
-    console.print(config_toml, highlight=False, markup=False, soft_wrap=True)
-    console.print(_derived_line(derived, run.tokens_per_sample), highlight=False, soft_wrap=True)
-    pipe = run.layout.pipeline
-    if pipe is not None:
-        stages = ", ".join(
-            f"stage {s} on pp rank {pipe.owner[s]}: {_span(names)}"
-            for s, names in sorted(pipe.block_names.items())
-        )
-        console.print(f"pipeline {pipe.schedule_name}: {stages}", highlight=False, soft_wrap=True)
-    if resumed:
-        console.print(f"resuming after step {start}", highlight=False)
-    trackers: list[Tracker] = [
-        JsonlTracker(cfg.run_dir / "metrics.jsonl", resumed_from=start if resumed else None)
-    ]
-    if cfg.tracking.mlflow:
-        trackers.append(_open_mlflow(cfg, resumed))
-    tracker = Trackers(trackers)
-    tracker.log_params(
-        {**flatten(cfg), **{f"derived.{k}": str(v) for k, v in asdict(derived).items()}}
-    )
-    tracker.log_artifact(cfg.run_dir / "config.toml")
-    display = ProgressDisplay(total_steps=cfg.train.steps, start_step=start, console=console)
-    return tracker, display
-
-
 def dry_run(config: JobConfig, device: torch.device) -> None:
     """Build the layout on the meta device, without allocating or training, and print on rank 0
     the mesh, which blocks each rank holds and each rank's parameter, gradient and optimizer
@@ -417,70 +314,13 @@ def dry_run(config: JobConfig, device: torch.device) -> None:
         "coordinates": " ".join(
             f"{a}={mesh.get_local_rank(a)}" for a in mesh.mesh_dim_names or () if mesh[a].size() > 1
         ),
-        "holds": _holds(layout),
+        "holds": report.holds(layout),
         **state_bytes(layout.parts, optimizer_states_per_param=per_param),
     }
     ranks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
-    if dist.get_rank() != 0:
-        return
-    console = _console()
-    console.print(_derived_line(derived, _tokens_per_sample(train_set[0])), highlight=False)
-    console.print(f"data-parallel wrapper: {layout.wrapper}", highlight=False)
-    table = Table(title="dry run: what each rank holds (nothing was allocated)")
-    for column in ("rank", "mesh", "blocks", "params", "grads", "optimizer"):
-        left = column in ("mesh", "blocks")
-        table.add_column(column, justify="left" if left else "right", no_wrap=True)
-    for r in ranks:
-        table.add_row(
-            str(r["rank"]),
-            r["coordinates"],
-            r["holds"],
-            *(_human_bytes(r[k]) for k in ("params", "grads", "optimizer")),
-        )
-    console.print(table)
-    total = {k: sum(r[k] for r in ranks) for k in ("params", "grads", "optimizer")}
-    console.print(
-        "all ranks: " + ", ".join(f"{k} {_human_bytes(v)}" for k, v in total.items()),
-        highlight=False,
-    )
-
-
-def _holds(layout: Layout) -> str:
-    pipe = layout.pipeline
-    if pipe is None:
-        return "the whole model"
-    return "; ".join(f"stage {s}: {_span(pipe.block_names[s])}" for s in sorted(pipe.modules))
-
-
-def _span(names: list[str]) -> str:
-    return names[0] if len(names) == 1 else f"{names[0]} … {names[-1]}"
-
-
-def _console() -> Console:
-    """Rich output; wide when not a terminal (logs and pipes have no width to fit)."""
-    return Console() if sys.stdout.isatty() else Console(width=120)
-
-
-def _open_mlflow(cfg: JobConfig, resumed: bool) -> MlflowTracker:
-    id_file = cfg.run_dir / "mlflow_run_id"
-    previous = id_file.read_text().strip() if resumed and id_file.exists() else None
-    return MlflowTracker(
-        uri=cfg.tracking_uri,
-        experiment=cfg.tracking.experiment,
-        run_name=cfg.job.name,
-        artifact_dir=None if cfg.tracking.uri else cfg.run_dir / "artifacts",
-        run_id=previous,
-        id_file=id_file,
-    )
-
-
-def _mlflow_run_id(tracker: Tracker | None) -> str | None:
-    if isinstance(tracker, Trackers):
-        for t in tracker.trackers:
-            if isinstance(t, MlflowTracker):
-                return t.run_id
-    return None
+    if dist.get_rank() == 0:
+        report.dry_run_table(ranks, derived, layout, _tokens_per_sample(train_set[0]))
 
 
 def _train_stats(
@@ -499,15 +339,6 @@ def _train_stats(
     return stats
 
 
-def _report(
-    tracker: Tracker | None, display: ProgressDisplay | None, stats: dict[str, float], step: int
-) -> None:
-    if tracker is not None:
-        tracker.log_metrics(stats, step)
-    if display is not None:
-        display.update(step, stats)
-
-
 def _manifest(run: Run) -> dict[str, Any]:
     config_json = _json(run.config.model_dump(mode="json"))
     return {
@@ -517,24 +348,6 @@ def _manifest(run: Run) -> dict[str, Any]:
         "model": run.config.model.model_dump(mode="json"),
         "config_sha256": hashlib.sha256(config_json.encode()).hexdigest(),
     }
-
-
-def _derived_line(derived: Derived, tokens_per_sample: int) -> str:
-    parts = [
-        f"world size {derived.world_size}",
-        "mesh " + " × ".join(f"{a}={d}" for a, d in derived.degrees.items()),
-        f"global batch {derived.global_batch}",
-        f"micro batch {derived.micro_batch}",
-    ]
-    if derived.degrees["pp"] > 1:
-        parts.append(f"pipeline micro-batches {derived.grad_accum}")
-        parts.append(f"stages per rank {derived.stages_per_rank}")
-    else:
-        parts.append(f"gradient accumulation {derived.grad_accum}")
-    parts += [f"samples/step {derived.global_batch}", f"lr {derived.lr:.3g}"]
-    if tokens_per_sample > 1:
-        parts.append(f"tokens/step {derived.global_batch * tokens_per_sample:,}")
-    return "derived: " + ", ".join(parts)
 
 
 def _num_samples(dataset: Any) -> int:

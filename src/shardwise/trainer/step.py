@@ -82,15 +82,18 @@ def train_step(run: Run, micro_batches: list[Any]) -> tuple[torch.Tensor, torch.
 def _forward_backward(run: Run, micro_batches: list[Any]) -> torch.Tensor:
     (model,) = run.parts
     precision = run.config.train.precision
-    total = torch.zeros((), device=run.device)
+    count = len(micro_batches)
+    losses = []
     for i, (inputs, target) in enumerate(micro_batches):
         inputs, target = to_device(inputs, run.device), to_device(target, run.device)
-        with gradient_sync(model, enabled=i == len(micro_batches) - 1):
+        with gradient_sync(model, enabled=i == count - 1):
             with autocast(precision, run.device):
-                loss = run.loss_fn(model(inputs), target) / len(micro_batches)
+                loss = run.loss_fn(model(inputs), target)
+                if count > 1:  # the mean over the rank's batch: each micro-batch's share
+                    loss = loss / count
             run.scaler.scale(loss).backward()
-        total += loss.detach()
-    return total
+        losses.append(loss.detach())
+    return losses[0] if count == 1 else torch.stack(losses).sum()
 
 
 def _pipeline_forward_backward(run: Run, micro_batches: list[Any]) -> torch.Tensor:
@@ -133,10 +136,10 @@ def clip_grad_norm(
         dist.all_reduce(squared, group=pp_group)
         total = squared.sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    grads = [g for group in groups.values() for g in group]
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     with torch.no_grad():
-        for grads in groups.values():
-            for g in grads:
-                (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
+        torch._foreach_mul_(local, coef)
     return total
 
 

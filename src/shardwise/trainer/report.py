@@ -1,0 +1,210 @@
+"""What rank 0 shows and records about a run: the resolved config and derived numbers at start,
+progress and metrics (through the trackers), the per-rank memory and bubble table, and the dry
+run's table. Nothing here changes training; everything here runs on rank 0 except the gathers.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict
+from typing import Any
+
+import tomli_w
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+
+from shardwise.config import Derived, JobConfig, flatten
+from shardwise.parallel.apply import Layout
+from shardwise.tracking.metrics import JsonlTracker, Tracker, Trackers
+from shardwise.tracking.mlflow import MlflowTracker
+from shardwise.tracking.progress import ProgressDisplay
+from shardwise.trainer.memory import peak_bytes, state_bytes
+from shardwise.trainer.step import Run
+
+
+def memory(
+    run: Run,
+    display: ProgressDisplay | None,
+    tracker: Tracker | None,
+    step: int,
+    *,
+    final: bool = False,
+) -> list[dict[str, Any]]:
+    """Gather every rank's state bytes, peak memory and (under pipeline parallelism) measured
+    bubble to rank 0; print them once after the first step and at the end."""
+    mine: dict[str, Any] = {"rank": run.rank, **state_bytes(run.parts, run.optimizers)}
+    mine["peak"] = peak_bytes(run.device)
+    pipe = run.layout.pipeline
+    if pipe is not None and final and run.step_seconds > 0:
+        mine["bubble"] = max(0.0, 1.0 - pipe.busy_seconds() / run.step_seconds)
+        mine["bubble_theory"] = pipe.theoretical_bubble()
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    if run.rank != 0:
+        return []
+    if display is not None:
+        display.print_table(memory_table(ranks, title=f"per rank after step {step}"))
+    if tracker is not None:
+        flat = {
+            f"memory/rank{r['rank']}/{k}": float(v)
+            for r in ranks
+            for k, v in r.items()
+            if k != "rank"
+        }
+        tracker.log_metrics(flat, step)
+    return ranks
+
+
+def memory_table(ranks: list[dict[str, Any]], *, title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    keys = [k for k in ranks[0] if k != "rank"]
+    table.add_column("rank", justify="right")
+    for key in keys:
+        table.add_column(key, justify="right")
+    for r in ranks:
+        table.add_row(str(r["rank"]), *(_format_value(k, r.get(k)) for k in keys))
+    return table
+
+
+def _format_value(key: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if key.startswith("bubble"):
+        return f"{value:.1%}"
+    if isinstance(value, int | float):
+        return human_bytes(float(value))
+    return str(value)
+
+
+def human_bytes(value: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
+
+
+def start(run: Run, start: int, *, resumed: bool) -> tuple[Tracker | None, ProgressDisplay | None]:
+    """On rank 0: print the resolved config and derived numbers, save them, open the trackers."""
+    if run.rank != 0:
+        return None, None
+    cfg, derived = run.config, run.derived
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    config_toml = tomli_w.dumps(cfg.model_dump(mode="json", exclude_none=True))
+    (cfg.run_dir / "config.toml").write_text(config_toml)
+    console = terminal()
+    console.print(f"resolved config (saved to {cfg.run_dir / 'config.toml'}):", highlight=False)
+    console.print(config_toml, highlight=False, markup=False, soft_wrap=True)
+    console.print(derived_line(derived, run.tokens_per_sample), highlight=False, soft_wrap=True)
+    pipe = run.layout.pipeline
+    if pipe is not None:
+        stages = ", ".join(
+            f"stage {s} on pp rank {pipe.owner[s]}: {span(names)}"
+            for s, names in sorted(pipe.block_names.items())
+        )
+        console.print(f"pipeline {pipe.schedule_name}: {stages}", highlight=False, soft_wrap=True)
+    if resumed:
+        console.print(f"resuming after step {start}", highlight=False)
+    trackers: list[Tracker] = [
+        JsonlTracker(cfg.run_dir / "metrics.jsonl", resumed_from=start if resumed else None)
+    ]
+    if cfg.tracking.mlflow:
+        trackers.append(_open_mlflow(cfg, resumed))
+    tracker = Trackers(trackers)
+    tracker.log_params(
+        {**flatten(cfg), **{f"derived.{k}": str(v) for k, v in asdict(derived).items()}}
+    )
+    tracker.log_artifact(cfg.run_dir / "config.toml")
+    display = ProgressDisplay(total_steps=cfg.train.steps, start_step=start, console=console)
+    return tracker, display
+
+
+def holds(layout: Layout) -> str:
+    pipe = layout.pipeline
+    if pipe is None:
+        return "the whole model"
+    return "; ".join(f"stage {s}: {span(pipe.block_names[s])}" for s in sorted(pipe.modules))
+
+
+def span(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]} … {names[-1]}"
+
+
+def terminal() -> Console:
+    """Rich output; wide when not a terminal (logs and pipes have no width to fit)."""
+    return Console() if sys.stdout.isatty() else Console(width=120)
+
+
+def _open_mlflow(cfg: JobConfig, resumed: bool) -> MlflowTracker:
+    id_file = cfg.run_dir / "mlflow_run_id"
+    previous = id_file.read_text().strip() if resumed and id_file.exists() else None
+    return MlflowTracker(
+        uri=cfg.tracking_uri,
+        experiment=cfg.tracking.experiment,
+        run_name=cfg.job.name,
+        artifact_dir=None if cfg.tracking.uri else cfg.run_dir / "artifacts",
+        run_id=previous,
+        id_file=id_file,
+    )
+
+
+def mlflow_run_id(tracker: Tracker | None) -> str | None:
+    if isinstance(tracker, Trackers):
+        for t in tracker.trackers:
+            if isinstance(t, MlflowTracker):
+                return t.run_id
+    return None
+
+
+def report(
+    tracker: Tracker | None, display: ProgressDisplay | None, stats: dict[str, float], step: int
+) -> None:
+    if tracker is not None:
+        tracker.log_metrics(stats, step)
+    if display is not None:
+        display.update(step, stats)
+
+
+def derived_line(derived: Derived, tokens_per_sample: int) -> str:
+    parts = [
+        f"world size {derived.world_size}",
+        "mesh " + " × ".join(f"{a}={d}" for a, d in derived.degrees.items()),
+        f"global batch {derived.global_batch}",
+        f"micro batch {derived.micro_batch}",
+    ]
+    if derived.degrees["pp"] > 1:
+        parts.append(f"pipeline micro-batches {derived.grad_accum}")
+        parts.append(f"stages per rank {derived.stages_per_rank}")
+    else:
+        parts.append(f"gradient accumulation {derived.grad_accum}")
+    parts += [f"samples/step {derived.global_batch}", f"lr {derived.lr:.3g}"]
+    if tokens_per_sample > 1:
+        parts.append(f"tokens/step {derived.global_batch * tokens_per_sample:,}")
+    return "derived: " + ", ".join(parts)
+
+
+def dry_run_table(
+    ranks: list[dict[str, Any]], derived: Derived, layout: Layout, tokens: int
+) -> None:
+    """Print what each rank of a dry run holds."""
+    console = terminal()
+    console.print(derived_line(derived, tokens), highlight=False)
+    console.print(f"data-parallel wrapper: {layout.wrapper}", highlight=False)
+    table = Table(title="dry run: what each rank holds (nothing was allocated)")
+    for column in ("rank", "mesh", "blocks", "params", "grads", "optimizer"):
+        left = column in ("mesh", "blocks")
+        table.add_column(column, justify="left" if left else "right", no_wrap=True)
+    for r in ranks:
+        table.add_row(
+            str(r["rank"]),
+            r["coordinates"],
+            r["holds"],
+            *(human_bytes(r[k]) for k in ("params", "grads", "optimizer")),
+        )
+    console.print(table)
+    total = {k: sum(r[k] for r in ranks) for k in ("params", "grads", "optimizer")}
+    console.print(
+        "all ranks: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in total.items()),
+        highlight=False,
+    )
