@@ -4,6 +4,9 @@
     config = shardwise.load_config("examples/digits.toml")
     summary = shardwise.train(config, nproc=2)
 
+    jobs = shardwise.load_many_models("examples/us-employment.toml")
+    result = shardwise.many_models(jobs)
+
 Names are imported on first use, so `shardwise --help` does not pay for importing torch.
 """
 
@@ -21,20 +24,28 @@ _EXPORTS = {
     "train": "shardwise.launch.local",
     "WorkerFailed": "shardwise.launch.local",
     "TrainSummary": "shardwise.trainer.loop",
+    "ManyModelsConfig": "shardwise.manymodel.config",
+    "load_many_models": "shardwise.manymodel.config",
+    "many_models": "shardwise.manymodel.runner",
 }
 
 if TYPE_CHECKING:
     from shardwise.config import ConfigError, JobConfig, load_config
     from shardwise.launch.local import WorkerFailed, train
+    from shardwise.manymodel.config import ManyModelsConfig, load_many_models
+    from shardwise.manymodel.runner import many_models
     from shardwise.trainer.loop import TrainSummary
 
 __all__ = [
     "ConfigError",
     "JobConfig",
+    "ManyModelsConfig",
     "TrainSummary",
     "WorkerFailed",
     "__version__",
     "load_config",
+    "load_many_models",
+    "many_models",
     "train",
 ]
 

@@ -14,12 +14,9 @@ one line instead of N tracebacks. This module must not build anything at import 
 from __future__ import annotations
 
 import difflib
-import importlib
 import inspect
-import sys
 import typing
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +28,7 @@ from torch.utils.data import Dataset
 from shardwise.config import ConfigError, JobConfig
 from shardwise.datasets.digits import build_digits
 from shardwise.datasets.text import build_text
+from shardwise.imports import import_object
 from shardwise.models.gpt import build_gpt
 from shardwise.models.vision import build_cnn, build_mlp
 
@@ -105,20 +103,7 @@ def resolve(name: str, builtins: dict[str, Any], key: str) -> Any:
             hint = f"; built-ins: {', '.join(builtins)}" if builtins else ""
         kind = "neither a built-in nor an import path" if builtins else "not an import path"
         raise ConfigError(f"{key} = '{name}' is {kind} like 'package.module:function'{hint}")
-    module_name, _, attr = name.partition(":")
-    cwd = str(Path.cwd())
-    if cwd not in sys.path:
-        sys.path.insert(0, cwd)  # like `python -m`: user modules resolve from where you run
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        raise ConfigError(
-            f"{key} = '{name}': cannot import module '{e.name}'; check the spelling and run "
-            "from the directory that contains the package"
-        ) from None
-    if not hasattr(module, attr):
-        raise ConfigError(f"{key} = '{name}': module '{module_name}' has no attribute '{attr}'")
-    return getattr(module, attr)
+    return import_object(name, key)
 
 
 def _check_args(section: str, builder: Callable[..., Any], args: dict[str, Any]) -> None:

@@ -49,6 +49,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the mesh, which blocks each rank holds and per-rank memory, without training",
     )
     train.add_argument("--debug", action="store_true", help="show tracebacks for every error")
+    many = commands.add_parser(
+        "many-models",
+        help="backtest, select and forecast a model per series, thousands at once, on Ray",
+    )
+    many.add_argument("job", help="the job's TOML file")
+    many.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a job-file value, e.g. --set data.num_series=10000 (repeatable)",
+    )
+    many.add_argument(
+        "--resume", action="store_true", help="keep finished chunks, run only the others"
+    )
+    many.add_argument(
+        "--features-backend", choices=("polars", "spark"), help="sets features.backend"
+    )
+    many.add_argument(
+        "--spark-master", metavar="URL", help="sets features.spark_master (default local[*])"
+    )
+    many.add_argument(
+        "--ray-address", metavar="ADDRESS", help="sets runner.ray_address ('auto': a cluster)"
+    )
+    many.add_argument("--debug", action="store_true", help="show tracebacks for every error")
     export = commands.add_parser(
         "export", help="write a checkpoint's model as one safetensors file, from any layout"
     )
@@ -61,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return _export(args) if args.command == "export" else _train(args)
+        commands = {"train": _train, "export": _export, "many-models": _many_models}
+        return commands[args.command](args)
     except ConfigError as e:
         if args.debug:
             raise
@@ -102,6 +129,20 @@ def _train(args: argparse.Namespace) -> int:
         if summary.mlflow_run_id:
             print(f"mlflow run: {summary.mlflow_run_id}")
     return 0
+
+
+def _many_models(args: argparse.Namespace) -> int:
+    from shardwise.manymodel.config import load_many_models
+    from shardwise.manymodel.runner import run
+
+    flags = {
+        "features.backend": args.features_backend,
+        "features.spark_master": args.spark_master,
+        "runner.ray_address": args.ray_address,
+    }
+    overrides = [*args.overrides, *(f"{k}={v!r}" for k, v in flags.items() if v is not None)]
+    summary = run(load_many_models(args.job, overrides), resume=args.resume)
+    return 0 if summary.completed or not summary.series else 1
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -44,11 +44,13 @@ class ConfigError(ValueError):
     """
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
+    """A job-file section: unknown keys are errors, assignments are validated."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class JobSection(_Section):
+class JobSection(Section):
     name: str = Field("run", pattern=r"^[A-Za-z0-9._-]+$")
     seed: int = 0
     run_dir: str = ""
@@ -58,7 +60,7 @@ class JobSection(_Section):
     """torch intra-op threads per rank; 0 shares this machine's cores evenly between local ranks."""
 
 
-class ModelSection(_Section):
+class ModelSection(Section):
     name: str
     """A built-in model (`mlp`, `cnn`, `gpt`) or a user builder as `package.module:function`."""
     args: dict[str, Any] = Field(default_factory=dict)
@@ -70,7 +72,7 @@ class ModelSection(_Section):
     initialises it, then keeps its shard; `auto`: `meta` when the model defines `init_weights`."""
 
 
-class DataSection(_Section):
+class DataSection(Section):
     name: str
     """A built-in dataset (`digits`, `text`) or a user builder as `package.module:function`."""
     args: dict[str, Any] = Field(default_factory=dict)
@@ -78,7 +80,7 @@ class DataSection(_Section):
     """DataLoader worker processes per rank; 0 loads in the training process."""
 
 
-class TrainSection(_Section):
+class TrainSection(Section):
     steps: int = Field(gt=0)
     global_batch: int = Field(gt=0)
     """Samples per optimizer step, summed over all data-parallel ranks and micro-batches."""
@@ -102,7 +104,7 @@ class TrainSection(_Section):
     """A built-in loss (`cross_entropy`, `mse`) or `package.module:function`."""
 
 
-class EvalSection(_Section):
+class EvalSection(Section):
     every_steps: int = Field(0, ge=0)
     """Evaluate on the held-out split every k steps; 0 evaluates only at the end."""
     batch: int | None = Field(None, gt=0)
@@ -111,7 +113,7 @@ class EvalSection(_Section):
     """Evaluate on at most this many held-out samples (the first ones); default: all."""
 
 
-class ParallelSection(_Section):
+class ParallelSection(Section):
     pp: int = 1
     """Pipeline-parallel degree: ranks that each hold a different part of the model's blocks."""
     dp_replicate: int = -1
@@ -180,7 +182,7 @@ class ParallelSection(_Section):
         return raw
 
 
-class CheckpointSection(_Section):
+class CheckpointSection(Section):
     dir: str = ""
     """Checkpoint directory; "" means `<run_dir>/checkpoints`."""
     every_steps: int = Field(0, ge=0)
@@ -188,7 +190,7 @@ class CheckpointSection(_Section):
     keep_last: int = Field(2, gt=0)
 
 
-class TrackingSection(_Section):
+class TrackingSection(Section):
     mlflow: bool = True
     uri: str = ""
     """MLflow tracking URI; "" means an embedded SQLite store `<run_dir>/mlflow.db`."""
@@ -198,12 +200,12 @@ class TrackingSection(_Section):
     """Reduce, print and record training metrics every k steps."""
 
 
-class FaultSection(_Section):
+class FaultSection(Section):
     timeout_s: float = Field(600.0, gt=0)
     """How long a collective may wait for the other ranks before the run fails."""
 
 
-class JobConfig(_Section):
+class JobConfig(Section):
     """A whole job file. The Python API takes the same object the TOML produces."""
 
     job: JobSection = JobSection()
@@ -379,8 +381,18 @@ def _batch_hint(global_batch: int, micro: int, dp: int) -> str:
     )
 
 
+Schema = TypeVar("Schema", bound=BaseModel)
+
+
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
-    """Read a TOML job file, apply `a.b=value` overrides, and validate it."""
+    """Read a TOML training job file, apply `a.b=value` overrides, and validate it."""
+    return load_job_file(path, overrides, JobConfig)
+
+
+def load_job_file(
+    path: str | Path, overrides: list[str] | tuple[str, ...], schema: type[Schema]
+) -> Schema:
+    """Read any shardwise job file (training, many-models) into its schema, with overrides."""
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text())
@@ -392,15 +404,20 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise ConfigError(f"{path} is not valid TOML: {e}") from None
     for item in overrides:
         apply_override(raw, item)
-    return validate(raw, source=str(path))
+    return validate_as(schema, raw, source=str(path))
 
 
 def validate(raw: dict[str, Any], *, source: str = "config") -> JobConfig:
     """Validate a nested dict (a parsed job file) into a `JobConfig`, one line per mistake."""
+    return validate_as(JobConfig, raw, source=source)
+
+
+def validate_as(schema: type[Schema], raw: dict[str, Any], *, source: str = "config") -> Schema:
+    """Validate a nested dict into `schema`; every mistake becomes part of one `ConfigError`."""
     try:
-        return JobConfig.model_validate(raw)
+        return schema.model_validate(raw)
     except ValidationError as e:
-        problems = [_describe(err) for err in e.errors()]
+        problems = [_describe(err, schema) for err in e.errors()]
         raise ConfigError(f"{source}: " + "; ".join(problems)) from None
 
 
@@ -423,7 +440,7 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     node[parts[-1]] = value
 
 
-def flatten(config: JobConfig) -> dict[str, str]:
+def flatten(config: BaseModel) -> dict[str, str]:
     """The resolved config as dotted keys and string values (for tracking params)."""
     out: dict[str, str] = {}
 
@@ -438,19 +455,19 @@ def flatten(config: JobConfig) -> dict[str, str]:
     return out
 
 
-def _describe(err: Any) -> str:
+def _describe(err: Any, schema: type[BaseModel]) -> str:
     loc = ".".join(str(p) for p in err["loc"])
     kind = err["type"]
     if kind == "extra_forbidden":
-        return f"unknown key '{loc}'{_did_you_mean(err['loc'])}"
+        return f"unknown key '{loc}'{_did_you_mean(err['loc'], schema)}"
     if kind == "missing":
         return f"missing key '{loc}'"
     got = err.get("input")
     return f"{loc}: {err['msg'].lower()} (got {got!r})"
 
 
-def _did_you_mean(loc: tuple[Any, ...]) -> str:
-    model: type[BaseModel] = JobConfig
+def _did_you_mean(loc: tuple[Any, ...], schema: type[BaseModel]) -> str:
+    model = schema
     for part in loc[:-1]:
         field = model.model_fields.get(str(part))
         annotation = field.annotation if field else None

@@ -1,0 +1,269 @@
+"""Many-models throughput: series/s of shardwise's Ray runner against (a) a sequential Python
+loop, (b) one Ray task per series, (c) joblib over the same function; and the feature engines:
+polars against a pandas groupby implementation of the same spec, and Spark.
+
+Every contender runs the same per-series work (`backtest.forecast_series`: rolling-origin
+backtest of the same models, selection, refit, forecast) on the same feature table, with one
+BLAS/OpenMP/torch thread per worker. shardwise is timed over its whole model stage as a user gets
+it (tasks, object store, chunk files written). Ray and joblib workers are warmed up first; Ray's
+start-up is reported separately. Contenders are interleaved and repeated; medians, spreads and
+ratios are printed.
+
+    python bench/many_models.py                       # about 20 minutes on 2 cores
+    python bench/many_models.py --series 1000 --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import polars as pl
+
+from shardwise.config import validate_as
+from shardwise.manymodel.backtest import Plan, run_chunk
+from shardwise.manymodel.config import ManyModelsConfig
+from shardwise.manymodel.data import SERIES, SeriesTable, load_series
+from shardwise.manymodel.features import FeatureSpec, polars_features
+from shardwise.manymodel.runner import THREAD_ENV, make_plan, run, start_ray
+
+MODELS = {
+    "names": ["seasonal_naive", "ridge", "lightgbm"],
+    "args": {"lightgbm": {"n_estimators": 20}},
+}
+DATASETS = {
+    "retail_synthetic": {
+        "data": {"source": "retail_synthetic", "periods": 104},
+        "features": {
+            "lags": [4, 5, 6, 52],
+            "rolling_windows": [4, 13],
+            "rolling_stats": ["mean", "std"],
+            "calendar": ["week"],
+            "group_by": [["store"]],
+        },
+        "backtest": {"horizon": 4, "n_windows": 2, "metric": "mae", "min_train": 26},
+    },
+    "us_employment": {
+        "data": {"source": "us_employment"},
+        "features": {
+            "lags": [12, 13, 24],
+            "rolling_windows": [3, 12],
+            "rolling_stats": ["mean", "std"],
+            "calendar": ["month"],
+        },
+        "backtest": {"horizon": 12, "n_windows": 2},
+    },
+}
+
+
+def job(name: str, series: int, run_dir: Path) -> ManyModelsConfig:
+    raw = {k: dict(v) for k, v in DATASETS[name].items()}
+    raw["data"] = {**raw["data"], "num_series": series if name == "retail_synthetic" else 0}
+    raw["models"] = MODELS
+    raw["job"] = {"name": name, "run_dir": str(run_dir)}
+    raw["runner"] = {"num_cpus": 1}
+    raw["tracking"] = {"mlflow": False}
+    return validate_as(ManyModelsConfig, raw)
+
+
+def prepared(config: ManyModelsConfig) -> tuple[SeriesTable, pl.DataFrame, Plan]:
+    table = load_series(config)
+    spec = FeatureSpec.from_config(config, table.season_length)
+    features = polars_features(table.frame, spec, table.columns)
+    return table, features, make_plan(config, table, spec)
+
+
+def sequential(features: pl.DataFrame, plan: Plan, scratch: Path) -> float:
+    """A plain loop over the series in a fresh process (the bench process is a Ray driver, whose
+    background threads would slow a loop run here). Returns the loop's own time."""
+    features.write_parquet(scratch / "features.parquet")
+    (scratch / "plan.pkl").write_bytes(pickle.dumps(plan))
+    code = (
+        "import pickle, sys, time, polars as pl\n"
+        "from shardwise.manymodel.backtest import run_chunk\n"
+        "d = sys.argv[1]\n"
+        "features = pl.read_parquet(d + '/features.parquet')\n"
+        "plan = pickle.loads(open(d + '/plan.pkl', 'rb').read())\n"
+        "run_chunk(features.head(1), plan)\n"  # warm-up: lazy imports of the model libraries
+        "start = time.perf_counter()\n"
+        "run_chunk(features, plan)\n"
+        "print(time.perf_counter() - start)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(scratch)], capture_output=True, text=True, check=True
+    )
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def ray_per_series(features: pl.DataFrame, plan: Plan) -> int:
+    import ray
+
+    task = ray.remote(run_chunk).options(num_cpus=1)
+    plan_ref = ray.put(plan)
+    refs = [task.remote(ray.put(p.to_arrow()), plan_ref) for p in features.partition_by(SERIES)]
+    return sum(r.series for r in ray.get(refs))
+
+
+def joblib_loky(features: pl.DataFrame, plan: Plan) -> int:
+    from joblib import Parallel, delayed
+
+    parts = features.partition_by(SERIES)
+    results = Parallel(n_jobs=2)(delayed(run_chunk)(p, plan) for p in parts)
+    return sum(r.series for r in results)
+
+
+def shardwise_runner(
+    config: ManyModelsConfig, fresh_dir: Callable[[], Path]
+) -> Callable[[], float]:
+    def go() -> float:
+        summary = run(
+            config.model_copy(
+                update={"job": config.job.model_copy(update={"run_dir": str(fresh_dir())})}
+            )
+        )
+        return summary.seconds["models"]
+
+    return go
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bench_models(name: str, series: int, repeats: int, scratch: Path) -> None:
+    counter = iter(range(10**6))
+
+    def fresh_dir() -> Path:
+        return scratch / f"{name}-{next(counter)}"
+
+    config = job(name, series, fresh_dir())
+    table, features, plan = prepared(config)
+    n = table.num_series
+    print(
+        f"\n{name}: {n} series, models {MODELS['names']}, "
+        f"{plan.n_windows} windows × horizon {plan.horizon}"
+    )
+    started = time.perf_counter()
+    start_ray(config)
+    print(f"  Ray start-up {time.perf_counter() - started:.1f} s (not counted below)")
+    warm = features.filter(pl.col(SERIES) < 8)
+    ray_per_series(warm, plan)
+    joblib_loky(warm, plan)
+    contenders: dict[str, Callable[[], float]] = {
+        "sequential loop": lambda: sequential(features, plan, scratch),
+        "shardwise (Ray, chunked)": shardwise_runner(config, fresh_dir),
+        "one Ray task per series": lambda: timed(lambda: ray_per_series(features, plan)),
+        "joblib (loky, 2 workers)": lambda: timed(lambda: joblib_loky(features, plan)),
+    }
+    seconds: dict[str, list[float]] = {k: [] for k in contenders}
+    for r in range(repeats):
+        for label, fn in contenders.items():
+            seconds[label].append(fn())
+            print(
+                f"  repeat {r + 1}: {label:<28} {n / seconds[label][-1]:8.1f} series/s", flush=True
+            )
+    base = statistics.median(seconds["sequential loop"])
+    print(f"  {'contender':<28} {'series/s':>9} {'vs sequential':>14}   spread (series/s)")
+    for label, values in seconds.items():
+        med = statistics.median(values)
+        spread = f"{n / max(values):.1f}-{n / min(values):.1f}"
+        print(f"  {label:<28} {n / med:9.1f} {base / med:13.2f}x   {spread}")
+
+
+def pandas_features(
+    frame: pl.DataFrame, spec: FeatureSpec, ids: list[str], ts: str, y: str
+) -> object:
+    """The same spec with pandas groupby operations: the common hand-written baseline."""
+    df = frame.to_pandas().sort_values([*ids, ts])
+    by = df.groupby(ids, sort=False)[y]
+    for k in spec.lags:
+        df[f"lag{k}"] = by.shift(k)
+    df["_shifted"] = by.shift(spec.shift)
+    shifted = df.groupby(ids, sort=False)["_shifted"]
+    for name, w, stat in spec.rolling_columns:
+        df[name] = shifted.transform(
+            lambda s, w=w, stat=stat: getattr(s.rolling(w, min_periods=w), stat)()
+        )
+    for name, stat in spec.expanding_columns:
+        df[name] = shifted.transform(lambda s, stat=stat: getattr(s.expanding(), stat)())
+    for name, part in spec.calendar_columns:
+        stamp = df[ts].dt
+        df[name] = stamp.isocalendar().week if part == "week" else stamp.month
+    for name, group, stat in spec.group_columns:
+        df[name] = df.groupby([*group, ts])["_shifted"].transform(stat)
+    return df.drop(columns="_shifted")
+
+
+def bench_features(series: int, repeats: int, scratch: Path) -> None:
+    from shardwise.manymodel.spark import session, spark_features
+
+    config = job("retail_synthetic", series, scratch / "features")
+    table = load_series(config)
+    spec = FeatureSpec.from_config(config, table.season_length)
+    cols = table.columns
+    rows = table.frame.height
+    print(
+        f"\nfeatures: retail_synthetic, {table.num_series} series, {rows:,} rows, "
+        f"{len(spec.columns())} features"
+    )
+    started = time.perf_counter()
+    session("local[*]")
+    print(f"  Spark session start-up {time.perf_counter() - started:.1f} s (not counted below)")
+    spark_features(table.frame.head(1000), spec, cols, master="local[*]")  # warm-up
+    contenders = {
+        "polars": lambda: polars_features(table.frame, spec, cols),
+        "pandas groupby": lambda: pandas_features(
+            table.frame, spec, list(cols.ids), cols.timestamp, cols.target
+        ),
+        "spark local[*]": lambda: spark_features(table.frame, spec, cols, master="local[*]"),
+    }
+    seconds: dict[str, list[float]] = {k: [] for k in contenders}
+    for r in range(repeats):
+        for label, fn in contenders.items():
+            seconds[label].append(timed(fn))
+            print(f"  repeat {r + 1}: {label:<16} {seconds[label][-1]:7.2f} s", flush=True)
+    base = statistics.median(seconds["pandas groupby"])
+    print(f"  {'backend':<16} {'seconds':>8} {'rows/s':>12} {'vs pandas':>10}")
+    for label, values in seconds.items():
+        med = statistics.median(values)
+        print(f"  {label:<16} {med:8.2f} {rows / med:12,.0f} {base / med:9.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--series", type=int, default=5000, help="synthetic series (≥ 5000 for the issue's figure)"
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", choices=("models", "features"), default=None)
+    args = parser.parse_args()
+    if args.only is None:  # each part in its own process, with its own thread settings
+        for part in ("features", "models"):
+            command = [sys.executable, __file__, "--only", part]
+            subprocess.run([*command, f"--series={args.series}", f"--repeats={args.repeats}"])
+        return
+    if args.only == "models" and os.environ.get("POLARS_MAX_THREADS") != "1":
+        # The sequential loop runs here: give it the one-thread settings Ray's and joblib's
+        # workers get (polars must see them before it is imported).
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **THREAD_ENV})
+    with tempfile.TemporaryDirectory(prefix="shardwise-bench-") as tmp:
+        scratch = Path(tmp)
+        if args.only == "features":
+            bench_features(args.series, args.repeats, scratch)
+        else:
+            bench_models("us_employment", 0, args.repeats, scratch)
+            bench_models("retail_synthetic", args.series, args.repeats, scratch)
+
+
+if __name__ == "__main__":
+    main()

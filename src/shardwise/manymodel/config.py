@@ -1,0 +1,202 @@
+"""The many-models job file: data, features, models, backtest, runner, tracking.
+
+Like the training job file it is TOML validated by pydantic, with `--set a.b=value` overrides and
+one-line errors (`shardwise.config` does the loading). Checks that need only the config, such as
+a lag shorter than the forecast horizon, happen here; checks that need the data (missing columns,
+duplicate rows, short series) happen when the data is read.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from shardwise.config import ConfigError, Section, load_job_file
+
+BUILTIN_SOURCES = ("us_employment", "retail_synthetic")
+BUILTIN_MODELS = ("seasonal_naive", "ridge", "lightgbm", "mlp")
+Stat = Literal["mean", "std", "min", "max"]
+CalendarPart = Literal[
+    "year", "quarter", "month", "week", "day_of_week", "day_of_month", "day_of_year", "hour"
+]
+
+
+class JobSection(Section):
+    name: str = Field("many-models", pattern=r"^[A-Za-z0-9._-]+$")
+    seed: int = 0
+    run_dir: str = ""
+    """Where the chunk results, output tables and tracking store go; "" means `runs/<name>`."""
+
+
+class DataSection(Section):
+    source: str = "us_employment"
+    """A built-in data set (`us_employment`: the 148 monthly US employment series of fpp3;
+    `retail_synthetic`: generated store × item demand) or a CSV/Parquet path or fsspec URL."""
+    id_columns: list[str] = Field(default_factory=list)
+    """Columns that together name a series; built-in sources set them."""
+    timestamp: str = ""
+    target: str = ""
+    covariates: list[str] = Field(default_factory=list)
+    """Numeric columns known in advance (prices, promotions). For the forecast, their future
+    values come from rows after a series' last target that have the target empty."""
+    freq: str = ""
+    """Spacing of the timestamps as a polars duration (`1mo`, `3mo`, `1w`, `1d`, `1h`); ""
+    infers it from the data."""
+    season_length: int = Field(0, ge=0)
+    """Steps per season (seasonal naive, MASE); 0 derives it from the frequency (12 for
+    monthly, 7 for daily, …)."""
+    num_series: int = Field(0, ge=0)
+    """How many series to use (the first ones by id) or, for `retail_synthetic`, to generate;
+    0 means all (synthetic: 1000)."""
+    periods: int = Field(156, gt=0)
+    """`retail_synthetic`: weeks per series."""
+
+
+class FeaturesSection(Section):
+    backend: Literal["polars", "spark"] = "polars"
+    spark_master: str = "local[*]"
+    lags: list[int] = Field(default_factory=list)
+    """Target lags as features; default: horizon … horizon + season_length − 1."""
+    window_shift: int = Field(0, ge=0)
+    """Rolling, expanding and group features summarise the target shifted by this many steps;
+    0 means the horizon, the smallest shift that is known for every forecast step."""
+    rolling_windows: list[int] = Field(default_factory=list)
+    rolling_stats: list[Stat] = Field(default_factory=lambda: ["mean"])  # type: ignore[arg-type]
+    expanding_stats: list[Stat] = Field(default_factory=list)
+    calendar: list[CalendarPart] = Field(default_factory=list)
+    group_by: list[list[str]] = Field(default_factory=list)
+    """Group aggregations: for each list of columns (e.g. ["store"]), the `group_stats` over all
+    series in the group at the same timestamp of their shifted target."""
+    group_stats: list[Stat] = Field(default_factory=lambda: ["mean"])  # type: ignore[arg-type]
+    scale: Literal["none", "mean", "standard"] = "standard"
+    """Per-series target scaling, fitted on each training window only: divide by the mean
+    absolute value, or standardise. Target-derived features are transformed alike."""
+
+    @model_validator(mode="after")
+    def _positive(self) -> FeaturesSection:
+        for key in ("lags", "rolling_windows"):
+            bad = [v for v in getattr(self, key) if v < 1]
+            if bad:
+                raise ValueError(f"features.{key} must be positive, got {bad[0]}")
+        return self
+
+
+class ModelsSection(Section):
+    names: list[str] = Field(default_factory=lambda: ["seasonal_naive", "ridge"])
+    """Built-in models (`seasonal_naive`, `ridge`, `lightgbm`, `mlp`) and user models as an
+    importable module or `module:object` with `fit(frame)` and `predict(fitted, frame)`."""
+    args: dict[str, dict[str, object]] = Field(default_factory=dict)
+    """Keyword arguments per model name, e.g. args.lightgbm = {n_estimators = 50}."""
+
+
+class BacktestSection(Section):
+    horizon: int = Field(12, gt=0)
+    n_windows: int = Field(2, gt=0)
+    step: int = Field(0, ge=0)
+    """Steps between successive forecast origins; 0 means the horizon."""
+    metric: Literal["mase", "smape", "mae", "rmse"] = "mase"
+    """The metric (mean over windows) that picks each series' model."""
+    min_train: int = Field(0, ge=0)
+    """Fewest training rows with complete features in the earliest window; 0 means
+    max(2 × season_length, 10). Shorter series are skipped and listed."""
+
+
+class RunnerSection(Section):
+    ray_address: str = ""
+    """"" starts a local Ray instance; `auto` or `ray://host:port` joins a cluster."""
+    num_cpus: float = Field(1.0, gt=0)
+    """CPUs reserved per task; fractions (0.25) let more tasks share a core."""
+    num_gpus: float = Field(0.0, ge=0)
+    memory_mb: int = Field(0, ge=0)
+    """Address-space cap per task in MiB, enforced in the worker; a series that exceeds it
+    fails with MemoryError, the rest go on. 0: no cap."""
+    chunk_size: int = Field(0, ge=0)
+    """Series per task; 0 picks one that gives every task slot several chunks."""
+    max_retries: int = Field(3, ge=0)
+    """Times Ray reruns a chunk whose worker process died."""
+
+
+class TrackingSection(Section):
+    mlflow: bool = True
+    uri: str = ""
+    """MLflow tracking URI; "" means an embedded SQLite store `<run_dir>/mlflow.db`."""
+    experiment: str = ""
+
+
+class ManyModelsConfig(Section):
+    """A whole many-models job file; the Python API takes the same object."""
+
+    job: JobSection = JobSection()
+    data: DataSection = DataSection()
+    features: FeaturesSection = FeaturesSection()
+    models: ModelsSection = ModelsSection()
+    backtest: BacktestSection = BacktestSection()
+    runner: RunnerSection = RunnerSection()
+    tracking: TrackingSection = TrackingSection()
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.job.run_dir or f"runs/{self.job.name}")
+
+    @property
+    def tracking_uri(self) -> str:
+        return self.tracking.uri or f"sqlite:///{(self.run_dir / 'mlflow.db').resolve()}"
+
+    @property
+    def window_shift(self) -> int:
+        return self.features.window_shift or self.backtest.horizon
+
+    @property
+    def backtest_step(self) -> int:
+        return self.backtest.step or self.backtest.horizon
+
+
+def check(config: ManyModelsConfig) -> None:
+    """Cross-section checks that need no data."""
+    horizon = config.backtest.horizon
+    short = [lag for lag in config.features.lags if lag < horizon]
+    if short:
+        raise ConfigError(
+            f"features.lags contains {short[0]} but backtest.horizon is {horizon}: a lag shorter "
+            f"than the horizon reads values not yet known {horizon} steps ahead; use lags ≥ "
+            f"{horizon}"
+        )
+    if config.features.window_shift and config.features.window_shift < horizon:
+        raise ConfigError(
+            f"features.window_shift = {config.features.window_shift} is shorter than "
+            f"backtest.horizon = {horizon}; use ≥ {horizon} or 0 (the horizon)"
+        )
+    names = config.models.names
+    if not names:
+        raise ConfigError("models.names is empty; name at least one model, e.g. ['ridge']")
+    for name in names:
+        if name not in BUILTIN_MODELS and "." not in name and ":" not in name:
+            raise ConfigError(
+                f"unknown model '{name}'; built-in models are {', '.join(BUILTIN_MODELS)}, "
+                "or give a user model as an importable module path (package.module)"
+            )
+    if len(set(names)) != len(names):
+        raise ConfigError(f"models.names lists a model twice: {names}")
+    known = {*BUILTIN_MODELS, *(model_label(n) for n in names)}
+    unknown = sorted(set(config.models.args) - known)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else f"; models: {', '.join(sorted(known))}"
+        raise ConfigError(f"models.args.{unknown[0]} names no model{hint}")
+
+
+def model_label(name: str) -> str:
+    """The name a model has in the output tables: built-in name or the user path's last part."""
+    return name.replace(":", ".").rsplit(".", 1)[-1] if name not in BUILTIN_MODELS else name
+
+
+def load_many_models(
+    path: str | Path, overrides: list[str] | tuple[str, ...] = ()
+) -> ManyModelsConfig:
+    """Read and check a many-models job file."""
+    config = load_job_file(path, overrides, ManyModelsConfig)
+    check(config)
+    return config

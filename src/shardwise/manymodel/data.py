@@ -1,0 +1,275 @@
+"""Reading and checking the long table: one row per series and timestamp.
+
+`load_series` returns the observed rows plus `horizon` future rows per series (empty target,
+covariates when the input has them), sorted by series and time, with an integer series index
+`_series`. Mistakes in the input (missing columns, duplicate rows, gaps, text in the target) are
+`ConfigError`s; series too short for the backtest are dropped and listed, not fatal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+import polars as pl
+
+from shardwise.config import ConfigError
+from shardwise.manymodel.config import BUILTIN_SOURCES, ManyModelsConfig
+
+SERIES = "_series"
+"""Integer index of a series (0 … n − 1, in id order), added to every internal table."""
+FUTURE = "_future"
+"""True on the `horizon` rows after a series' last observation."""
+
+_SEASONS = {"1mo": 12, "3mo": 4, "1q": 4, "1w": 52, "7d": 52, "1d": 7, "1h": 24, "1y": 1}
+
+
+@dataclass(frozen=True)
+class Columns:
+    ids: tuple[str, ...]
+    timestamp: str
+    target: str
+    covariates: tuple[str, ...]
+
+
+@dataclass
+class SeriesTable:
+    frame: pl.DataFrame
+    columns: Columns
+    freq: str
+    season_length: int
+    skipped: pl.DataFrame
+    """Series left out, with their number of observations and the reason."""
+
+    @property
+    def num_series(self) -> int:
+        return int(self.frame[SERIES].n_unique()) if self.frame.height else 0
+
+
+def read_table(config: ManyModelsConfig) -> tuple[pl.DataFrame, Columns]:
+    """The raw long table and its column roles, from a built-in source or a file/URL."""
+    data = config.data
+    if data.source in BUILTIN_SOURCES:
+        from shardwise.datasets import series
+
+        if data.source == "us_employment":
+            builtin = series.us_employment()
+        else:
+            builtin = series.retail_synthetic(
+                data.num_series or 1000,
+                data.periods,
+                future=config.backtest.horizon,
+                seed=config.job.seed,
+            )
+        columns = Columns(
+            ids=tuple(data.id_columns) or builtin.ids,
+            timestamp=data.timestamp or builtin.timestamp,
+            target=data.target or builtin.target,
+            covariates=tuple(data.covariates) or builtin.covariates,
+        )
+        return builtin.frame, columns
+    if not (data.id_columns and data.timestamp and data.target):
+        raise ConfigError(
+            f"data.source = '{data.source}' is a file: set data.id_columns, data.timestamp "
+            "and data.target to its column names"
+        )
+    columns = Columns(tuple(data.id_columns), data.timestamp, data.target, tuple(data.covariates))
+    return _read_file(data.source), columns
+
+
+def _read_file(source: str) -> pl.DataFrame:
+    import fsspec
+
+    suffix = PurePosixPath(source.split("?")[0]).suffix.lower()
+    if suffix not in (".csv", ".parquet", ".pq"):
+        raise ConfigError(
+            f"data.source = '{source}': expected a .csv or .parquet file, or a built-in source "
+            f"({', '.join(BUILTIN_SOURCES)})"
+        )
+    try:
+        with fsspec.open(source, "rb") as handle:
+            if suffix == ".csv":
+                return pl.read_csv(handle, try_parse_dates=True)
+            return pl.read_parquet(handle)
+    except FileNotFoundError:
+        raise ConfigError(f"data.source = '{source}' does not exist; check the path") from None
+    except (pl.exceptions.ComputeError, OSError) as e:
+        raise ConfigError(f"data.source = '{source}' could not be read: {e}") from None
+
+
+def load_series(config: ManyModelsConfig) -> SeriesTable:
+    """Read, check and prepare the series for features and backtesting."""
+    raw, columns = read_table(config)
+    frame = _typed(raw, columns)
+    _check_duplicates(frame, columns)
+    ids, ts, y = list(columns.ids), columns.timestamp, columns.target
+    frame = frame.sort([*ids, ts])
+    # Rows before a series' first observation carry nothing; rows after its last observation are
+    # the future (they may hold known covariates).
+    observed = pl.col(y).is_not_null()
+    started = observed.cum_max().over(ids)
+    more_to_come = observed.reverse().cum_max().reverse().over(ids)
+    planned = frame.filter(started & ~more_to_come)
+    frame = frame.filter(started & more_to_come)
+    if config.data.num_series:
+        keep = frame.select(ids).unique(maintain_order=True).head(config.data.num_series)
+        frame = frame.join(keep, on=ids, how="semi")
+    if frame.height == 0:
+        raise ConfigError(f"the table has no rows with a value in '{y}'")
+    freq = config.data.freq or infer_freq(frame, columns)
+    _check_regular(frame, columns, freq)
+    season = config.data.season_length or _SEASONS.get(freq, 1)
+    frame = _append_future(frame, planned, columns, freq, config.backtest.horizon)
+    frame, skipped = _drop_short(frame, columns, config, season)
+    index = frame.select(ids).unique(maintain_order=True).with_row_index(SERIES)
+    frame = frame.join(index.with_columns(pl.col(SERIES).cast(pl.Int64)), on=ids)
+    return SeriesTable(
+        frame=frame.select(SERIES, *ids, ts, y, *columns.covariates, FUTURE),
+        columns=columns,
+        freq=freq,
+        season_length=season,
+        skipped=skipped,
+    )
+
+
+def _typed(raw: pl.DataFrame, columns: Columns) -> pl.DataFrame:
+    wanted = [*columns.ids, columns.timestamp, columns.target, *columns.covariates]
+    missing = [c for c in wanted if c not in raw.columns]
+    if missing:
+        raise ConfigError(
+            f"the table has no column{'s' if len(missing) > 1 else ''} "
+            f"{', '.join(repr(c) for c in missing)}; its columns are {', '.join(raw.columns)} "
+            "(set data.id_columns, data.timestamp, data.target, data.covariates)"
+        )
+    ts = columns.timestamp
+    frame = raw.select(wanted)
+    if frame.schema[ts] == pl.String:
+        try:
+            frame = frame.with_columns(pl.col(ts).str.to_datetime())
+        except pl.exceptions.PolarsError:
+            raise ConfigError(
+                f"column '{ts}' holds text that is not a date or time (first value "
+                f"{frame[ts][0]!r}); use ISO dates such as 2024-01-31"
+            ) from None
+    if not frame.schema[ts].is_temporal():
+        raise ConfigError(f"column '{ts}' is {frame.schema[ts]}, not a date or time")
+    for name in (columns.target, *columns.covariates):
+        if not (frame.schema[name].is_numeric() or frame.schema[name] == pl.Null):
+            raise ConfigError(f"column '{name}' is {frame.schema[name]}; it must be numeric")
+    return frame.with_columns(
+        pl.col(list(columns.ids)).cast(pl.String),
+        pl.col([columns.target, *columns.covariates]).cast(pl.Float64).fill_nan(None),
+    )
+
+
+def _check_duplicates(frame: pl.DataFrame, columns: Columns) -> None:
+    key = [*columns.ids, columns.timestamp]
+    dupes = frame.group_by(key).len().filter(pl.col("len") > 1)
+    if dupes.height:
+        first = dupes.sort(key).row(0, named=True)
+        where = ", ".join(f"{k}={first[k]}" for k in key)
+        raise ConfigError(
+            f"{dupes.height} (series, {columns.timestamp}) pairs appear more than once, e.g. "
+            f"{where} ({first['len']} rows); aggregate or deduplicate the table first"
+        )
+
+
+def infer_freq(frame: pl.DataFrame, columns: Columns) -> str:
+    """The spacing of timestamps as a polars duration: calendar months, quarters and years when
+    every step moves the month by the same amount on the same day, else the most common gap."""
+    ids, ts = list(columns.ids), pl.col(columns.timestamp)
+    steps = frame.select(
+        (ts.dt.year() * 12 + ts.dt.month()).diff().over(ids).alias("months"),
+        ts.dt.day().alias("day"),
+        ts.diff().over(ids).alias("gap"),
+    ).drop_nulls()
+    if steps.height == 0:
+        raise ConfigError("cannot infer the frequency from one row per series; set data.freq")
+    months = steps["months"].mode().sort()[0]
+    if steps["day"].n_unique() == 1 and months in (1, 3, 12):
+        return {1: "1mo", 3: "3mo", 12: "1y"}[int(months)]
+    gap = steps["gap"].mode().sort()[0]
+    seconds = int(gap.total_seconds())
+    if seconds % 86400 == 0:
+        days = seconds // 86400
+        return "1w" if days == 7 else f"{days}d"
+    if seconds % 3600 == 0:
+        return f"{seconds // 3600}h"
+    return f"{seconds}s"
+
+
+def _check_regular(frame: pl.DataFrame, columns: Columns, freq: str) -> None:
+    ids, ts = list(columns.ids), columns.timestamp
+    try:
+        expected = pl.col(ts).shift(1).dt.offset_by(freq).over(ids)
+        bad = frame.filter(pl.col(ts).shift(1).over(ids).is_not_null() & (pl.col(ts) != expected))
+    except pl.exceptions.PolarsError as e:
+        raise ConfigError(
+            f"data.freq = '{freq}' is not a polars duration (e.g. 1mo, 1w): {e}"
+        ) from None
+    if bad.height:
+        row = bad.row(0, named=True)
+        series = ", ".join(f"{k}={row[k]}" for k in ids)
+        raise ConfigError(
+            f"{bad.height} rows do not follow the previous one by {freq}, e.g. series {series} "
+            f"at {row[ts]}; add the missing rows (empty target) or set data.freq"
+        )
+
+
+def _append_future(
+    frame: pl.DataFrame, planned: pl.DataFrame, columns: Columns, freq: str, horizon: int
+) -> pl.DataFrame:
+    ids, ts = list(columns.ids), columns.timestamp
+    last = frame.group_by(ids).agg(pl.col(ts).max().alias("_last"))
+    steps = [
+        last.select(*ids, pl.col("_last").dt.offset_by(_times(freq, k)).alias(ts))
+        for k in range(1, horizon + 1)
+    ]
+    future = pl.concat(steps).with_columns(pl.lit(None, dtype=pl.Float64).alias(columns.target))
+    if columns.covariates:
+        future = future.join(
+            planned.select(*ids, ts, *columns.covariates), on=[*ids, ts], how="left"
+        )
+    else:
+        future = future.select(*ids, ts, columns.target)
+    future = future.with_columns(
+        pl.col(ts).cast(frame.schema[ts]), pl.lit(True).alias(FUTURE)
+    ).select(*frame.columns, FUTURE)
+    return pl.concat([frame.with_columns(pl.lit(False).alias(FUTURE)), future]).sort([*ids, ts])
+
+
+def _times(freq: str, k: int) -> str:
+    """A polars duration string for k steps of `freq` (`1mo` × 3 = `3mo`)."""
+    digits = len(freq) - len(freq.lstrip("0123456789"))
+    count = int(freq[:digits] or 1)
+    return f"{count * k}{freq[digits:]}"
+
+
+def required_observations(config: ManyModelsConfig, reach: int, season: int) -> int:
+    """Observations a series needs: feature warm-up + training rows + every backtest window."""
+    bt = config.backtest
+    min_train = bt.min_train or max(2 * season, 10)
+    return reach + min_train + bt.horizon + (bt.n_windows - 1) * config.backtest_step
+
+
+def _drop_short(
+    frame: pl.DataFrame, columns: Columns, config: ManyModelsConfig, season: int
+) -> tuple[pl.DataFrame, pl.DataFrame]:
+    from shardwise.manymodel.features import FeatureSpec
+
+    ids = list(columns.ids)
+    need = required_observations(config, FeatureSpec.from_config(config, season).reach(), season)
+    counts = frame.filter(~pl.col(FUTURE)).group_by(ids, maintain_order=True).len("observations")
+    short = counts.filter(pl.col("observations") < need).with_columns(
+        pl.format("{} observations, the backtest needs {}", "observations", pl.lit(need)).alias(
+            "reason"
+        )
+    )
+    if short.height == counts.height:
+        raise ConfigError(
+            f"every series is too short: the backtest needs {need} observations (feature warm-up "
+            f"+ backtest.min_train + the windows) and the longest has "
+            f"{counts['observations'].max()}; lower the longest lag or window, "
+            "backtest.min_train, n_windows or horizon"
+        )
+    return frame.join(short, on=ids, how="anti"), short

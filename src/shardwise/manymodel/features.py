@@ -1,0 +1,207 @@
+"""Feature engineering declared once (`[features]`), computed by polars or by Spark.
+
+Every target-derived feature at time t summarises target values at t − k or earlier with
+k ≥ the forecast horizon, so the features of all `horizon` rows after a forecast origin are known
+at the origin, and nothing reads the present or the future (tests/unit/test_features.py perturbs
+the future and checks). Windows are counted in rows of a regular series: a rolling window of w
+exists once it holds w non-empty values; expanding windows need one (two for std).
+
+The polars backend runs in this process on all cores; the Spark backend expresses the same
+features as Spark window functions (no Python UDFs), partitioned by series, so it scales out to a
+cluster. Both produce the same table (tests/integration/test_features_spark.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import polars as pl
+
+from shardwise.manymodel.config import FeaturesSection, ManyModelsConfig
+
+if TYPE_CHECKING:
+    from shardwise.manymodel.data import Columns
+
+_CALENDAR = {
+    "year": lambda ts: ts.dt.year(),
+    "quarter": lambda ts: ts.dt.quarter(),
+    "month": lambda ts: ts.dt.month(),
+    "week": lambda ts: ts.dt.week(),
+    "day_of_week": lambda ts: ts.dt.weekday(),  # Monday = 1 … Sunday = 7
+    "day_of_month": lambda ts: ts.dt.day(),
+    "day_of_year": lambda ts: ts.dt.ordinal_day(),
+    "hour": lambda ts: ts.dt.hour(),
+}
+CALENDAR_PARTS = tuple(_CALENDAR)
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """The resolved feature declaration: what to compute, with defaults filled in."""
+
+    lags: tuple[int, ...]
+    shift: int
+    rolling_windows: tuple[int, ...]
+    rolling_stats: tuple[str, ...]
+    expanding_stats: tuple[str, ...]
+    calendar: tuple[str, ...]
+    group_by: tuple[tuple[str, ...], ...]
+    group_stats: tuple[str, ...]
+
+    @classmethod
+    def from_config(cls, config: ManyModelsConfig, season_length: int) -> FeatureSpec:
+        f: FeaturesSection = config.features
+        horizon = config.backtest.horizon
+        lags = f.lags or list(range(horizon, horizon + max(season_length, 1)))
+        return cls(
+            lags=tuple(sorted(set(lags))),
+            shift=config.window_shift,
+            rolling_windows=tuple(sorted(set(f.rolling_windows))),
+            rolling_stats=tuple(dict.fromkeys(f.rolling_stats)),
+            expanding_stats=tuple(dict.fromkeys(f.expanding_stats)),
+            calendar=tuple(dict.fromkeys(f.calendar)),
+            group_by=tuple(tuple(g) for g in f.group_by),
+            group_stats=tuple(dict.fromkeys(f.group_stats)),
+        )
+
+    @property
+    def lag_columns(self) -> list[str]:
+        return [f"lag{k}" for k in self.lags]
+
+    @property
+    def rolling_columns(self) -> list[tuple[str, int, str]]:
+        return [
+            (f"roll{w}_{stat}", w, stat)
+            for w in self.rolling_windows
+            for stat in self.rolling_stats
+        ]
+
+    @property
+    def calendar_columns(self) -> list[tuple[str, str]]:
+        return [(f"cal_{part}", part) for part in self.calendar]
+
+    @property
+    def expanding_columns(self) -> list[tuple[str, str]]:
+        return [(f"expanding_{stat}", stat) for stat in self.expanding_stats]
+
+    @property
+    def group_columns(self) -> list[tuple[str, tuple[str, ...], str]]:
+        return [
+            (f"{'_'.join(g)}_{stat}", g, stat) for g in self.group_by for stat in self.group_stats
+        ]
+
+    def columns(self) -> list[str]:
+        """Feature column names in table order (covariates come before them)."""
+        return [
+            *self.lag_columns,
+            *(name for name, _, _ in self.rolling_columns),
+            *(name for name, _ in self.expanding_columns),
+            *(name for name, _ in self.calendar_columns),
+            *(name for name, _, _ in self.group_columns),
+        ]
+
+    def numeric_columns(self) -> list[str]:
+        """Feature columns that are quantities (everything but calendar codes)."""
+        calendar = {name for name, _ in self.calendar_columns}
+        return [c for c in self.columns() if c not in calendar]
+
+    def target_scaled(self) -> tuple[list[str], list[str]]:
+        """Columns that move with the target's level (scaled and shifted with it) and columns
+        that measure its spread (scaled only)."""
+        level = list(self.lag_columns)
+        spread: list[str] = []
+        derived = [
+            *((n, s) for n, _, s in self.rolling_columns),
+            *self.expanding_columns,
+            *((n, s) for n, _, s in self.group_columns),
+        ]
+        for name, stat in derived:
+            (spread if stat == "std" else level).append(name)
+        return level, spread
+
+    def reach(self) -> int:
+        """Rows at the start of a series whose features cannot all exist."""
+        reach = max(self.lags, default=0)
+        for w in self.rolling_windows:
+            reach = max(reach, self.shift + w - 1)
+        if self.expanding_stats or self.group_by:
+            reach = max(reach, self.shift + (1 if "std" in self.expanding_stats else 0))
+        return reach
+
+
+def compute(
+    frame: pl.DataFrame, spec: FeatureSpec, columns: Columns, *, backend: str, spark_master: str
+) -> pl.DataFrame:
+    """The feature table: the input rows (sorted by series and time) with feature columns."""
+    if backend == "spark":
+        from shardwise.manymodel.spark import spark_features
+
+        return spark_features(frame, spec, columns, master=spark_master)
+    return polars_features(frame, spec, columns)
+
+
+def polars_features(frame: pl.DataFrame, spec: FeatureSpec, columns: Columns) -> pl.DataFrame:
+    ids, ts, y = list(columns.ids), columns.timestamp, columns.target
+    frame = frame.sort([*ids, ts])
+    shifted = pl.col(y).shift(spec.shift).over(ids)
+    base = "_shifted"
+    exprs: list[pl.Expr] = [pl.col(y).shift(k).over(ids).alias(f"lag{k}") for k in spec.lags]
+    for name, w, stat in spec.rolling_columns:
+        exprs.append(_rolling(pl.col(base), w, stat).over(ids).alias(name))
+    for name, stat in spec.expanding_columns:
+        exprs.append(_expanding(pl.col(base), stat).over(ids).alias(name))
+    exprs += [
+        _CALENDAR[part](pl.col(ts)).cast(pl.Int32).alias(name)
+        for name, part in spec.calendar_columns
+    ]
+    for name, group, stat in spec.group_columns:
+        exprs.append(_aggregate(pl.col(base), stat).over([*group, ts]).alias(name))
+    return (
+        frame.with_columns(shifted.alias(base))
+        .with_columns(exprs)
+        .drop(base)
+        .with_columns(pl.col(spec.numeric_columns()).cast(pl.Float64))
+    )
+
+
+def _rolling(x: pl.Expr, window: int, stat: str) -> pl.Expr:
+    if stat == "mean":
+        return x.rolling_mean(window, min_samples=window)
+    if stat == "std":
+        return x.rolling_std(window, min_samples=window)
+    if stat == "min":
+        return x.rolling_min(window, min_samples=window)
+    return x.rolling_max(window, min_samples=window)
+
+
+def _expanding(x: pl.Expr, stat: str) -> pl.Expr:
+    count = x.is_not_null().cum_sum()
+    if stat in ("mean", "std"):
+        # Centre on the series' first value: variance is shift-invariant and the sums stay small,
+        # so the one-pass formula keeps its precision on series with a large level.
+        centred = (x - x.drop_nulls().first()).fill_null(0.0)
+        s1, s2 = centred.cum_sum(), (centred * centred).cum_sum()
+        if stat == "mean":
+            return pl.when(count > 0).then(s1 / count + x.drop_nulls().first())
+        var = (s2 - s1 * s1 / count) / (count - 1)
+        return pl.when(count > 1).then(var.clip(lower_bound=0.0).sqrt())
+    filled = x.fill_null(float("inf") if stat == "min" else float("-inf"))
+    running = filled.cum_min() if stat == "min" else filled.cum_max()
+    return pl.when(count > 0).then(running)
+
+
+def _aggregate(x: pl.Expr, stat: str) -> pl.Expr:
+    return {"mean": x.mean(), "std": x.std(), "min": x.min(), "max": x.max()}[stat]
+
+
+def describe(spec: FeatureSpec) -> dict[str, Any]:
+    """The spec as plain values, for the run's summary and tracking."""
+    return {
+        "lags": list(spec.lags),
+        "window_shift": spec.shift,
+        "rolling": [n for n, _, _ in spec.rolling_columns],
+        "expanding": [n for n, _ in spec.expanding_columns],
+        "calendar": list(spec.calendar),
+        "group": [n for n, _, _ in spec.group_columns],
+    }

