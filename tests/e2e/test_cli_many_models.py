@@ -3,15 +3,20 @@ the middle and `--resume`, and bad input."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import polars as pl
 import pytest
+
+from helpers import free_port
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -23,7 +28,9 @@ REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(REPO / "tests" / "integration")}
 
 
-def many_models(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def many_models(
+    *args: str, timeout: float = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(BIN / "shardwise"), "many-models", *args],
         cwd=REPO,
@@ -31,7 +38,7 @@ def many_models(*args: str, timeout: float = 600) -> subprocess.CompletedProcess
         text=True,
         timeout=timeout,
         stdin=subprocess.DEVNULL,
-        env=ENV,
+        env=env or ENV,
     )
 
 
@@ -52,6 +59,54 @@ def test_us_employment_with_spark_features(tmp_path):
     for name in ("backtest_metrics", "best_models", "forecasts", "failures", "skipped"):
         assert (run_dir / f"{name}.parquet").exists()
     assert pl.read_parquet(run_dir / "forecasts.parquet").height == 8 * 12
+
+
+def test_joins_an_existing_ray_cluster_and_ships_user_code(tmp_path):
+    """A Ray head started apart from shardwise (as on a cluster): `--ray-address` joins it, and
+    the user model (examples/croston.py) reaches its workers with the working directory."""
+    port = free_port()
+    # Its own short temp dir (unix socket paths are limited), so no other Ray finds it; token
+    # authentication off for this loopback-only head.
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    env = {**ENV, "RAY_AUTH_MODE": "disabled"}
+    head = subprocess.Popen(
+        [str(BIN / "ray"), "start", "--head", "--block", f"--port={port}",
+         "--node-ip-address=127.0.0.1", "--num-cpus=2", "--include-dashboard=false",
+         "--disable-usage-stats", f"--temp-dir={temp}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+        start_new_session=True, env=env,
+    )  # fmt: skip
+    try:
+        done = many_models(
+            "examples/retail-synthetic.toml",
+            "--set", f"job.run_dir={tmp_path}",
+            "--set", "data.num_series=6",
+            "--set", "models.names=['seasonal_naive', 'examples.croston']",
+            "--set", "tracking.mlflow=false",
+            "--ray-address", f"127.0.0.1:{port}",
+            env=env,
+        )  # fmt: skip
+    finally:
+        head.terminate()  # --block: stopping it stops the head's processes
+        head.wait(timeout=60)
+        _kill_session(head.pid)
+        shutil.rmtree(temp, ignore_errors=True)
+    assert done.returncode == 0, done.stderr
+    assert "6 of 6 series forecast" in done.stderr
+    best = pl.read_parquet(tmp_path / "best_models.parquet")
+    metrics = pl.read_parquet(tmp_path / "backtest_metrics.parquet")
+    assert set(metrics["model"]) == {"seasonal_naive", "croston"} and best.height == 6
+
+
+def _kill_session(sid: int) -> None:
+    """SIGKILL whatever is left of a process session, and wait until it is gone."""
+    deadline = time.monotonic() + 30
+    while (left := _session_processes(sid)) and time.monotonic() < deadline:
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+    assert not _session_processes(sid), "processes of the Ray head survived"
 
 
 def _session_processes(sid: int) -> list[int]:
@@ -136,5 +191,6 @@ def test_bad_input_one_line_exit_2(tmp_path, override, message):
 
 def test_existing_results_need_resume(tmp_path):
     (tmp_path / "chunks" / "chunk-000000").mkdir(parents=True)
+    (tmp_path / "chunks" / "chunk-000000" / "done").write_text("{}")
     done = many_models("examples/us-employment.toml", "--set", f"job.run_dir={tmp_path}")
     assert done.returncode == 2 and "pass --resume to finish it" in done.stderr

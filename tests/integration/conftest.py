@@ -15,6 +15,7 @@ def ray_cluster():
 
     here = os.path.dirname(__file__)  # the test models (bad_models.py), for the workers
     ray.init(
+        address="local",  # never a cluster another test or user started on this machine
         num_cpus=2,
         include_dashboard=False,
         logging_level="WARNING",

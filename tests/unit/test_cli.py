@@ -9,11 +9,24 @@ def test_cli_flags_are_pinned():
     """Adding a flag is a decision: change this test with it."""
     parser = build_parser()
     commands = parser._subparsers._group_actions[0].choices
-    assert sorted(commands) == ["export", "train"]
+    assert sorted(commands) == ["export", "many-models", "train"]
     flags = sorted(o for a in commands["train"]._actions for o in a.option_strings)
     assert flags == sorted(["-h", "--help", "--nproc", "--set", "--resume", "--dry-run", "--debug"])
     flags = sorted(o for a in commands["export"]._actions for o in a.option_strings)
     assert flags == sorted(["-h", "--help", "--debug"])
+    flags = sorted(o for a in commands["many-models"]._actions for o in a.option_strings)
+    assert flags == sorted(
+        [
+            "-h",
+            "--help",
+            "--set",
+            "--resume",
+            "--features-backend",
+            "--spark-master",
+            "--ray-address",
+            "--debug",
+        ]
+    )
 
 
 @pytest.mark.parametrize(

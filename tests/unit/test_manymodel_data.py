@@ -84,7 +84,7 @@ def test_bad_tables_get_one_line(tmp_path, rows, change, message):
 
 def test_all_series_too_short_is_an_error(tmp_path):
     source = write_csv(tmp_path, daily("a", 8) + daily("b", 9))
-    with pytest.raises(ConfigError, match="the backtest needs 15 observations .* the longest has 9"):
+    with pytest.raises(ConfigError, match=r"needs 15 observations .* the longest has 9"):
         load_series(config(source))
 
 
@@ -136,3 +136,14 @@ def test_us_employment_is_148_monthly_series():
     assert table.freq == "1mo" and table.season_length == 12
     assert table.num_series + table.skipped.height == 148
     assert table.columns.ids == ("series_id",)
+
+
+def test_reads_parquet_from_an_fsspec_url():
+    import fsspec
+
+    frame = pl.DataFrame(daily("a", 30), orient="row", schema=["shop", "day", "units"])
+    frame = frame.with_columns(pl.col("day").str.to_date())
+    with fsspec.open("memory://bucket/sales.parquet", "wb") as handle:
+        frame.write_parquet(handle)
+    table = load_series(config("memory://bucket/sales.parquet"))
+    assert table.num_series == 1 and table.freq == "1d"

@@ -266,10 +266,11 @@ def _drop_short(
         )
     )
     if short.height == counts.height:
+        longest = int(counts["observations"].max())  # type: ignore[arg-type]
         raise ConfigError(
             f"every series is too short: the backtest needs {need} observations (feature warm-up "
             f"+ backtest.min_train + the windows) and the longest has "
-            f"{counts['observations'].max()}; lower the longest lag or window, "
+            f"{longest}; lower the longest lag or window, "
             "backtest.min_train, n_windows or horizon"
         )
     return frame.join(short, on=ids, how="anti"), short

@@ -28,7 +28,7 @@ from rich.table import Table
 from shardwise.config import ConfigError, flatten
 from shardwise.manymodel.backtest import TARGET, ChunkResult, Plan, run_chunk
 from shardwise.manymodel.config import BUILTIN_MODELS, ManyModelsConfig, model_label
-from shardwise.manymodel.data import SERIES, SeriesTable, load_series
+from shardwise.manymodel.data import FUTURE, SERIES, SeriesTable, load_series
 from shardwise.manymodel.features import FeatureSpec, compute
 from shardwise.manymodel.models import ModelContext
 
@@ -66,7 +66,7 @@ def run(
     console = console or Console(stderr=True)
     started = time.perf_counter()
     run_dir = config.run_dir
-    done = _prepare_run_dir(run_dir, config, resume)
+    done = _finished_chunks(run_dir, config, resume)
     table = load_series(config)
     if table.skipped.height:
         console.print(
@@ -94,10 +94,11 @@ def run(
         f"{len(spec.columns())} features ({config.features.backend}) in {features_seconds:.1f} s"
     )
     plan = make_plan(config, table, spec)
+    _start_run_dir(run_dir, config)
     tracker = _tracker(config, run_dir)
     ray, started_ray = start_ray(config)
     try:
-        slots = max(1, int(ray.cluster_resources().get("CPU", 1) / config.runner.num_cpus))
+        slots = task_slots(ray, config)
         chunk_size = _chunk_size(run_dir, config, table.num_series, slots, resume)
         chunks = _chunks(features, chunk_size)
         todo = [i for i in range(len(chunks)) if i not in done]
@@ -165,16 +166,17 @@ def make_plan(config: ManyModelsConfig, table: SeriesTable, spec: FeatureSpec) -
     )
 
 
-def _prepare_run_dir(run_dir: Path, config: ManyModelsConfig, resume: bool) -> set[int]:
-    """Check the run directory against `--resume`; return the chunks already finished."""
+def _finished_chunks(run_dir: Path, config: ManyModelsConfig, resume: bool) -> set[int]:
+    """The chunks an earlier run finished, checked against `--resume` and the job it ran."""
     chunk_dir = run_dir / "chunks"
-    saved = run_dir / "job.toml"
-    if not resume and chunk_dir.exists() and any(chunk_dir.iterdir()):
+    done = {int(p.name.split("-")[1]) for p in chunk_dir.glob("chunk-*") if (p / "done").exists()}
+    if done and not resume:
         raise ConfigError(
             f"{run_dir} already has results of an earlier run; pass --resume to finish it, or set "
             "job.name or job.run_dir for a new one"
         )
-    if resume and saved.exists():
+    saved = run_dir / "job.toml"
+    if done and saved.exists():
         from shardwise.config import load_job_file
 
         before = flatten(load_job_file(saved, (), ManyModelsConfig))
@@ -189,11 +191,15 @@ def _prepare_run_dir(run_dir: Path, config: ManyModelsConfig, resume: bool) -> s
                 f"--resume: {run_dir} was run with a different job ({', '.join(changed[:3])} "
                 "changed); undo the change, or use a new job.name or job.run_dir"
             )
+    return done
+
+
+def _start_run_dir(run_dir: Path, config: ManyModelsConfig) -> None:
+    chunk_dir = run_dir / "chunks"
     chunk_dir.mkdir(parents=True, exist_ok=True)
-    for stale in chunk_dir.glob("*.partial*"):
+    for stale in chunk_dir.glob("*.partial*"):  # a chunk being written when a run died
         shutil.rmtree(stale, ignore_errors=True)
-    saved.write_text(tomli_w.dumps(config.model_dump(mode="json")))
-    return {int(p.name.split("-")[1]) for p in chunk_dir.glob("chunk-*") if (p / "done").exists()}
+    (run_dir / "job.toml").write_text(tomli_w.dumps(config.model_dump(mode="json")))
 
 
 def _chunk_size(
@@ -219,6 +225,30 @@ def _chunks(features: pl.DataFrame, chunk_size: int) -> list[pl.DataFrame]:
     return [p.drop("_chunk") for p in parts]
 
 
+def task_slots(ray: Any, config: ManyModelsConfig) -> int:
+    """How many tasks the cluster can run at once with the requested CPUs, GPUs and memory per
+    task; a request no node can satisfy is an error here, not a task pending forever."""
+    runner = config.runner
+    nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+    needs = {"CPU": runner.num_cpus, "GPU": runner.num_gpus, "memory": runner.memory_mb * 2**20}
+    keys = {"CPU": "runner.num_cpus", "GPU": "runner.num_gpus", "memory": "runner.memory_mb"}
+    slots = 0
+    for resource, need in needs.items():
+        if not need:
+            continue
+        largest = max((node.get(resource, 0.0) for node in nodes), default=0.0)
+        if need > largest:
+            have = f"{largest / 2**20:.0f} MiB" if resource == "memory" else f"{largest:g}"
+            raise ConfigError(
+                f"{keys[resource]} asks for more {resource} per task than any Ray node has "
+                f"(largest: {have}); lower it"
+            )
+    for node in nodes:
+        fits = [node.get(r, 0.0) / need for r, need in needs.items() if need]
+        slots += math.floor(min(fits) + 1e-9)
+    return max(slots, 1)
+
+
 def start_ray(config: ManyModelsConfig) -> tuple[Any, bool]:
     """Ray, and whether this call started it (and so should stop it). Locally, workers import
     user models from the working directory, as the driver does; on a cluster, the working
@@ -235,9 +265,12 @@ def start_ray(config: ManyModelsConfig) -> tuple[Any, bool]:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, os.environ.get("PYTHONPATH")) if p)
     elif any(name not in BUILTIN_MODELS for name in config.models.names):
         runtime_env["working_dir"] = cwd
-        runtime_env["excludes"] = [".venv/", "runs/", ".git/", "**/__pycache__/"]
+        runtime_env["excludes"] = [
+            ".venv/", "runs/", ".git/", "**/__pycache__/", ".*_cache/", "*.egg-info/"
+        ]  # fmt: skip
     ray.init(
-        address=address,
+        # "local": a fresh instance even when a `ray start` cluster runs on this machine
+        address=address or "local",
         runtime_env=runtime_env,
         include_dashboard=False,
         logging_level=logging.WARNING,
@@ -267,6 +300,7 @@ def _run_chunks(
     pending = {task.remote(ray.put(chunks[i].to_arrow()), plan_ref): i for i in todo}
     reused = sum(chunks[i][SERIES].n_unique() for i in done)
     intervals: list[tuple[float, float]] = []
+    started, finished, failed = time.monotonic(), reused, 0
     with Progress(
         TextColumn("[bold]series"),
         BarColumn(),
@@ -279,7 +313,6 @@ def _run_chunks(
         disable=not console.is_terminal,
     ) as progress:
         bar = progress.add_task("series", total=total_series, completed=reused, failed=0)
-        failed = 0
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1)
             for ref in ready:
@@ -287,21 +320,25 @@ def _run_chunks(
                 try:
                     result: ChunkResult = ray.get(ref)
                 except ray.exceptions.RayError as e:
-                    result = _lost_chunk(chunks[index], plan, e)
+                    result = _lost_chunk(chunks[index], e)
                 _write_chunk(run_dir / "chunks", index, result)
                 intervals.append((result.started, result.finished))
                 failed += result.failed_series
-                progress.update(
-                    bar, advance=result.series or chunks[index][SERIES].n_unique(), failed=failed
-                )
-                if not console.is_terminal:
+                finished += result.series
+                progress.update(bar, completed=finished, failed=failed)
+                if not console.is_terminal:  # a log line per chunk instead of a bar
+                    elapsed = time.monotonic() - started
+                    rate = (finished - reused) / elapsed
+                    eta = (total_series - finished) / rate if rate else float("nan")
                     console.print(
-                        f"chunk {index}: {result.series} series, {result.failed_series} failed"
+                        f"series {finished}/{total_series} done · {failed} failed · "
+                        f"{elapsed:.0f} s · ETA {eta:.0f} s",
+                        highlight=False,
                     )
     return intervals
 
 
-def _lost_chunk(chunk: pl.DataFrame, plan: Plan, error: Exception) -> ChunkResult:
+def _lost_chunk(chunk: pl.DataFrame, error: Exception) -> ChunkResult:
     """A chunk whose worker died more often than `max_retries`: every series in it failed."""
     result = ChunkResult(started=time.time(), finished=time.time())
     message = f"{type(error).__name__}: worker lost after retries ({str(error).splitlines()[0]})"
@@ -336,10 +373,14 @@ def _assemble(run_dir: Path, table: SeriesTable, n_chunks: int) -> dict[str, pl.
             for i in range(n_chunks)
         ]
         outputs[name] = ids.join(pl.concat(frames), on=SERIES, how="inner")
-    future = table.frame.filter(pl.col("_future")).select(
+    future = table.frame.filter(pl.col(FUTURE)).select(
         SERIES, table.columns.timestamp, (pl.int_range(pl.len()).over(SERIES) + 1).alias("step")
     )
-    outputs["forecasts"] = outputs["forecasts"].join(future, on=[SERIES, "step"], how="left")
+    outputs["forecasts"] = (
+        outputs["forecasts"]
+        .join(future, on=[SERIES, "step"], how="left")
+        .select(SERIES, *table.columns.ids, table.columns.timestamp, "step", "model", "forecast")
+    )
     files = {
         "metrics": "backtest_metrics",
         "choices": "best_models",
