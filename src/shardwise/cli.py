@@ -7,6 +7,7 @@ says what to fix; `--debug` shows the traceback), 128 + N stopped by signal N (1
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -124,8 +125,12 @@ def _train(args: argparse.Namespace) -> int:
         metrics = "  ".join(
             f"{k} {v:.4f}" for k, v in summary.metrics.items() if k.startswith(("loss", "eval/"))
         )
-        print(f"done: step {summary.step}  {metrics}")
-        print(f"checkpoint: {summary.checkpoint}")
+        if summary.preempted:
+            print(f"preempted (SIGTERM): stopped at step {summary.step}  {metrics}")
+            print(f"checkpoint: {summary.checkpoint} (--resume auto continues from it)")
+        else:
+            print(f"done: step {summary.step}  {metrics}")
+            print(f"checkpoint: {summary.checkpoint}")
         if summary.mlflow_run_id:
             print(f"mlflow run: {summary.mlflow_run_id}")
     return 0
@@ -141,8 +146,28 @@ def _many_models(args: argparse.Namespace) -> int:
         "runner.ray_address": args.ray_address,
     }
     overrides = [*args.overrides, *(f"{k}={v!r}" for k, v in flags.items() if v is not None)]
-    summary = run(load_many_models(args.job, overrides), resume=args.resume)
+    config = load_many_models(args.job, overrides)
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        summary = run(config, resume=args.resume)
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM via _terminated; Ray is stopped
+        print(
+            f"shardwise: stopped; finished chunks are kept in {config.run_dir / 'chunks'}, "
+            "run again with --resume for the rest",
+            file=sys.stderr,
+        )
+        return 128 + getattr(stop, "signum", signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0 if summary.completed or not summary.series else 1
+
+
+class _Terminated(KeyboardInterrupt):
+    signum = signal.SIGTERM
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise _Terminated()
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -47,7 +47,9 @@ class ConfigError(ValueError):
 class Section(BaseModel):
     """A job-file section: unknown keys are errors, assignments are validated."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, populate_by_name=True, serialize_by_alias=True
+    )
 
 
 class JobSection(Section):
@@ -188,6 +190,13 @@ class CheckpointSection(Section):
     every_steps: int = Field(0, ge=0)
     """Save every k steps; 0 saves only at the end. The last step always saves."""
     keep_last: int = Field(2, gt=0)
+    async_save: bool = Field(False, alias="async")
+    """`checkpoint.async = true`: copy the state to memory and write it in the background, so
+    training waits only for the copy; the checkpoint is committed when the next save (or the end
+    of the run) finds the write finished."""
+    fail_on_save_error: bool = False
+    """A save that fails (a full disk, a lost mount) ends the run; by default it is reported and
+    training continues, the previous checkpoint still good."""
 
 
 class TrackingSection(Section):
@@ -202,7 +211,20 @@ class TrackingSection(Section):
 
 class FaultSection(Section):
     timeout_s: float = Field(600.0, gt=0)
-    """How long a collective may wait for the other ranks before the run fails."""
+    """A rank that makes no progress for this long (a hung collective, a stalled rank): every
+    rank writes where it is, and the run ends naming the stuck ranks (or restarts, with
+    max_restarts)."""
+    max_restarts: int = Field(0, ge=0)
+    """When a worker dies (any signal or exception), restart the whole worker group up to this
+    many times; every rank resumes from the newest complete checkpoint."""
+    straggler_factor: float = Field(1.5, ge=0)
+    """Flag a rank whose own work per step (batch fetch + forward) exceeds this multiple of the
+    median rank's; 0 turns the check off."""
+    straggler_windows: int = Field(3, gt=0)
+    """Reporting windows (tracking.log_every steps each) a rank must be slow in a row."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A step whose loss or gradient norm is NaN or infinite: `stop` saves the last good state
+    and ends the run naming the step; `skip` drops the update and counts it."""
 
 
 class JobConfig(Section):

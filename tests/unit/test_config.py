@@ -136,3 +136,18 @@ def test_resolved_config_writes_out_defaults(job_file):
     assert full.tracking.experiment == "run"
     params = flatten(full)
     assert params["train.steps"] == "10" and params["model.name"] == "mlp"
+
+
+def test_checkpoint_async_key_round_trips(tmp_path):
+    import tomllib
+
+    import tomli_w
+
+    job = tmp_path / "job.toml"
+    job.write_text(
+        '[model]\nname = "mlp"\n[data]\nname = "digits"\n[train]\nsteps = 1\nglobal_batch = 8\n'
+    )
+    config = load_config(job, ["checkpoint.async=true"])
+    assert config.checkpoint.async_save is True
+    dumped = tomllib.loads(tomli_w.dumps(config.model_dump(mode="json", exclude_none=True)))
+    assert dumped["checkpoint"]["async"] is True

@@ -24,6 +24,12 @@ class WorkerEnv:
     local_world_size: int
     init_method: str
     """How to reach the rendezvous: `env://` under torch elastic, `tcp://host:port` under Slurm."""
+    restart_count: int = 0
+    """How many times torch elastic has restarted the worker group (0 on the first attempt)."""
+    master_addr: str = ""
+    master_port: int = 0
+    agent_store: bool = False
+    """torch elastic's agent hosts the job's TCPStore at master_addr:master_port."""
 
 
 def detect(environ: Mapping[str, str] | None = None) -> WorkerEnv | None:
@@ -40,6 +46,10 @@ def detect(environ: Mapping[str, str] | None = None) -> WorkerEnv | None:
             world_size=world,
             local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),
             init_method="env://",
+            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            master_addr=env.get("MASTER_ADDR", ""),
+            master_port=int(env.get("MASTER_PORT", "0")),
+            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         )
     # `srun` sets SLURM_STEP_NUM_TASKS for each task of a job step; a batch script alone does not,
     # so `shardwise train --nproc N` inside `sbatch` still launches its own workers.

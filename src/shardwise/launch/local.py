@@ -9,8 +9,10 @@ The path from the command line to `loss.backward()`: `cli.main` → `train` (her
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import signal
+import time
 import uuid
 import warnings
 from collections.abc import Callable
@@ -21,13 +23,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, TCPStore
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from shardwise import builders
-from shardwise.checkpoint.layout import MANIFEST, complete_checkpoints, is_complete
+from shardwise.checkpoint.layout import (
+    MANIFEST,
+    complete_checkpoints,
+    is_complete,
+    newest_good,
+    problem,
+)
 from shardwise.config import ConfigError, JobConfig, apply_override, derive, load_config, validate
+from shardwise.fault.watchdog import describe as describe_hang
 from shardwise.launch.env import detect, visible_cpus
 from shardwise.parallel.apply import check_layout
 
@@ -56,8 +66,11 @@ class Interrupted(Exception):
         self.signum = signum
 
 
-def launch(entry: Callable[..., Any], args: tuple[Any, ...], *, nproc: int) -> dict[int, Any]:
-    """Run `entry(*args)` in `nproc` local processes; return each rank's return value."""
+def launch(
+    entry: Callable[..., Any], args: tuple[Any, ...], *, nproc: int, max_restarts: int = 0
+) -> dict[int, Any]:
+    """Run `entry(*args)` in `nproc` local processes, restarting all of them up to
+    `max_restarts` times when one fails; return each rank's return value."""
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -66,7 +79,7 @@ def launch(entry: Callable[..., Any], args: tuple[Any, ...], *, nproc: int) -> d
         # c10d rendezvous on port 0: the agent's store takes a free port, no fixed ports anywhere.
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0,
+        max_restarts=max_restarts,
         start_method="spawn",
     )
     # shardwise reports failures itself (WorkerFailed); the agent's own log would repeat them.
@@ -135,8 +148,33 @@ def train(
     args = (config.model_dump(mode="json"), str(checkpoint) if checkpoint else None, dry_run)
     if worker is not None:
         return run_worker(*args)
-    summary: TrainSummary | None = launch(run_worker, args, nproc=world_size)[0]
+    started = time.time()
+    try:
+        summary: TrainSummary | None = launch(
+            run_worker, args, nproc=world_size, max_restarts=config.fault.max_restarts
+        )[0]
+    except Interrupted as stop:
+        preempted = _preempted_summary(config, since=started)
+        if stop.signum != signal.SIGTERM or preempted is None:
+            raise
+        return preempted  # the workers saved a checkpoint at a step boundary and stopped
+    except WorkerFailed as failure:
+        hang = describe_hang(config.run_dir / "hangs", since=started)
+        if hang is None:
+            raise
+        raise WorkerFailed(failure.rank, failure.exitcode, hang, traceback="") from None
     return summary
+
+
+def _preempted_summary(config: JobConfig, *, since: float) -> TrainSummary | None:
+    """The summary rank 0 wrote when it stopped on SIGTERM during this launch, if it did."""
+    from shardwise.trainer.loop import TrainSummary
+
+    path = config.run_dir / "summary.json"
+    if not path.exists() or path.stat().st_mtime < since:
+        return None
+    data = json.loads(path.read_text())
+    return TrainSummary(**data) if data.get("preempted") else None
 
 
 def resume_point(config: JobConfig, resume: str) -> Path | None:
@@ -151,12 +189,27 @@ def resume_point(config: JobConfig, resume: str) -> Path | None:
             )
         return None
     if resume == "auto":
-        return found[-1] if found else None
+        return _newest_good(config)
     path = Path(resume)
     if not is_complete(path):
         raise ConfigError(
             f"--resume {resume}: not a complete checkpoint (expected a step_NNNNNNNN directory "
             f"with {MANIFEST}); use --resume auto to pick the newest one"
+        )
+    wrong = problem(path)
+    if wrong is not None:
+        raise ConfigError(
+            f"--resume {resume}: {wrong}; use --resume auto to pick the newest good checkpoint"
+        )
+    return path
+
+
+def _newest_good(config: JobConfig) -> Path | None:
+    """The newest checkpoint whose files match its manifest; a warning names each one skipped."""
+    path, skipped = newest_good(config.checkpoint_dir)
+    for message in skipped:
+        warnings.warn(
+            f"{message}; resuming from {path.name if path else 'the start'}", stacklevel=3
         )
     return path
 
@@ -168,23 +221,51 @@ def run_worker(
     env = detect()
     assert env is not None, "run_worker runs under torch elastic or Slurm"
     config = JobConfig.model_validate(config_data)
+    if env.restart_count and not dry_run:
+        # The agent restarted the group after a failure: continue from the newest checkpoint.
+        with warnings.catch_warnings():
+            if env.rank != 0:
+                warnings.simplefilter("ignore")  # rank 0 tells
+            newest = _newest_good(config)
+        resume = str(newest) if newest else resume
     device = pick_device(config.job.device, local_rank=env.local_rank)
     threads = config.job.threads_per_rank or max(1, visible_cpus() // env.local_world_size)
     torch.set_num_threads(threads)
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
-        init_method=env.init_method,
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=timedelta(seconds=config.fault.timeout_s),
-    )
+    # A backstop: the watchdog names a hang after fault.timeout_s, before gloo/NCCL give up.
+    timeout = timedelta(seconds=config.fault.timeout_s + 60)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if env.restart_count and env.master_addr:
+        # After a restart the agent's store still holds the previous attempt's addresses (torch
+        # elastic with c10d rendezvous keeps one store), and gloo would dial the dead workers:
+        # give every attempt its own key space.
+        store = PrefixStore(
+            f"shardwise/attempt_{env.restart_count}/",
+            TCPStore(
+                env.master_addr,
+                env.master_port,
+                env.world_size,
+                is_master=not env.agent_store and env.rank == 0,
+                timeout=timeout,
+            ),
+        )
+        dist.init_process_group(
+            backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
+        )
+    else:
+        dist.init_process_group(
+            backend,
+            init_method=env.init_method,
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timeout,
+        )
     from shardwise.trainer import loop  # here: the launching process never needs the trainer
 
     try:
         if dry_run:
             loop.dry_run(config, device)
             return None
-        return loop.train(config, device=device, resume=resume)
+        return loop.train(config, device=device, resume=resume, restarts=env.restart_count)
     finally:
         # Free DDP's reducer (which holds the process group) while the group is still registered:
         # if the group's last reference died inside the reducer's destructor, gloo's destructor

@@ -18,11 +18,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from shardwise import builders
 from shardwise.checkpoint.layout import read_manifest
-from shardwise.checkpoint.manager import CheckpointManager
+from shardwise.checkpoint.manager import CheckpointManager, WriteFailed
 from shardwise.config import ConfigError, Derived, JobConfig, derive, resolved
+from shardwise.fault.inject import FaultPlan
+from shardwise.fault.preempt import Preemption
+from shardwise.fault.straggler import StragglerMonitor
+from shardwise.fault.watchdog import Watchdog
 from shardwise.parallel.apply import Layout, parallelize
 from shardwise.parallel.init import materialize, supports_meta_init
 from shardwise.parallel.mesh import build_mesh, dp_group, dp_position, pp_group
@@ -49,20 +54,40 @@ class TrainSummary:
     mlflow_run_id: str | None
     samples_per_second: float
     resumed_from: int | None = None
+    preempted: bool = False
+    """The run stopped early on SIGTERM, after saving a checkpoint."""
     memory: list[dict[str, Any]] = field(default_factory=list)
     """Per rank: parameter, gradient and optimizer-state bytes, peak memory, pipeline bubble."""
 
 
-def train(config: JobConfig, *, device: torch.device, resume: str | None) -> TrainSummary | None:
-    """Train to `train.steps`, resuming from the checkpoint at `resume` if given."""
+def train(
+    config: JobConfig, *, device: torch.device, resume: str | None, restarts: int = 0
+) -> TrainSummary | None:
+    """Train to `train.steps`, resuming from the checkpoint at `resume` if given; `restarts`
+    counts the times the launcher restarted the workers after a failure (reported)."""
     run = build_run(config, device)
+    run.faults = FaultPlan.from_env(rank=run.rank, attempt=restarts)
     start = restore(run, Path(resume)) if resume else 0
     tracker, display = report.start(run, start, resumed=resume is not None)
+    if restarts:
+        report.restarted(tracker, display, restarts, start)
     status, summary = "FAILED", None
+    preemption = Preemption()
+    watchdog = Watchdog(config.run_dir / "hangs", rank=run.rank, timeout_s=config.fault.timeout_s)
     try:
-        summary = loop(run, start, tracker, display, resumed_from=Path(resume) if resume else None)
-        status = "FINISHED"
+        summary = loop(
+            run,
+            start,
+            tracker,
+            display,
+            resumed_from=Path(resume) if resume else None,
+            preemption=preemption,
+            watchdog=watchdog,
+        )
+        status = "KILLED" if summary.preempted else "FINISHED"
     finally:
+        watchdog.close()
+        preemption.close()
         if display is not None:
             display.close()
         if tracker is not None:
@@ -115,7 +140,11 @@ def build_run(config: JobConfig, device: torch.device) -> Run:
             batch=derived.eval_batch,
             max_samples=config.eval.max_samples,
         ),
-        checkpoints=CheckpointManager(config.checkpoint_dir, keep_last=config.checkpoint.keep_last),
+        checkpoints=CheckpointManager(
+            config.checkpoint_dir,
+            keep_last=config.checkpoint.keep_last,
+            asynchronous=config.checkpoint.async_save,
+        ),
         dp_group=dp_group(mesh),
         pp_group=pp_group(mesh),
         tokens_per_sample=_tokens_per_sample(train_set[0]),
@@ -188,6 +217,8 @@ def loop(
     display: ProgressDisplay | None,
     *,
     resumed_from: Path | None,
+    preemption: Preemption | None = None,
+    watchdog: Watchdog | None = None,
 ) -> TrainSummary:
     cfg = run.config
     steps, log_every = cfg.train.steps, cfg.tracking.log_every
@@ -204,12 +235,26 @@ def loop(
     for part in run.parts:
         part.train()
     memory: list[dict[str, Any]] = []
+    skipped, failed_saves, preempted_at, window_start = 0, 0, None, start
+    stragglers = StragglerMonitor(
+        factor=cfg.fault.straggler_factor, windows=cfg.fault.straggler_windows, device=run.device
+    )
     for step in range(start + 1, steps + 1):
+        if watchdog is not None:
+            watchdog.started(step)
         began = time.perf_counter()
-        loss, grad_norm = train_step(run, run.loader.next_step())
+        run.faults.before_step(step)
+        batch = run.loader.next_step()
+        fetched, run.forward_seconds = time.perf_counter() - began, 0.0
+        loss, grad_norm, applied = train_step(run, batch, step=step)
+        stragglers.add(fetched + run.forward_seconds)
         for scheduler in run.schedulers:
             scheduler.step()
-        losses.append(loss)
+        if applied:
+            losses.append(loss)
+        else:
+            skipped += 1
+            _nonfinite(run, tracker, display, step, loss, grad_norm, skipped)
         if step == start + 1:  # warm-up: shape inference, allocations; not in the bubble
             memory = report.memory(run, display, tracker, step)
             if run.layout.pipeline is not None:
@@ -218,13 +263,21 @@ def loop(
             run.step_seconds += time.perf_counter() - began
         if step % log_every == 0 or step == steps:
             elapsed = time.perf_counter() - clock
-            stats = _train_stats(run, losses, grad_norm, elapsed)
+            stats = _train_stats(run, losses, grad_norm, elapsed, step - window_start)
             rates.append(stats["samples/s"])
             metrics.update(stats)
-            losses, clock = [], time.perf_counter()
+            losses, clock, window_start = [], time.perf_counter(), step
             report.report(tracker, display, stats, step)
+            slow, messages = stragglers.check()
+            if slow:
+                report.report(tracker, None, slow, step)
+            for message in messages:
+                if display is not None:
+                    display.print(message)
         # Evaluation and checkpoint time is moved out of the throughput window (clock += ...).
         if _due(step, cfg.eval.every_steps, steps) and run.eval_data is not None:
+            if watchdog is not None:
+                watchdog.beat()
             began = time.perf_counter()
             evaluation = evaluate(run)
             clock += time.perf_counter() - began
@@ -232,15 +285,46 @@ def loop(
             report.report(tracker, None, evaluation, step)
             if display is not None:
                 display.report(step, evaluation)
-        if _due(step, cfg.checkpoint.every_steps, steps):
+        stop = preemption is not None and preemption.agreed()
+        if _due(step, cfg.checkpoint.every_steps, steps) or stop:
+            if watchdog is not None:
+                watchdog.beat()
             began = time.perf_counter()
-            checkpoint = save(run, step)
+            try:
+                checkpoint = save(run, step)
+                saved = {"checkpoint/save_s": time.perf_counter() - began}
+            except SaveFailed as failure:
+                if cfg.checkpoint.fail_on_save_error:
+                    raise
+                failed_saves += 1
+                saved = {"checkpoint/failed_saves": float(failed_saves)}
+                if display is not None:
+                    display.print(
+                        f"{failure}; training continues, the newest checkpoint is still "
+                        f"{checkpoint} (checkpoint.fail_on_save_error = true makes this fatal)"
+                    )
             clock += time.perf_counter() - began
-            report.report(tracker, None, {"checkpoint/save_s": time.perf_counter() - began}, step)
-    if steps > start:
+            report.report(tracker, None, saved, step)
+        if watchdog is not None:
+            watchdog.finished(step)
+        run.faults.after_step(step)
+        if stop:
+            preempted_at = step
+            if display is not None:
+                display.print(
+                    f"SIGTERM: saved {checkpoint} at step {step} and stopping; "
+                    "--resume auto continues exactly"
+                )
+            break
+    try:
+        run.checkpoints.wait()  # an asynchronous save still in flight is committed here
+    except WriteFailed as e:
+        raise SaveFailed(f"saving the checkpoint of step {e.step} failed: {e}") from e
+    if steps > start and preempted_at is None:
         memory = report.memory(run, display, tracker, steps, final=True)
     return TrainSummary(
-        step=steps,
+        step=preempted_at or steps,
+        preempted=preempted_at is not None,
         metrics=metrics,
         checkpoint=str(checkpoint) if checkpoint else None,
         run_dir=str(cfg.run_dir),
@@ -250,7 +334,40 @@ def loop(
     )
 
 
+class NonFiniteStep(RuntimeError):
+    """A step's gradient norm was NaN or infinite under `fault.on_nonfinite = "stop"`."""
+
+
+def _nonfinite(
+    run: Run,
+    tracker: Tracker | None,
+    display: ProgressDisplay | None,
+    step: int,
+    loss: torch.Tensor,
+    grad_norm: torch.Tensor | None,
+    skipped: int,
+) -> None:
+    """A step whose update was not applied because its gradient norm is not finite."""
+    what = f"step {step}: the gradient norm is {float(grad_norm or 0.0)} (loss {float(loss)})"
+    if run.config.fault.on_nonfinite == "skip":
+        report.report(tracker, None, {"fault/skipped_steps": float(skipped)}, step)
+        if display is not None:
+            display.print(f"{what}; the update was skipped (fault.on_nonfinite = 'skip')")
+        return
+    path = save(run, step)
+    run.checkpoints.wait()
+    raise NonFiniteStep(
+        f"{what}; stopped without applying it and saved the state before it as {path.name}. "
+        "Lower train.lr, check the data, or set fault.on_nonfinite = 'skip'"
+    )
+
+
+class SaveFailed(RuntimeError):
+    """Writing a checkpoint failed on every rank (what was written of it is removed)."""
+
+
 def save(run: Run, step: int) -> Path:
+    """Checkpoint the run at `step`; a failed write raises `SaveFailed` after cleaning up."""
     state = train_state.capture(
         parts=run.parts,
         optimizers=run.optimizers,
@@ -260,7 +377,14 @@ def save(run: Run, step: int) -> Path:
         step=step,
         rank=run.rank,
     )
-    return run.checkpoints.save(step, state, _manifest(run))
+    try:
+        run.faults.before_save(step)
+        return run.checkpoints.save(step, state, _manifest(run))
+    except WriteFailed as e:  # the previous, asynchronous save
+        raise SaveFailed(f"saving the checkpoint of step {e.step} failed: {e}") from e
+    except (OSError, RuntimeError, CheckpointException) as e:
+        run.checkpoints.discard_partial(step)
+        raise SaveFailed(f"saving the checkpoint of step {step} failed: {e}") from e
 
 
 def restore(run: Run, path: Path) -> int:
@@ -324,14 +448,18 @@ def dry_run(config: JobConfig, device: torch.device) -> None:
 
 
 def _train_stats(
-    run: Run, losses: list[torch.Tensor], grad_norm: torch.Tensor | None, elapsed: float
+    run: Run,
+    losses: list[torch.Tensor],
+    grad_norm: torch.Tensor | None,
+    elapsed: float,
+    steps: int,
 ) -> dict[str, float]:
-    samples = run.derived.global_batch * len(losses) / elapsed
-    stats = {
-        "loss": mean_loss(run, losses),
-        "lr": float(run.schedulers[0].get_last_lr()[0]),
-        "samples/s": samples,
-    }
+    """The window's metrics; `losses` holds the applied steps' losses (a skipped step's loss is
+    not finite and stays out), `steps` counts every step of the window."""
+    samples = run.derived.global_batch * steps / elapsed
+    stats = {"lr": float(run.schedulers[0].get_last_lr()[0]), "samples/s": samples}
+    if losses:  # the same on every rank: the skip verdict is global
+        stats["loss"] = mean_loss(run, losses)
     if run.tokens_per_sample > 1:
         stats["tokens/s"] = samples * run.tokens_per_sample
     if grad_norm is not None:

@@ -56,6 +56,17 @@ def memory(
     return ranks
 
 
+def restarted(
+    tracker: Tracker | None, display: ProgressDisplay | None, restarts: int, step: int
+) -> None:
+    """After the launcher restarted the workers: say so, and record the count."""
+    if display is not None:
+        where = f"from step {step}" if step else "from the start (no checkpoint yet)"
+        display.print(f"restart {restarts} after a worker failure: continuing {where}")
+    if tracker is not None:
+        tracker.log_metrics({"fault/restarts": float(restarts)}, step)
+
+
 def memory_table(ranks: list[dict[str, Any]], *, title: str) -> Table:
     table = Table(title=title, title_justify="left")
     keys = [k for k in ranks[0] if k != "rank"]

@@ -7,6 +7,8 @@ This module must not build anything: `loop.build_run` assembles the `Run` it wor
 
 from __future__ import annotations
 
+import math
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +23,7 @@ from torch.utils.data import DataLoader
 from shardwise import builders
 from shardwise.checkpoint.manager import CheckpointManager
 from shardwise.config import Derived, JobConfig
+from shardwise.fault.inject import FaultPlan
 from shardwise.parallel.apply import Layout, gradient_sync
 from shardwise.parallel.pipeline import pipeline_forward
 from shardwise.trainer.data import StepLoader
@@ -47,6 +50,10 @@ class Run:
     tokens_per_sample: int
     mesh: DeviceMesh
     rank: int = field(default_factory=dist.get_rank)
+    faults: FaultPlan = field(default_factory=lambda: FaultPlan([], rank=0, attempt=0))
+    """Faults to inject (`SHARDWISE_FAULT`, for tests and drills); none by default."""
+    forward_seconds: float = 0.0
+    """Time in forward passes during the current step (this rank's own work, for stragglers)."""
     step_seconds: float = 0.0
     """Time spent in training steps after the first (for the measured pipeline bubble)."""
 
@@ -58,25 +65,34 @@ class Run:
         return [p for part in self.parts for p in part.parameters()]
 
 
-def train_step(run: Run, micro_batches: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One optimizer step over this rank's micro-batches; returns (this rank's mean loss, zero on
-    pipeline ranks without the last stage; the global gradient norm before clipping, or None when
-    clipping is off)."""
+def train_step(
+    run: Run, micro_batches: list[Any], *, step: int = 0
+) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """One optimizer step over this rank's micro-batches. Returns this rank's mean loss (zero on
+    pipeline ranks without the last stage); the global gradient norm before clipping (None when
+    neither clipping nor the non-finite check needs it); and whether the update was applied — it
+    is not when the gradient norm is NaN or infinite (the same verdict on every rank, as the
+    norm is global). With fp16 the gradient scaler makes that call itself."""
     if run.layout.pipeline is not None:
         loss = _pipeline_forward_backward(run, micro_batches)
     else:
         loss = _forward_backward(run, micro_batches)
+    run.faults.corrupt_gradients(step, run.parameters())
     for optimizer in run.optimizers:
         run.scaler.unscale_(optimizer)
     grad_norm = None
-    if run.config.train.grad_clip > 0:
-        grad_norm = clip_grad_norm(run.parameters(), run.config.train.grad_clip, run.pp_group)
-    for optimizer in run.optimizers:
-        run.scaler.step(optimizer)
-    run.scaler.update()
+    check = run.config.train.precision != "fp16"
+    if run.config.train.grad_clip > 0 or check:
+        limit = run.config.train.grad_clip or math.inf
+        grad_norm = clip_grad_norm(run.parameters(), limit, run.pp_group)
+    applied = not check or grad_norm is None or bool(torch.isfinite(grad_norm))
+    if applied:
+        for optimizer in run.optimizers:
+            run.scaler.step(optimizer)
+        run.scaler.update()
     for optimizer in run.optimizers:
         optimizer.zero_grad(set_to_none=True)
-    return loss, grad_norm
+    return loss, grad_norm, applied
 
 
 def _forward_backward(run: Run, micro_batches: list[Any]) -> torch.Tensor:
@@ -87,10 +103,12 @@ def _forward_backward(run: Run, micro_batches: list[Any]) -> torch.Tensor:
     for i, (inputs, target) in enumerate(micro_batches):
         inputs, target = to_device(inputs, run.device), to_device(target, run.device)
         with gradient_sync(model, enabled=i == count - 1):
+            began = time.perf_counter()
             with autocast(precision, run.device):
                 loss = run.loss_fn(model(inputs), target)
                 if count > 1:  # the mean over the rank's batch: each micro-batch's share
                     loss = loss / count
+            run.forward_seconds += time.perf_counter() - began
             run.scaler.scale(loss).backward()
         losses.append(loss.detach())
     return losses[0] if count == 1 else torch.stack(losses).sum()
@@ -135,6 +153,8 @@ def clip_grad_norm(
         squared = total.square()
         dist.all_reduce(squared, group=pp_group)
         total = squared.sqrt()
+    if math.isinf(max_norm):  # the norm was wanted, not clipping
+        return total
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     grads = [g for group in groups.values() for g in group]
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]

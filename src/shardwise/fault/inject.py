@@ -1,0 +1,119 @@
+"""Fault injection, for tests and fire drills: make a real run fail the way long runs fail.
+
+`SHARDWISE_FAULT` lists faults separated by commas, each `kind:key=value:…`:
+
+    kill:rank=1:step=7         the rank SIGKILLs itself after step 7 (an OOM kill, a lost node)
+    nan:step=5                 step 5's gradients become NaN on every rank (or `rank=`)
+    stall:rank=1:step=4        the rank stops making progress after step 4 (`seconds=`, default
+                               forever) — a hung collective, a dead NIC
+    sigterm:step=6             rank 0 sends SIGTERM to the launcher after step 6 (preemption)
+    slow:rank=1:step=1:seconds=0.05
+                               from step 1 on, the rank spends 50 ms more on every step before
+                               its forward pass (a straggler)
+    save_error:step=10         saving the checkpoint of step 10 fails as a full disk does
+
+Faults fire on the first attempt only: after the launcher restarts the workers they run clean, so
+a test can check that the restarted run finishes like an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from shardwise.config import ConfigError
+
+ENV = "SHARDWISE_FAULT"
+KINDS = ("kill", "nan", "stall", "sigterm", "save_error", "slow")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int
+    rank: int | None = None
+    """None: every rank (rank 0 alone for `sigterm`)."""
+    seconds: float = float("inf")
+
+
+def parse(text: str) -> list[Fault]:
+    """Faults from the `SHARDWISE_FAULT` syntax; a malformed entry is a `ConfigError`."""
+    faults = []
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        kind, *pairs = entry.split(":")
+        values: dict[str, str] = {}
+        for pair in pairs:
+            key, sep, value = pair.partition("=")
+            if not sep:
+                raise ConfigError(f"{ENV}: '{pair}' in '{entry}' is not key=value")
+            values[key] = value
+        if kind not in KINDS or "step" not in values or set(values) - {"step", "rank", "seconds"}:
+            raise ConfigError(
+                f"{ENV}: cannot read '{entry}'; expected kind:step=N[:rank=R][:seconds=S] with "
+                f"kind one of {', '.join(KINDS)}"
+            )
+        faults.append(
+            Fault(
+                kind=kind,
+                step=int(values["step"]),
+                rank=int(values["rank"]) if "rank" in values else None,
+                seconds=float(values.get("seconds", "inf")),
+            )
+        )
+    return faults
+
+
+class FaultPlan:
+    """The faults this rank will inject; empty (and free) unless `SHARDWISE_FAULT` is set."""
+
+    def __init__(self, faults: Iterable[Fault], *, rank: int, attempt: int) -> None:
+        self.rank = rank
+        self.faults = [f for f in faults if attempt == 0 and self._mine(f)]
+
+    @classmethod
+    def from_env(
+        cls, *, rank: int, attempt: int, environ: Mapping[str, str] | None = None
+    ) -> FaultPlan:
+        env = os.environ if environ is None else environ
+        return cls(parse(env.get(ENV, "")), rank=rank, attempt=attempt)
+
+    def _mine(self, fault: Fault) -> bool:
+        if fault.rank is not None:
+            return fault.rank == self.rank
+        return self.rank == 0 if fault.kind == "sigterm" else True
+
+    def _due(self, kind: str, step: int) -> bool:
+        return any(f.kind == kind and f.step == step for f in self.faults)
+
+    def before_step(self, step: int) -> None:
+        for fault in self.faults:
+            if fault.kind == "slow" and step >= fault.step:
+                time.sleep(fault.seconds)
+
+    def corrupt_gradients(self, step: int, params: Iterable[torch.nn.Parameter]) -> None:
+        if self._due("nan", step):
+            for p in params:
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
+                    return
+
+    def before_save(self, step: int) -> None:
+        if self._due("save_error", step):
+            raise OSError(errno.ENOSPC, f"No space left on device (injected at step {step})")
+
+    def after_step(self, step: int) -> None:
+        for fault in self.faults:
+            if fault.step != step:
+                continue
+            if fault.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif fault.kind == "stall":
+                time.sleep(fault.seconds if fault.seconds != float("inf") else 10**9)
+            elif fault.kind == "sigterm":
+                os.kill(os.getppid(), signal.SIGTERM)  # the launcher (elastic agent)

@@ -1,0 +1,206 @@
+"""Fault tolerance, by injecting real faults (SHARDWISE_FAULT) into real 2-rank runs: a SIGKILLed
+rank is restarted and the run ends bitwise where an uninterrupted one ends; NaN gradients are
+skipped or stop the run with the step named; SIGTERM saves at a step boundary and exits 0.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardwise
+from helpers import gpt_job, load_params, losses
+from shardwise.checkpoint.layout import problem
+from shardwise.tracking.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+SECTIONS = {"checkpoint": {"every_steps": 4, "keep_last": 3}, "fault": {"max_restarts": 2}}
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference: 16 steps on 2 ranks, checkpoints every 4, no faults."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    summary = shardwise.train(gpt_job(run_dir, train={"steps": 16}, **SECTIONS), nproc=2)
+    assert summary is not None and summary.checkpoint is not None
+    return losses(run_dir), load_params(summary.checkpoint), run_dir
+
+
+def test_killed_ranks_restart_and_end_bitwise_identical(tmp_path, monkeypatch, uninterrupted):
+    """Three runs, each with a random rank SIGKILLed at a random step: each restarts from its
+    newest checkpoint and ends with the uninterrupted run's parameters and losses, bit for bit."""
+    want_losses, want_params, _ = uninterrupted
+    rng = random.Random(20261122)
+    for attempt in range(3):
+        rank, step = rng.randrange(2), rng.randrange(2, 15)
+        monkeypatch.setenv("SHARDWISE_FAULT", f"kill:rank={rank}:step={step}")
+        run_dir = tmp_path / f"run{attempt}"
+        summary = shardwise.train(gpt_job(run_dir, train={"steps": 16}, **SECTIONS), nproc=2)
+        assert summary is not None and summary.checkpoint is not None
+        records = read_metrics(run_dir / "metrics.jsonl")
+        restarts = [r for r in records if "fault/restarts" in r]
+        assert restarts and restarts[-1]["step"] == step // 4 * 4, (rank, step)
+        got = losses(run_dir)
+        assert [got[s] for s in range(1, 17)] == [want_losses[s] for s in range(1, 17)]
+        for name, value in want_params.items():
+            assert torch.equal(load_params(summary.checkpoint)[name], value), (name, rank, step)
+
+
+def test_nan_gradients_are_skipped_and_counted(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDWISE_FAULT", "nan:step=5")
+    sections = {
+        "checkpoint": {"every_steps": 1, "keep_last": 10},
+        "fault": {"on_nonfinite": "skip"},
+    }
+    summary = shardwise.train(gpt_job(tmp_path, train={"steps": 7}, **sections), nproc=2)
+    assert summary is not None
+    checkpoints = tmp_path / "checkpoints"
+    before, at, after = (load_params(checkpoints / f"step_0000000{s}") for s in (4, 5, 6))
+    for name in before:
+        assert torch.equal(before[name], at[name]), name  # step 5's update was not applied
+    assert any(not torch.equal(at[n], after[n]) for n in at)  # step 6's was
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["fault/skipped_steps"] for r in records if "fault/skipped_steps" in r] == [1.0]
+    assert all(torch.isfinite(v).all() for v in after.values())
+
+
+def test_nan_gradients_stop_the_run_naming_the_step(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDWISE_FAULT", "nan:step=5")
+    sections = {"checkpoint": {"every_steps": 4}}
+    with pytest.raises(shardwise.WorkerFailed, match="step 5: the gradient norm is nan") as info:
+        shardwise.train(gpt_job(tmp_path, train={"steps": 8}, **sections), nproc=2)
+    assert "saved the state before it as step_00000005" in str(info.value)
+    saved, good = (load_params(tmp_path / "checkpoints" / f"step_0000000{s}") for s in (5, 4))
+    assert all(torch.equal(saved[n], good[n]) for n in good)
+
+
+def test_sigterm_saves_at_a_step_boundary_exits_0_and_resumes_exactly(tmp_path, uninterrupted):
+    """The launcher gets SIGTERM (as from a scheduler) after step 6: the ranks agree on a step,
+    save there, and `shardwise train` exits 0; `--resume auto` then ends bitwise like the
+    uninterrupted run."""
+    want_losses, want_params, _ = uninterrupted
+    job = tmp_path / "job.toml"
+    import tomli_w
+
+    config = gpt_job(tmp_path / "run", train={"steps": 16}, **SECTIONS)
+    job.write_text(tomli_w.dumps(config.model_dump(mode="json", exclude_none=True)))
+    command = [str(Path(sys.executable).parent / "shardwise"), "train", str(job), "--nproc", "2"]
+    env = {**os.environ, "SHARDWISE_FAULT": "sigterm:step=6"}
+    first = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    assert "preempted (SIGTERM): stopped at step" in first.stdout
+    stopped = int(first.stdout.split("stopped at step ")[1].split()[0])
+    assert 7 <= stopped <= 9
+    second = subprocess.run(
+        [*command, "--resume", "auto"], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert second.returncode == 0, second.stderr
+    got = losses(tmp_path / "run")
+    assert [got[s] for s in range(1, 17)] == [want_losses[s] for s in range(1, 17)]
+    final = load_params(tmp_path / "run" / "checkpoints" / "step_00000016")
+    for name, value in want_params.items():
+        assert torch.equal(final[name], value), name
+
+
+@pytest.mark.parametrize("damage", ["truncate", "corrupt"])
+def test_damaged_newest_checkpoint_is_skipped_for_the_previous_good_one(
+    tmp_path, uninterrupted, damage
+):
+    want_losses, want_params, straight = uninterrupted
+    for step in (8, 12):
+        name = f"step_{step:08d}"
+        shutil.copytree(straight / "checkpoints" / name, tmp_path / "checkpoints" / name)
+    target = tmp_path / "checkpoints" / "step_00000012" / "__1_0.distcp"
+    data = target.read_bytes()
+    if damage == "truncate":
+        target.write_bytes(data[: len(data) // 2])
+    else:
+        target.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
+    word = "truncated" if damage == "truncate" else "corrupted"
+    with pytest.warns(UserWarning, match=rf"skipping checkpoint step_00000012: __1_0.*\({word}\)"):
+        summary = shardwise.train(
+            gpt_job(tmp_path, train={"steps": 16}, **SECTIONS), nproc=2, resume="auto"
+        )
+    assert summary is not None and summary.resumed_from == 8
+    got = losses(tmp_path)
+    assert [got[s] for s in range(9, 17)] == [want_losses[s] for s in range(9, 17)]
+    final = load_params(summary.checkpoint)
+    assert all(torch.equal(final[n], v) for n, v in want_params.items())
+
+
+def test_failed_save_is_reported_and_training_goes_on(tmp_path, monkeypatch, uninterrupted):
+    _, want_params, _ = uninterrupted
+    monkeypatch.setenv("SHARDWISE_FAULT", "save_error:step=8")
+    summary = shardwise.train(gpt_job(tmp_path, train={"steps": 16}, **SECTIONS), nproc=2)
+    assert summary is not None
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step_00000004", "step_00000012", "step_00000016"]  # no 8, no partial
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records if "checkpoint/failed_saves" in r] == [8]
+    final = load_params(summary.checkpoint)
+    assert all(torch.equal(final[n], v) for n, v in want_params.items())
+
+
+def test_failed_save_can_be_fatal(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDWISE_FAULT", "save_error:step=4")
+    sections = {"checkpoint": {"every_steps": 4, "fail_on_save_error": True}}  # no restarts
+    with pytest.raises(shardwise.WorkerFailed, match="saving the checkpoint of step 4 failed"):
+        shardwise.train(gpt_job(tmp_path, train={"steps": 8}, **sections), nproc=2)
+
+
+def test_a_stalled_rank_is_named_within_the_timeout(tmp_path, monkeypatch):
+    """Rank 1 stops making progress after step 4: within the timeout (plus start-up and a few
+    seconds) the run fails with one message that names it, where it is, and who waits for it."""
+    monkeypatch.setenv("SHARDWISE_FAULT", "stall:rank=1:step=4")
+    started = time.monotonic()
+    with pytest.raises(shardwise.WorkerFailed) as info:
+        shardwise.train(gpt_job(tmp_path, train={"steps": 8}, fault={"timeout_s": 8}), nproc=2)
+    elapsed = time.monotonic() - started
+    message = str(info.value)
+    assert "rank 0 wait inside step 5, which rank 1 never started" in message
+    assert "rank 1 after step 4 is at" in message and "inject.py" in message
+    assert (tmp_path / "hangs" / "rank0.txt").exists()
+    assert elapsed < 8 + 40, elapsed  # not gloo's own timeout, nor forever
+
+
+def test_a_slow_rank_is_flagged_as_a_straggler(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDWISE_FAULT", "slow:rank=1:step=1:seconds=0.05")
+    summary = shardwise.train(gpt_job(tmp_path, train={"steps": 8}), nproc=2)
+    assert summary is not None
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    flagged = [r for r in records if "straggler/rank1" in r]
+    steps = [r["step"] for r in flagged]
+    # flagged after 3 slow windows in a row (the first step's warm-up may not count), then each
+    assert steps == list(range(steps[0], 9)) and steps[0] <= 5, steps
+    assert min(r["straggler/rank1"] for r in flagged) > 1.5
+    assert not any("straggler/rank0" in r for r in records)
+
+
+def test_async_checkpoints_commit_and_resume_exactly(tmp_path, uninterrupted):
+    _, want_params, _ = uninterrupted
+    sections = {**SECTIONS, "checkpoint": {**SECTIONS["checkpoint"], "async": True}}
+    summary = shardwise.train(gpt_job(tmp_path / "a", train={"steps": 16}, **sections), nproc=2)
+    assert summary is not None
+    checkpoints = tmp_path / "a" / "checkpoints"
+    names = sorted(p.name for p in checkpoints.iterdir())
+    assert names == ["step_00000008", "step_00000012", "step_00000016"]
+    assert all(problem(checkpoints / name) is None for name in names)
+    final = load_params(summary.checkpoint)
+    assert all(torch.equal(final[n], v) for n, v in want_params.items())
+
+    shutil.copytree(checkpoints / "step_00000012", tmp_path / "b" / "checkpoints" / "step_00000012")
+    resumed = shardwise.train(
+        gpt_job(tmp_path / "b", train={"steps": 16}, **sections), nproc=2, resume="auto"
+    )
+    assert resumed is not None and resumed.resumed_from == 12
+    again = load_params(resumed.checkpoint)
+    assert all(torch.equal(again[n], v) for n, v in want_params.items())
