@@ -72,7 +72,7 @@ def train(
     if restarts:
         report.restarted(tracker, display, restarts, start)
     status, summary = "FAILED", None
-    preemption = Preemption()
+    preemption = Preemption(every=config.tracking.log_every)
     watchdog = Watchdog(config.run_dir / "hangs", rank=run.rank, timeout_s=config.fault.timeout_s)
     try:
         summary = loop(
@@ -285,7 +285,7 @@ def loop(
             report.report(tracker, None, evaluation, step)
             if display is not None:
                 display.report(step, evaluation)
-        stop = preemption is not None and preemption.agreed()
+        stop = preemption is not None and preemption.agreed(step)
         if _due(step, cfg.checkpoint.every_steps, steps) or stop:
             if watchdog is not None:
                 watchdog.beat()

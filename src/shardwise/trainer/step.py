@@ -77,7 +77,8 @@ def train_step(
         loss = _pipeline_forward_backward(run, micro_batches)
     else:
         loss = _forward_backward(run, micro_batches)
-    run.faults.corrupt_gradients(step, run.parameters())
+    if run.faults.faults:
+        run.faults.corrupt_gradients(step, run.parameters())
     for optimizer in run.optimizers:
         run.scaler.unscale_(optimizer)
     grad_norm = None
