@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, TCPStore
+from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch

@@ -24,9 +24,8 @@ from shardwise import builders
 from shardwise.checkpoint.layout import read_manifest
 from shardwise.checkpoint.manager import CheckpointManager, WriteFailed
 from shardwise.config import ConfigError, Derived, JobConfig, derive, resolved
+from shardwise.fault.health import Health, RankHealth
 from shardwise.fault.inject import FaultPlan
-from shardwise.fault.preempt import Preemption
-from shardwise.fault.straggler import StragglerMonitor
 from shardwise.fault.watchdog import Watchdog
 from shardwise.parallel.apply import Layout, parallelize
 from shardwise.parallel.init import materialize, supports_meta_init
@@ -72,7 +71,10 @@ def train(
     if restarts:
         report.restarted(tracker, display, restarts, start)
     status, summary = "FAILED", None
-    preemption = Preemption(every=config.tracking.log_every)
+    health = RankHealth(
+        straggler_factor=config.fault.straggler_factor,
+        straggler_windows=config.fault.straggler_windows,
+    )
     watchdog = Watchdog(config.run_dir / "hangs", rank=run.rank, timeout_s=config.fault.timeout_s)
     try:
         summary = loop(
@@ -81,13 +83,13 @@ def train(
             tracker,
             display,
             resumed_from=Path(resume) if resume else None,
-            preemption=preemption,
+            health=health,
             watchdog=watchdog,
         )
         status = "KILLED" if summary.preempted else "FINISHED"
     finally:
         watchdog.close()
-        preemption.close()
+        health.close()
         if display is not None:
             display.close()
         if tracker is not None:
@@ -217,7 +219,7 @@ def loop(
     display: ProgressDisplay | None,
     *,
     resumed_from: Path | None,
-    preemption: Preemption | None = None,
+    health: RankHealth | None = None,
     watchdog: Watchdog | None = None,
 ) -> TrainSummary:
     cfg = run.config
@@ -236,9 +238,6 @@ def loop(
         part.train()
     memory: list[dict[str, Any]] = []
     skipped, failed_saves, preempted_at, window_start = 0, 0, None, start
-    stragglers = StragglerMonitor(
-        factor=cfg.fault.straggler_factor, windows=cfg.fault.straggler_windows, device=run.device
-    )
     for step in range(start + 1, steps + 1):
         if watchdog is not None:
             watchdog.started(step)
@@ -247,7 +246,8 @@ def loop(
         batch = run.loader.next_step()
         fetched, run.forward_seconds = time.perf_counter() - began, 0.0
         loss, grad_norm, applied = train_step(run, batch, step=step)
-        stragglers.add(fetched + run.forward_seconds)
+        if health is not None:
+            health.add(fetched + run.forward_seconds)
         for scheduler in run.schedulers:
             scheduler.step()
         if applied:
@@ -261,6 +261,7 @@ def loop(
                 run.layout.pipeline.reset_timers()
         else:
             run.step_seconds += time.perf_counter() - began
+        stop = False
         if step % log_every == 0 or step == steps:
             elapsed = time.perf_counter() - clock
             stats = _train_stats(run, losses, grad_norm, elapsed, step - window_start)
@@ -268,12 +269,10 @@ def loop(
             metrics.update(stats)
             losses, clock, window_start = [], time.perf_counter(), step
             report.report(tracker, display, stats, step)
-            slow, messages = stragglers.check()
-            if slow:
-                report.report(tracker, None, slow, step)
-            for message in messages:
-                if display is not None:
-                    display.print(message)
+            if health is not None:  # the ranks compare notes: SIGTERM received, stragglers
+                checked = health.check()
+                stop = checked.stop and step < steps
+                _report_health(tracker, display, checked, step)
         # Evaluation and checkpoint time is moved out of the throughput window (clock += ...).
         if _due(step, cfg.eval.every_steps, steps) and run.eval_data is not None:
             if watchdog is not None:
@@ -285,7 +284,6 @@ def loop(
             report.report(tracker, None, evaluation, step)
             if display is not None:
                 display.report(step, evaluation)
-        stop = preemption is not None and preemption.agreed(step)
         if _due(step, cfg.checkpoint.every_steps, steps) or stop:
             if watchdog is not None:
                 watchdog.beat()
@@ -332,6 +330,16 @@ def loop(
         samples_per_second=_median(rates[1:] or rates),
         memory=memory,
     )
+
+
+def _report_health(
+    tracker: Tracker | None, display: ProgressDisplay | None, health: Health, step: int
+) -> None:
+    if health.metrics:
+        report.report(tracker, None, health.metrics, step)
+    if display is not None:
+        for message in health.messages:
+            display.print(message)
 
 
 class NonFiniteStep(RuntimeError):
