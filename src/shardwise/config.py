@@ -217,11 +217,14 @@ class FaultSection(Section):
     max_restarts: int = Field(0, ge=0)
     """When a worker dies (any signal or exception), restart the whole worker group up to this
     many times; every rank resumes from the newest complete checkpoint."""
+    check_interval_s: float = Field(2.0, ge=0)
+    """How often (in seconds of training, rounded to whole steps) the ranks compare notes: a
+    SIGTERM received, per-rank step times for straggler detection."""
     straggler_factor: float = Field(1.5, ge=0)
     """Flag a rank whose own work per step (batch fetch + forward) exceeds this multiple of the
     median rank's; 0 turns the check off."""
     straggler_windows: int = Field(3, gt=0)
-    """Reporting windows (tracking.log_every steps each) a rank must be slow in a row."""
+    """Checks (see check_interval_s) in a row in which a rank must be slow to be flagged."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """A step whose loss or gradient norm is NaN or infinite: `stop` saves the last good state
     and ends the run naming the step; `skip` drops the update and counts it."""

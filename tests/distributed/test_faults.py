@@ -91,7 +91,8 @@ def test_sigterm_saves_at_a_step_boundary_exits_0_and_resumes_exactly(tmp_path, 
     job = tmp_path / "job.toml"
     import tomli_w
 
-    config = gpt_job(tmp_path / "run", train={"steps": 16}, **SECTIONS)
+    sections = {**SECTIONS, "fault": {**SECTIONS["fault"], "check_interval_s": 0}}
+    config = gpt_job(tmp_path / "run", train={"steps": 16}, **sections)
     job.write_text(tomli_w.dumps(config.model_dump(mode="json", exclude_none=True)))
     command = [str(Path(sys.executable).parent / "shardwise"), "train", str(job), "--nproc", "2"]
     env = {**os.environ, "SHARDWISE_FAULT": "sigterm:step=6"}
@@ -174,7 +175,8 @@ def test_a_stalled_rank_is_named_within_the_timeout(tmp_path, monkeypatch):
 
 def test_a_slow_rank_is_flagged_as_a_straggler(tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDWISE_FAULT", "slow:rank=1:step=1:seconds=0.05")
-    summary = shardwise.train(gpt_job(tmp_path, train={"steps": 8}), nproc=2)
+    job = gpt_job(tmp_path, train={"steps": 8}, fault={"check_interval_s": 0})  # check every step
+    summary = shardwise.train(job, nproc=2)
     assert summary is not None
     records = read_metrics(tmp_path / "metrics.jsonl")
     flagged = [r for r in records if "straggler/rank1" in r]

@@ -1,17 +1,19 @@
-"""What the ranks tell each other at every reporting step (`tracking.log_every`), in one small
-all-gather on a CPU (gloo) group of its own, so it never interleaves with training's collectives:
+"""What the ranks tell each other every couple of seconds, in one small all-gather on a CPU
+(gloo) group of its own, so it never interleaves with training's collectives:
 
 - Preemption: whether the rank received SIGTERM (what schedulers and spot instances send). The
   signal reaches the ranks at slightly different moments; comparing notes at the same steps makes
-  every rank stop at the same step, with a checkpoint, at most `log_every` steps after it came.
+  every rank stop at the same step, with a checkpoint, about `interval_s` after it came.
 - Stragglers: each rank's own work per step (fetching its batch and running forward), measured
   before the first collective that would make it wait for the others (under data parallelism the
   gradient all-reduce happens in backward, where fast ranks wait for slow ones, so whole step
   times are equal by construction). A rank above `factor` × the median for `windows` reporting
   windows in a row is flagged once; its ratio is recorded while it stays slow.
 
-Only at reporting steps: one collective every step measurably slowed small models on a busy CPU
-(bench/ddp_overhead.py).
+How often: every `every` steps, first the reporting interval (`tracking.log_every`), then, from
+the step times all ranks just exchanged (so every rank computes the same number), as many steps
+as take about `interval_s` (`fault.check_interval_s`). A collective every step, or every 10
+steps of a 5 ms step, measurably slowed small models on a busy CPU (bench/ddp_overhead.py).
 """
 
 from __future__ import annotations
@@ -37,10 +39,14 @@ class Health:
 
 
 class RankHealth:
-    def __init__(self, *, straggler_factor: float, straggler_windows: int) -> None:
-        self.factor, self.windows = straggler_factor, straggler_windows
+    def __init__(
+        self, *, straggler_factor: float, straggler_windows: int, every: int, interval_s: float
+    ) -> None:
+        self.factor, self.windows, self.every = straggler_factor, straggler_windows, every
+        self.interval_s = interval_s
         self._signalled = False
         self._seconds: list[float] = []
+        self._steps: list[float] = []
         self._streaks: dict[int, int] = {}
         self._group = dist.new_group(backend="gloo")
         self._previous: Any = None
@@ -50,20 +56,29 @@ class RankHealth:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._signalled = True
 
-    def add(self, seconds: float) -> None:
-        """This rank's own work in one step (batch fetch + forward)."""
-        self._seconds.append(seconds)
+    def add(self, own: float, step: float) -> None:
+        """One step: this rank's own work (batch fetch + forward) and the whole step's time."""
+        self._seconds.append(own)
+        self._steps.append(step)
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
 
     def check(self) -> Health:
-        """Collective: every rank calls it at the same (reporting) steps."""
-        mine = statistics.fmean(self._seconds) if self._seconds else 0.0
+        """Collective: every rank calls it at the same steps (where `due`)."""
+        own = statistics.fmean(self._seconds) if self._seconds else 0.0
+        step = statistics.fmean(self._steps) if self._steps else 0.0
         self._seconds.clear()
+        self._steps.clear()
         world = dist.get_world_size()
-        sent = torch.tensor([mine, 1.0 if self._signalled else 0.0], dtype=torch.float64)
-        gathered = torch.empty(world * 2, dtype=torch.float64)
+        sent = torch.tensor([own, step, 1.0 if self._signalled else 0.0], dtype=torch.float64)
+        gathered = torch.empty(world * 3, dtype=torch.float64)
         dist.all_gather_into_tensor(gathered, sent, group=self._group)
-        seconds, flags = gathered.view(world, 2).unbind(1)
+        seconds, steps, flags = gathered.view(world, 3).unbind(1)
         health = Health(stop=bool(flags.max() > 0))
+        slowest = float(steps.max())
+        if slowest > 0:  # the same numbers on every rank: the same cadence everywhere
+            self.every = max(1, round(self.interval_s / slowest))
         if self.factor > 0 and world > 1:
             self._stragglers(seconds.tolist(), health)
         return health

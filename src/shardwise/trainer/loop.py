@@ -74,6 +74,8 @@ def train(
     health = RankHealth(
         straggler_factor=config.fault.straggler_factor,
         straggler_windows=config.fault.straggler_windows,
+        every=config.tracking.log_every,
+        interval_s=config.fault.check_interval_s,
     )
     watchdog = Watchdog(config.run_dir / "hangs", rank=run.rank, timeout_s=config.fault.timeout_s)
     try:
@@ -247,7 +249,7 @@ def loop(
         fetched, run.forward_seconds = time.perf_counter() - began, 0.0
         loss, grad_norm, applied = train_step(run, batch, step=step)
         if health is not None:
-            health.add(fetched + run.forward_seconds)
+            health.add(fetched + run.forward_seconds, time.perf_counter() - began)
         for scheduler in run.schedulers:
             scheduler.step()
         if applied:
@@ -262,6 +264,10 @@ def loop(
         else:
             run.step_seconds += time.perf_counter() - began
         stop = False
+        if health is not None and health.due(step):  # the ranks compare notes (SIGTERM, stragglers)
+            checked = health.check()
+            stop = checked.stop and step < steps
+            _report_health(tracker, display, checked, step)
         if step % log_every == 0 or step == steps:
             elapsed = time.perf_counter() - clock
             stats = _train_stats(run, losses, grad_norm, elapsed, step - window_start)
@@ -269,10 +275,6 @@ def loop(
             metrics.update(stats)
             losses, clock, window_start = [], time.perf_counter(), step
             report.report(tracker, display, stats, step)
-            if health is not None:  # the ranks compare notes: SIGTERM received, stragglers
-                checked = health.check()
-                stop = checked.stop and step < steps
-                _report_health(tracker, display, checked, step)
         # Evaluation and checkpoint time is moved out of the throughput window (clock += ...).
         if _due(step, cfg.eval.every_steps, steps) and run.eval_data is not None:
             if watchdog is not None:
