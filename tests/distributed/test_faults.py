@@ -167,7 +167,7 @@ def test_a_stalled_rank_is_named_within_the_timeout(tmp_path, monkeypatch):
         shardwise.train(gpt_job(tmp_path, train={"steps": 8}, fault={"timeout_s": 8}), nproc=2)
     elapsed = time.monotonic() - started
     message = str(info.value)
-    assert "rank 0 wait inside step 5, which rank 1 never started" in message
+    assert "rank 0 waits inside step 5, which rank 1 never started" in message
     assert "rank 1 after step 4 is at" in message and "inject.py" in message
     assert (tmp_path / "hangs" / "rank0.txt").exists()
     assert elapsed < 8 + 40, elapsed  # not gloo's own timeout, nor forever

@@ -89,7 +89,8 @@ def describe(directory: Path, *, since: float) -> str | None:
     parts = [f"no progress for {max(r['idle_s'] for r in reports):.0f} s (fault.timeout_s)"]
     if waiting and behind:
         parts.append(
-            f"rank{'s' if len(waiting) > 1 else ''} {_ranks(waiting)} wait inside step {newest}, "
+            f"{'ranks' if len(waiting) > 1 else 'rank'} {_ranks(waiting)} "
+            f"{'wait' if len(waiting) > 1 else 'waits'} inside step {newest}, "
             f"which rank{'s' if len(behind) > 1 else ''} {_ranks(behind)} never started"
         )
     for r in reports:
