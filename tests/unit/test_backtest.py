@@ -73,7 +73,7 @@ def test_ridge_beats_seasonal_naive_on_trend_plus_season(tmp_path):
 
 
 def test_a_failing_model_is_recorded_and_the_series_still_forecast(tmp_path):
-    config, table = tiny_job(tmp_path, ["seasonal_naive", "flaky_models:FailsOnShopB"])
+    config, table = tiny_job(tmp_path, ["seasonal_naive", "misbehaving_models:FailsOnShopB"])
     result = run_in_process(config, table)
     tables = result.tables()
     failures = tables["failures"]
@@ -86,7 +86,7 @@ def test_a_failing_model_is_recorded_and_the_series_still_forecast(tmp_path):
 def test_memory_cap_stops_one_series_not_the_chunk(tmp_path):
     config, table = tiny_job(
         tmp_path,
-        ["flaky_models:HogsMemoryOnShopA"],
+        ["misbehaving_models:HogsMemoryOnShopA"],
         runner={"memory_mb": 512},
     )
     result = run_in_process(config, table)

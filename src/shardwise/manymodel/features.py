@@ -14,7 +14,7 @@ cluster. Both produce the same table (tests/integration/test_features_spark.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import polars as pl
 
@@ -193,15 +193,3 @@ def _expanding(x: pl.Expr, stat: str) -> pl.Expr:
 
 def _aggregate(x: pl.Expr, stat: str) -> pl.Expr:
     return {"mean": x.mean(), "std": x.std(), "min": x.min(), "max": x.max()}[stat]
-
-
-def describe(spec: FeatureSpec) -> dict[str, Any]:
-    """The spec as plain values, for the run's summary and tracking."""
-    return {
-        "lags": list(spec.lags),
-        "window_shift": spec.shift,
-        "rolling": [n for n, _, _ in spec.rolling_columns],
-        "expanding": [n for n, _ in spec.expanding_columns],
-        "calendar": list(spec.calendar),
-        "group": [n for n, _, _ in spec.group_columns],
-    }

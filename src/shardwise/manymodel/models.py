@@ -10,7 +10,6 @@ importable module or `module:object` with those two functions (a class is instan
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -225,9 +224,3 @@ def as_values(predicted: Any, rows: int, name: str) -> np.ndarray:
     if values.shape[0] != rows:
         raise ValueError(f"{name}.predict returned {values.shape[0]} values for {rows} rows")
     return values
-
-
-def labels(names: Sequence[str]) -> list[str]:
-    from shardwise.manymodel.config import model_label
-
-    return [model_label(n) for n in names]
