@@ -8,6 +8,7 @@ import queue
 import socket
 import tempfile
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -69,14 +70,14 @@ def gpt_job(run_dir: Path, **sections: dict[str, Any]) -> JobConfig:
 
 
 def load_params(checkpoint: str | Path) -> dict[str, torch.Tensor]:
-    """The model parameters of a shardwise checkpoint, consolidated in this process."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    """The model parameters of a shardwise checkpoint (a path or an fsspec URL), consolidated in
+    this process."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "state.pt"
-        dcp_to_torch_save(str(checkpoint), str(out))
-        state = torch.load(out, weights_only=False)
-    return state["model"]
+    with warnings.catch_warnings():  # "no process group: loading in a single process", as meant
+        warnings.simplefilter("ignore", UserWarning)
+        state = _load_state_dict_from_keys(keys={"model"}, checkpoint_id=str(checkpoint))
+    return dict(state["model"])
 
 
 def losses(run_dir: Path) -> dict[int, float]:

@@ -79,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     export = commands.add_parser(
         "export", help="write a checkpoint's model as one safetensors file, from any layout"
     )
-    export.add_argument("checkpoint", help="a checkpoint directory (…/checkpoints/step_NNNNNNNN)")
+    export.add_argument(
+        "checkpoint", help="a checkpoint directory or URL (…/checkpoints/step_NNNNNNNN)"
+    )
     export.add_argument("output", help="the .safetensors file to write")
     export.add_argument("--debug", action="store_true", help="show tracebacks for every error")
     return parser
@@ -175,7 +177,7 @@ def _export(args: argparse.Namespace) -> int:
 
     from shardwise.checkpoint.export import export_safetensors
 
-    written = export_safetensors(Path(args.checkpoint), Path(args.output))
+    written = export_safetensors(args.checkpoint, Path(args.output))
     print(
         f"wrote {args.output}: {written['tensors']} tensors, {written['parameters']:,} "
         f"parameters ({written['dtype']}, {written['bytes'] / 2**20:.1f} MiB) from step "

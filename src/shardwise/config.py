@@ -186,7 +186,10 @@ class ParallelSection(Section):
 
 class CheckpointSection(Section):
     dir: str = ""
-    """Checkpoint directory; "" means `<run_dir>/checkpoints`."""
+    """Checkpoint directory or fsspec URL (`s3://bucket/prefix`, `gs://…`); "" means
+    `<run_dir>/checkpoints`. Object-store credentials and endpoint come from the usual
+    environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL for MinIO and other
+    S3-compatible servers)."""
     every_steps: int = Field(0, ge=0)
     """Save every k steps; 0 saves only at the end. The last step always saves."""
     keep_last: int = Field(2, gt=0)
@@ -248,8 +251,9 @@ class JobConfig(Section):
         return Path(self.job.run_dir or f"runs/{self.job.name}")
 
     @property
-    def checkpoint_dir(self) -> Path:
-        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir / "checkpoints"
+    def checkpoint_dir(self) -> str:
+        """A local directory or an fsspec URL (s3://bucket/prefix)."""
+        return self.checkpoint.dir or str(self.run_dir / "checkpoints")
 
     @property
     def tracking_uri(self) -> str:
@@ -388,7 +392,7 @@ def resolved(config: JobConfig, derived: Derived) -> JobConfig:
             "parallel": config.parallel.model_copy(
                 update={**derived.degrees, "stages_per_rank": derived.stages_per_rank}
             ),
-            "checkpoint": config.checkpoint.model_copy(update={"dir": str(config.checkpoint_dir)}),
+            "checkpoint": config.checkpoint.model_copy(update={"dir": config.checkpoint_dir}),
             "tracking": config.tracking.model_copy(
                 update={"experiment": config.tracking.experiment or config.job.name}
             ),

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 
 import shardwise
 from helpers import gpt_job, load_params, losses
+from shardwise.checkpoint.export import export_safetensors, load_exported
 from shardwise.checkpoint.layout import problem
 from shardwise.tracking.metrics import read_metrics
 
@@ -206,3 +208,66 @@ def test_async_checkpoints_commit_and_resume_exactly(tmp_path, uninterrupted):
     assert resumed is not None and resumed.resumed_from == 12
     again = load_params(resumed.checkpoint)
     assert all(torch.equal(again[n], v) for n, v in want_params.items())
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    """An S3-compatible server (moto) on a loopback port of its own, with an empty bucket
+    `checkpoints`; the workers reach it through the standard AWS environment variables."""
+    import logging
+
+    import fsspec
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    for name, value in {
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    fs.mkdir("checkpoints")
+    yield fs
+    urllib.request.urlopen(  # moto keeps its buckets in this process: forget them
+        urllib.request.Request(f"http://{host}:{port}/moto-api/reset", method="POST")
+    ).close()
+    server.stop()
+
+
+def test_checkpoints_on_s3_restart_resume_and_retention(tmp_path, monkeypatch, uninterrupted, s3):
+    """checkpoint.dir = s3://…: a rank is killed at step 10, the restarted ranks resume from
+    step 8 read back from the object store, and the run ends bitwise like the uninterrupted one;
+    keep_last retention deletes from the store; nothing else is left there."""
+    want_losses, want_params, _ = uninterrupted
+    monkeypatch.setenv("SHARDWISE_FAULT", "kill:rank=1:step=10")
+    url = "s3://checkpoints/runs/gpt"
+    sections = {**SECTIONS, "checkpoint": {**SECTIONS["checkpoint"], "dir": url}}
+    summary = shardwise.train(gpt_job(tmp_path, train={"steps": 16}, **sections), nproc=2)
+    assert summary is not None and summary.checkpoint == f"{url}/step_00000016"
+    restarts = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "fault/restarts" in r]
+    assert [r["step"] for r in restarts] == [8]
+    got = losses(tmp_path)
+    assert [got[s] for s in range(1, 17)] == [want_losses[s] for s in range(1, 17)]
+    final = load_params(summary.checkpoint)
+    for name, value in want_params.items():
+        assert torch.equal(final[name], value), name
+    s3.invalidate_cache()
+    assert s3.ls("checkpoints/runs/gpt", detail=False) == [
+        f"checkpoints/runs/gpt/step_{s:08d}" for s in (8, 12, 16)
+    ]
+    assert all(problem(f"{url}/step_{s:08d}") is None for s in (8, 12, 16))
+    assert not (tmp_path / "checkpoints").exists()
+    export_safetensors(summary.checkpoint, tmp_path / "model.safetensors")
+    exported = load_exported(tmp_path / "model.safetensors")
+    assert all(torch.equal(exported[name], value) for name, value in want_params.items())
+
+
+def test_an_unreachable_checkpoint_url_is_refused_before_launch(tmp_path, s3):
+    config = gpt_job(tmp_path, checkpoint={"dir": "s3://no-such-bucket/run"})
+    with pytest.raises(shardwise.ConfigError, match=r"checkpoint.dir = 's3://no-such-bucket/run'"):
+        shardwise.train(config, nproc=2)

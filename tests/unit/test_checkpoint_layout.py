@@ -1,58 +1,103 @@
 """Checkpoint integrity without torch: manifests with sizes and checksums, damaged checkpoints
-named and skipped, retention that never deletes the last good checkpoint."""
+named and skipped, retention that never deletes the last good checkpoint — on a local disk and
+on an fsspec store with no rename (the in-memory one here; S3 in tests/integration)."""
 
 from __future__ import annotations
 
 import json
+import uuid
+
+import fsspec
+import pytest
 
 from shardwise.checkpoint.layout import (
     MANIFEST,
     file_digest,
+    join,
+    name_of,
     newest_good,
+    probe_writable,
     problem,
+    remove,
     retention_victims,
 )
 
 
+@pytest.fixture(params=["local", "memory"])
+def root(request, tmp_path):
+    if request.param == "local":
+        yield str(tmp_path)
+        return
+    url = f"memory://checkpoints-{uuid.uuid4().hex}"
+    yield url
+    fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
+
+
+def write(location, data):
+    fs, path = fsspec.core.url_to_fs(location)
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    fs.pipe_file(path, data)
+
+
 def fake_checkpoint(root, step, payload=b"x" * 100):
-    path = root / f"step_{step:08d}"
-    path.mkdir(parents=True)
-    (path / "__0_0.distcp").write_bytes(payload)
-    (path / ".metadata").write_bytes(b"meta")
-    files = {name: file_digest(path / name) for name in ("__0_0.distcp", ".metadata")}
-    (path / MANIFEST).write_text(json.dumps({"step": step, "files": files}))
+    path = join(root, f"step_{step:08d}")
+    write(join(path, "__0_0.distcp"), payload)
+    write(join(path, ".metadata"), b"meta")
+    files = {name: file_digest(join(path, name)) for name in ("__0_0.distcp", ".metadata")}
+    write(join(path, MANIFEST), json.dumps({"step": step, "files": files}).encode())
     return path
 
 
-def test_good_truncated_corrupted_and_interrupted(tmp_path):
-    good = fake_checkpoint(tmp_path, 4)
+def test_good_truncated_corrupted_and_interrupted(root):
+    good = fake_checkpoint(root, 4)
     assert problem(good) is None
-    truncated = fake_checkpoint(tmp_path, 8)
-    (truncated / "__0_0.distcp").write_bytes(b"x" * 10)
+    truncated = fake_checkpoint(root, 8)
+    write(join(truncated, "__0_0.distcp"), b"x" * 10)
     assert problem(truncated) == "__0_0.distcp is 10 bytes, the manifest says 100 (truncated)"
-    corrupted = fake_checkpoint(tmp_path, 12)
-    (corrupted / "__0_0.distcp").write_bytes(b"y" * 100)
+    corrupted = fake_checkpoint(root, 12)
+    write(join(corrupted, "__0_0.distcp"), b"y" * 100)
     assert problem(corrupted) == "__0_0.distcp does not match its checksum (corrupted)"
     assert problem(corrupted, checksums=False) is None
-    interrupted = fake_checkpoint(tmp_path, 16)
-    (interrupted / MANIFEST).unlink()
+    missing = fake_checkpoint(root, 16)
+    fs, path = fsspec.core.url_to_fs(join(missing, "__0_0.distcp"))
+    fs.rm_file(path)
+    assert problem(missing) == "__0_0.distcp is missing"
+    interrupted = fake_checkpoint(root, 20)
+    fs.rm_file(fsspec.core.url_to_fs(join(interrupted, MANIFEST))[1])
     assert "no manifest" in problem(interrupted)
 
-    path, skipped = newest_good(tmp_path)
+    path, skipped = newest_good(root)
     assert path == good
     assert [s.split(":")[0] for s in skipped] == [
-        "skipping checkpoint step_00000016",
-        "skipping checkpoint step_00000012",
-        "skipping checkpoint step_00000008",
+        f"skipping checkpoint step_{step:08d}" for step in (20, 16, 12, 8)
     ]
 
 
-def test_retention_keeps_the_last_good_checkpoint(tmp_path):
+def test_retention_keeps_the_last_good_checkpoint(root):
     for step in (4, 8, 12):
-        fake_checkpoint(tmp_path, step)
-    assert [p.name for p in retention_victims(tmp_path, 2)] == ["step_00000004"]
+        fake_checkpoint(root, step)
+    assert [name_of(p) for p in retention_victims(root, 2)] == ["step_00000004"]
     # the newest is damaged: it does not count, so step 8 and 4 are both kept with keep_last=1…
-    (tmp_path / "step_00000012" / "__0_0.distcp").write_bytes(b"")
-    assert [p.name for p in retention_victims(tmp_path, 1)] == ["step_00000004"]
+    write(join(root, "step_00000012/__0_0.distcp"), b"")
+    assert [name_of(p) for p in retention_victims(root, 1)] == ["step_00000004"]
     # …and with keep_last=2 nothing good is deleted
-    assert retention_victims(tmp_path, 2) == []
+    assert retention_victims(root, 2) == []
+
+
+def test_remove_takes_the_manifest_first_and_leaves_the_others(root):
+    old, new = fake_checkpoint(root, 4), fake_checkpoint(root, 8)
+    remove(old)
+    assert newest_good(root) == (new, [])
+    fs, path = fsspec.core.url_to_fs(old)
+    assert not fs.exists(path)
+    remove(old)  # removing what is gone is not an error
+
+
+def test_probe_names_what_cannot_take_a_checkpoint(tmp_path):
+    assert probe_writable(tmp_path / "new" / "dir") is None
+    assert (tmp_path / "new" / "dir").is_dir()
+    assert list((tmp_path / "new" / "dir").iterdir()) == []  # the probe file is gone
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert "cannot write there" in probe_writable(blocker / "checkpoints")
+    assert "Protocol not known: nosuch" in probe_writable("nosuch://bucket/prefix")

@@ -36,7 +36,7 @@ def test_defaults_and_overrides(job_file):
     assert config.train.lr == 3e-4
     assert config.model.args == {"hidden": 16}
     assert config.run_dir == Path("runs/x")
-    assert config.checkpoint_dir == Path("runs/x/checkpoints")
+    assert config.checkpoint_dir == str(Path("runs/x/checkpoints"))
     assert config.tracking_uri.startswith("sqlite:///") and config.tracking_uri.endswith(
         "mlflow.db"
     )

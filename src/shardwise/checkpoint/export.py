@@ -21,9 +21,9 @@ from shardwise.checkpoint.layout import is_complete, read_manifest
 from shardwise.config import ConfigError
 
 
-def export_safetensors(checkpoint: Path, output: Path) -> dict[str, Any]:
-    """Write the model of `checkpoint` to `output`; returns what was written (tensors, bytes,
-    step)."""
+def export_safetensors(checkpoint: str | Path, output: Path) -> dict[str, Any]:
+    """Write the model of `checkpoint` (a path or an fsspec URL) to `output`; returns what was
+    written (tensors, bytes, step)."""
     from safetensors.torch import save_file
 
     if not is_complete(checkpoint):

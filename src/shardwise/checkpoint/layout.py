@@ -1,28 +1,65 @@
-"""How checkpoints are laid out on disk, readable without torch: `<dir>/step_00000100/` holds
-DCP's files, its `.metadata`, and shardwise's manifest `shardwise.json` (step, world size, layout,
-config hash, and the size and SHA-256 of every file). A checkpoint is complete when its directory
-has its final name and both files; it is good when every file the manifest lists is there with
-its size (and, checked fully, its checksum). Names sort by step. The launcher uses this to pick a
-checkpoint before any worker starts.
+"""How checkpoints are laid out, readable without torch: `<dir>/step_00000100/` holds DCP's
+files, its `.metadata`, and shardwise's manifest `shardwise.json` (step, world size, layout,
+config hash, and the size and SHA-256 of every file). `<dir>` is a local directory or any fsspec
+URL (`s3://bucket/prefix`, `gs://…`, `memory://…`); checkpoints are named by URL strings.
+
+A checkpoint is complete when both `shardwise.json` and `.metadata` are there: the manifest is
+written last, after every rank's data, so it is the commit marker (on a local disk the directory
+is also renamed into place; see manager.py). It is good when every file the manifest lists is
+there with its size (and, checked fully, its checksum). Names sort by step. The launcher uses
+this to pick a checkpoint before any worker starts.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
+import os
+import uuid
 from typing import Any
+
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.spec import AbstractFileSystem
 
 MANIFEST = "shardwise.json"
 _PREFIX = "step_"
 
+Location = str | os.PathLike[str]
 
-def complete_checkpoints(directory: Path) -> list[Path]:
-    """Complete checkpoints in `directory`, oldest first."""
-    if not directory.is_dir():
+
+def storage(location: Location) -> tuple[AbstractFileSystem, str]:
+    """The file system holding `location` and the path on it. Listings are not cached: other
+    ranks and processes write to the same place."""
+    fs, path = url_to_fs(os.fspath(location))
+    fs.invalidate_cache()
+    return fs, path
+
+
+def is_local(location: Location) -> bool:
+    return isinstance(storage(location)[0], LocalFileSystem)
+
+
+def join(location: Location, name: str) -> str:
+    return os.fspath(location).rstrip("/") + "/" + name
+
+
+def name_of(location: Location) -> str:
+    return os.fspath(location).rstrip("/").rsplit("/", 1)[-1]
+
+
+def _step_dirs(directory: Location) -> list[str]:
+    """Every `step_NNNNNNNN` in `directory`, complete or not, oldest first."""
+    fs, path = storage(directory)
+    if not fs.isdir(path):
         return []
-    found = [p for p in directory.iterdir() if _is_step_dir(p.name) and is_complete(p)]
-    return sorted(found, key=lambda p: p.name)
+    names = (name_of(p) for p in fs.ls(path, detail=False))
+    return sorted(join(directory, n) for n in names if _is_step_dir(n))
+
+
+def complete_checkpoints(directory: Location) -> list[str]:
+    """Complete checkpoints in `directory`, oldest first."""
+    return [p for p in _step_dirs(directory) if is_complete(p)]
 
 
 def _is_step_dir(name: str) -> bool:
@@ -30,67 +67,96 @@ def _is_step_dir(name: str) -> bool:
     return name.startswith(_PREFIX) and len(digits) == 8 and digits.isdigit()
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
-    manifest: dict[str, Any] = json.loads((path / MANIFEST).read_text())
+def read_manifest(location: Location) -> dict[str, Any]:
+    fs, path = storage(join(location, MANIFEST))
+    manifest: dict[str, Any] = json.loads(fs.cat_file(path))
     return manifest
 
 
-def is_complete(path: Path) -> bool:
-    return (path / MANIFEST).is_file() and (path / ".metadata").is_file()
+def is_complete(location: Location) -> bool:
+    fs, path = storage(location)
+    return all(fs.isfile(f"{path}/{name}") for name in (MANIFEST, ".metadata"))
 
 
-def file_digest(path: Path) -> dict[str, Any]:
+def file_digest(location: Location) -> dict[str, Any]:
     """Size and SHA-256 of one file, as the manifest records them."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    fs, path = storage(location)
+    digest, size = hashlib.sha256(), 0
+    with fs.open(path, "rb") as f:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
-    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+            size += len(chunk)
+    return {"bytes": size, "sha256": digest.hexdigest()}
 
 
-def problem(path: Path, *, checksums: bool = True) -> str | None:
-    """What is wrong with the checkpoint at `path`, or None when it is good: a missing or
+def problem(location: Location, *, checksums: bool = True) -> str | None:
+    """What is wrong with the checkpoint at `location`, or None when it is good: a missing or
     unreadable manifest, a listed file missing, truncated or (with `checksums`) corrupted."""
-    if not is_complete(path):
+    if not is_complete(location):
         return "it has no manifest or no DCP metadata (an interrupted save)"
     try:
-        files: dict[str, dict[str, Any]] = read_manifest(path).get("files", {})
+        files: dict[str, dict[str, Any]] = read_manifest(location).get("files", {})
     except (OSError, ValueError) as e:
         return f"its manifest cannot be read ({e})"
+    fs, path = storage(location)
+    sizes = {name_of(p): info["size"] for p, info in fs.find(path, detail=True).items()}
     for name, expected in sorted(files.items()):
-        file = path / name
-        if not file.is_file():
+        if name not in sizes:
             return f"{name} is missing"
-        size = file.stat().st_size
-        if size != expected["bytes"]:
-            return f"{name} is {size} bytes, the manifest says {expected['bytes']} (truncated)"
-        if checksums and file_digest(file)["sha256"] != expected["sha256"]:
+        size, listed = sizes[name], expected["bytes"]
+        if size != listed:
+            return f"{name} is {size} bytes, the manifest says {listed} (truncated)"
+        if checksums and file_digest(join(location, name))["sha256"] != expected["sha256"]:
             return f"{name} does not match its checksum (corrupted)"
     return None
 
 
-def retention_victims(directory: Path, keep_last: int) -> list[Path]:
+def retention_victims(directory: Location, keep_last: int) -> list[str]:
     """Checkpoints `keep_last` retention deletes: those older than the newest `keep_last` whose
     files are all there at full size. A damaged checkpoint does not count as kept, so retention
     never deletes the last good one."""
     kept, victims = 0, []
-    for path in reversed(complete_checkpoints(directory)):
+    for location in reversed(complete_checkpoints(directory)):
         if kept >= keep_last:
-            victims.append(path)
-        elif problem(path, checksums=False) is None:
+            victims.append(location)
+        elif problem(location, checksums=False) is None:
             kept += 1
     return victims
 
 
-def newest_good(directory: Path) -> tuple[Path | None, list[str]]:
+def newest_good(directory: Location) -> tuple[str | None, list[str]]:
     """The newest checkpoint that passes `problem`, and a warning for each newer one skipped."""
     warnings: list[str] = []
-    if not directory.is_dir():
-        return None, warnings
-    named = sorted(p for p in directory.iterdir() if _is_step_dir(p.name))
-    for path in reversed(named):
-        wrong = problem(path)
+    for location in reversed(_step_dirs(directory)):
+        wrong = problem(location)
         if wrong is None:
-            return path, warnings
-        warnings.append(f"skipping checkpoint {path.name}: {wrong}")
+            return location, warnings
+        warnings.append(f"skipping checkpoint {name_of(location)}: {wrong}")
     return None, warnings
+
+
+def remove(location: Location) -> None:
+    """Delete a checkpoint, its manifest first: a half-deleted checkpoint never looks complete
+    (deleting a prefix from an object store is many requests, not one)."""
+    fs, path = storage(location)
+    if fs.exists(f"{path}/{MANIFEST}"):
+        fs.rm_file(f"{path}/{MANIFEST}")
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+def probe_writable(directory: Location) -> str | None:
+    """Why `directory` cannot take a checkpoint (an unknown URL scheme, a missing bucket, no
+    permission, bad credentials), found by writing and deleting a small file; None when it can."""
+    probe = join(directory, f".shardwise-probe-{uuid.uuid4().hex}")  # every rank may probe
+    try:
+        fs, path = storage(probe)
+        if isinstance(fs, LocalFileSystem):  # object stores have no directories to make
+            fs.makedirs(storage(directory)[1], exist_ok=True)
+        fs.pipe_file(path, b"ok")
+        fs.rm_file(path)
+    except ImportError as e:  # fsspec knows the scheme, its package is not installed
+        return f"{e}".split("\n")[0]
+    except Exception as e:  # each store raises its own errors (ValueError, OSError, botocore…)
+        return f"cannot write there ({type(e).__name__}: {e})".split("\n")[0]
+    return None

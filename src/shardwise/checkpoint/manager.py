@@ -1,17 +1,18 @@
 """Checkpoints written with torch.distributed.checkpoint (DCP): every rank writes its own part in
 parallel and rank 0 commits, so the same files serve every later layout (DCP reshards on load).
 
-A checkpoint is written as `step_00000100.partial` and renamed to `step_00000100` only after
-every rank's data, DCP's `.metadata` and the manifest are on disk, so a crash mid-save never leaves
-a checkpoint that looks complete (see layout.py). This module must not know what is in the state:
-the trainer decides that.
+On a local disk a checkpoint is written as `step_00000100.partial` and renamed to
+`step_00000100` only after every rank's data, DCP's `.metadata` and the manifest are on disk. An
+object store has no atomic rename (a "rename" copies every object), so there the checkpoint is
+written in place and the manifest, written last, commits it. Either way a crash mid-save never
+leaves a checkpoint that looks complete (see layout.py). This module must not know what is in the
+state: the trainer decides that.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -24,9 +25,15 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from shardwise.checkpoint.layout import (
     MANIFEST,
+    Location,
     file_digest,
+    is_local,
+    join,
+    name_of,
     read_manifest,
+    remove,
     retention_victims,
+    storage,
 )
 
 
@@ -39,10 +46,12 @@ class WriteFailed(RuntimeError):
 
 
 class CheckpointManager:
-    """Save and load whole-job checkpoints in one directory; all ranks call both methods."""
+    """Save and load whole-job checkpoints in one directory or fsspec URL; all ranks call both
+    methods."""
 
-    def __init__(self, directory: Path, *, keep_last: int, asynchronous: bool = False) -> None:
-        self.directory = directory
+    def __init__(self, directory: str, *, keep_last: int, asynchronous: bool = False) -> None:
+        self.local = is_local(directory)
+        self.directory = storage(directory)[1] if self.local else directory  # file:// → path
         self.keep_last = keep_last
         self.is_leader = dist.get_rank() == 0
         self.asynchronous = asynchronous
@@ -51,28 +60,37 @@ class CheckpointManager:
         self._async_group = dist.new_group(backend="gloo") if asynchronous else None
         self._pending: tuple[Future[Any], int, dict[str, Any], float] | None = None
 
-    def save(self, step: int, state: dict[str, Any], manifest: dict[str, Any]) -> Path:
-        """Write `state` as the checkpoint of `step` and return its directory. Synchronous: the
+    def save(self, step: int, state: dict[str, Any], manifest: dict[str, Any]) -> str:
+        """Write `state` as the checkpoint of `step` and return where it is. Synchronous: the
         checkpoint is committed on return. Asynchronous: the state is copied to memory and
         written in the background; it is committed by the next `save` or by `wait`."""
         self.wait()
-        final = self.directory / f"step_{step:08d}"
-        partial = final.with_name(final.name + ".partial")
+        final, target = self._final(step), self._target(step)
         if self.is_leader:
-            shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save
-            partial.mkdir(parents=True)
+            remove(target)  # left by a crash during an earlier save (or, in place, replaced)
+            if self.local:
+                Path(target).mkdir(parents=True)
         dist.barrier()
         started = time.perf_counter()
         if self.asynchronous:
-            future = dcp_async_save(state, checkpoint_id=partial, process_group=self._async_group)
+            future = dcp_async_save(
+                state, checkpoint_id=_dcp_id(target), process_group=self._async_group
+            )
             assert isinstance(future, Future)
             self._pending = (future, step, manifest, started)
             return final
-        dcp_save(state, checkpoint_id=partial)
+        dcp_save(state, checkpoint_id=_dcp_id(target))
         self._finish(step, manifest, started)
         return final
 
-    def wait(self) -> Path | None:
+    def _final(self, step: int) -> str:
+        return join(self.directory, f"step_{step:08d}")
+
+    def _target(self, step: int) -> str:
+        """Where the checkpoint of `step` is written before it is committed."""
+        return self._final(step) + ".partial" if self.local else self._final(step)
+
+    def wait(self) -> str | None:
         """Finish and commit an asynchronous save still in flight (all ranks call it)."""
         if self._pending is None:
             return None
@@ -85,12 +103,11 @@ class CheckpointManager:
             raise WriteFailed(step, e) from e
         return self._finish(step, manifest, started)
 
-    def _finish(self, step: int, manifest: dict[str, Any], started: float) -> Path:
-        final = self.directory / f"step_{step:08d}"
-        partial = final.with_name(final.name + ".partial")
-        files = self._digests(partial)
+    def _finish(self, step: int, manifest: dict[str, Any], started: float) -> str:
+        final, target = self._final(step), self._target(step)
+        files = self._digests(target)
         if self.is_leader:
-            files[".metadata"] = file_digest(partial / ".metadata")
+            files[".metadata"] = file_digest(join(target, ".metadata"))
             manifest = {
                 **manifest,
                 "step": step,
@@ -98,43 +115,53 @@ class CheckpointManager:
                 "save_seconds": time.perf_counter() - started,
                 "files": files,
             }
-            _write_synced(partial / MANIFEST, json.dumps(manifest, indent=2))
-            self._commit(partial, final)
-            self._apply_retention()
+            text = json.dumps(manifest, indent=2)
+            if self.local:
+                _write_synced(Path(target, MANIFEST), text)
+                _commit(Path(target), Path(final))
+            else:
+                fs, path = storage(join(target, MANIFEST))
+                fs.pipe_file(path, text.encode())  # the commit: the manifest comes last
+            for old in retention_victims(self.directory, self.keep_last):
+                remove(old)
         dist.barrier()
         return final
 
     def discard_partial(self, step: int) -> None:
         """Remove what a failed save of `step` left behind (all ranks call it)."""
         if self.is_leader:
-            shutil.rmtree(self.directory / f"step_{step:08d}.partial", ignore_errors=True)
+            remove(self._target(step))
 
-    def _digests(self, partial: Path) -> dict[str, Any]:
+    def _digests(self, target: str) -> dict[str, Any]:
         """Size and checksum of every file, each rank hashing the files it wrote (DCP names them
         `__<rank>_<n>.distcp`), gathered on rank 0 for the manifest."""
-        rank = dist.get_rank()
-        mine = {p.name: file_digest(p) for p in sorted(partial.glob(f"__{rank}_*"))}
+        fs, path = storage(target)
+        written = sorted(fs.glob(f"{path}/__{dist.get_rank()}_*"))
+        mine = {name_of(p): file_digest(join(target, name_of(p))) for p in written}
         gathered: list[Any] = [None] * dist.get_world_size() if self.is_leader else []
         dist.gather_object(mine, gathered if self.is_leader else None, dst=0)
         return {name: d for part in gathered for name, d in part.items()}
 
-    def load(self, path: Path, state: dict[str, Any]) -> dict[str, Any]:
-        """Fill `state` in place from the checkpoint at `path`; returns its manifest."""
-        dcp_load(state, checkpoint_id=path)
-        return read_manifest(path)
+    def load(self, location: str, state: dict[str, Any]) -> dict[str, Any]:
+        """Fill `state` in place from the checkpoint at `location`; returns its manifest."""
+        dcp_load(state, checkpoint_id=_dcp_id(location))
+        return read_manifest(location)
 
-    def _commit(self, partial: Path, final: Path) -> None:
-        replaced = final.with_name(final.name + ".replaced")
-        if final.exists():  # same step saved before, e.g. by a run resumed from an older step
-            shutil.rmtree(replaced, ignore_errors=True)
-            final.rename(replaced)
-        partial.rename(final)
-        _fsync_dir(final.parent)
-        shutil.rmtree(replaced, ignore_errors=True)
 
-    def _apply_retention(self) -> None:
-        for old in retention_victims(self.directory, self.keep_last):
-            shutil.rmtree(old, ignore_errors=True)
+def _dcp_id(location: Location) -> str | Path:
+    """DCP picks its file-system writer for a Path and its fsspec writer for a URL."""
+    return Path(location) if is_local(location) else os.fspath(location)
+
+
+def _commit(partial: Path, final: Path) -> None:
+    """Rename a local checkpoint into place (atomic), replacing one of the same step."""
+    replaced = final.with_name(final.name + ".replaced")
+    if final.exists():  # same step saved before, e.g. by a run resumed from an older step
+        remove(replaced)
+        final.rename(replaced)
+    partial.rename(final)
+    _fsync_dir(final.parent)
+    remove(replaced)
 
 
 def _write_synced(path: Path, text: str) -> None:

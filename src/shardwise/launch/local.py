@@ -33,7 +33,9 @@ from shardwise.checkpoint.layout import (
     MANIFEST,
     complete_checkpoints,
     is_complete,
+    name_of,
     newest_good,
+    probe_writable,
     problem,
 )
 from shardwise.config import ConfigError, JobConfig, apply_override, derive, load_config, validate
@@ -145,7 +147,7 @@ def train(
     check_layout(config, derived)
     pick_device(config.job.device, local_rank=0)
     checkpoint = None if dry_run else resume_point(config, resume)
-    args = (config.model_dump(mode="json"), str(checkpoint) if checkpoint else None, dry_run)
+    args = (config.model_dump(mode="json"), checkpoint, dry_run)
     if worker is not None:
         return run_worker(*args)
     started = time.time()
@@ -177,20 +179,28 @@ def _preempted_summary(config: JobConfig, *, since: float) -> TrainSummary | Non
     return TrainSummary(**data) if data.get("preempted") else None
 
 
-def resume_point(config: JobConfig, resume: str) -> Path | None:
-    """The checkpoint to start from, or None for a fresh start; refuses to overwrite a run."""
+def resume_point(config: JobConfig, resume: str) -> str | None:
+    """The checkpoint to start from, or None for a fresh start; refuses to overwrite a run. The
+    checkpoint directory must take a write (checked now, not at the first save an hour in)."""
+    wrong = probe_writable(config.checkpoint_dir)
+    if wrong is not None:
+        raise ConfigError(
+            f"checkpoint.dir = {config.checkpoint_dir!r}: {wrong}; check the path or URL, and "
+            "for object stores the credentials and endpoint (AWS_ACCESS_KEY_ID, "
+            "AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL)"
+        )
     found = complete_checkpoints(config.checkpoint_dir)
     if resume == "never":
         if found:
             raise ConfigError(
                 f"{config.checkpoint_dir} already holds checkpoints of an earlier run (newest: "
-                f"{found[-1].name}); pass --resume auto to continue it, or set job.run_dir to "
-                "start a new run"
+                f"{name_of(found[-1])}); pass --resume auto to continue it, or set job.run_dir "
+                "to start a new run"
             )
         return None
     if resume == "auto":
         return _newest_good(config)
-    path = Path(resume)
+    path = resume
     if not is_complete(path):
         raise ConfigError(
             f"--resume {resume}: not a complete checkpoint (expected a step_NNNNNNNN directory "
@@ -204,12 +214,12 @@ def resume_point(config: JobConfig, resume: str) -> Path | None:
     return path
 
 
-def _newest_good(config: JobConfig) -> Path | None:
+def _newest_good(config: JobConfig) -> str | None:
     """The newest checkpoint whose files match its manifest; a warning names each one skipped."""
     path, skipped = newest_good(config.checkpoint_dir)
     for message in skipped:
         warnings.warn(
-            f"{message}; resuming from {path.name if path else 'the start'}", stacklevel=3
+            f"{message}; resuming from {name_of(path) if path else 'the start'}", stacklevel=3
         )
     return path
 
@@ -227,7 +237,7 @@ def run_worker(
             if env.rank != 0:
                 warnings.simplefilter("ignore")  # rank 0 tells
             newest = _newest_good(config)
-        resume = str(newest) if newest else resume
+        resume = newest or resume
     device = pick_device(config.job.device, local_rank=env.local_rank)
     threads = config.job.threads_per_rank or max(1, visible_cpus() // env.local_world_size)
     torch.set_num_threads(threads)

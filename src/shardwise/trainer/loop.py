@@ -12,7 +12,6 @@ import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,7 +20,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from shardwise import builders
-from shardwise.checkpoint.layout import read_manifest
+from shardwise.checkpoint.layout import name_of, read_manifest
 from shardwise.checkpoint.manager import CheckpointManager, WriteFailed
 from shardwise.config import ConfigError, Derived, JobConfig, derive, resolved
 from shardwise.fault.health import Health, RankHealth
@@ -66,7 +65,7 @@ def train(
     counts the times the launcher restarted the workers after a failure (reported)."""
     run = build_run(config, device)
     run.faults = FaultPlan.from_env(rank=run.rank, attempt=restarts)
-    start = restore(run, Path(resume)) if resume else 0
+    start = restore(run, resume) if resume else 0
     tracker, display = report.start(run, start, resumed=resume is not None)
     if restarts:
         report.restarted(tracker, display, restarts, start)
@@ -84,7 +83,7 @@ def train(
             start,
             tracker,
             display,
-            resumed_from=Path(resume) if resume else None,
+            resumed_from=resume,
             health=health,
             watchdog=watchdog,
         )
@@ -220,7 +219,7 @@ def loop(
     tracker: Tracker | None,
     display: ProgressDisplay | None,
     *,
-    resumed_from: Path | None,
+    resumed_from: str | None,
     health: RankHealth | None = None,
     watchdog: Watchdog | None = None,
 ) -> TrainSummary:
@@ -367,7 +366,7 @@ def _nonfinite(
     path = save(run, step)
     run.checkpoints.wait()
     raise NonFiniteStep(
-        f"{what}; stopped without applying it and saved the state before it as {path.name}. "
+        f"{what}; stopped without applying it and saved the state before it as {name_of(path)}. "
         "Lower train.lr, check the data, or set fault.on_nonfinite = 'skip'"
     )
 
@@ -376,7 +375,7 @@ class SaveFailed(RuntimeError):
     """Writing a checkpoint failed on every rank (what was written of it is removed)."""
 
 
-def save(run: Run, step: int) -> Path:
+def save(run: Run, step: int) -> str:
     """Checkpoint the run at `step`; a failed write raises `SaveFailed` after cleaning up."""
     state = train_state.capture(
         parts=run.parts,
@@ -397,7 +396,7 @@ def save(run: Run, step: int) -> Path:
         raise SaveFailed(f"saving the checkpoint of step {step} failed: {e}") from e
 
 
-def restore(run: Run, path: Path) -> int:
+def restore(run: Run, path: str) -> int:
     """Load the checkpoint at `path` into the run; returns the step to continue after.
 
     Model, optimizer, schedule and data position load under any layout (DCP reshards). Random
