@@ -22,6 +22,7 @@ _EXPORTS = {
     "JobConfig": "shardwise.config",
     "load_config": "shardwise.config",
     "train": "shardwise.launch.local",
+    "Nodes": "shardwise.launch.local",
     "WorkerFailed": "shardwise.launch.local",
     "TrainSummary": "shardwise.trainer.loop",
     "ManyModelsConfig": "shardwise.manymodel.config",
@@ -31,7 +32,7 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from shardwise.config import ConfigError, JobConfig, load_config
-    from shardwise.launch.local import WorkerFailed, train
+    from shardwise.launch.local import Nodes, WorkerFailed, train
     from shardwise.manymodel.config import ManyModelsConfig, load_many_models
     from shardwise.manymodel.runner import many_models
     from shardwise.trainer.loop import TrainSummary
@@ -40,6 +41,7 @@ __all__ = [
     "ConfigError",
     "JobConfig",
     "ManyModelsConfig",
+    "Nodes",
     "TrainSummary",
     "WorkerFailed",
     "__version__",

@@ -10,9 +10,13 @@ import argparse
 import signal
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from shardwise import __version__
 from shardwise.config import ConfigError
+
+if TYPE_CHECKING:
+    from shardwise.launch.local import Nodes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +32,27 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="worker processes on this machine (default 1; ignored under torchrun or srun)",
+    )
+    train.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        help="machines in the job: run the same command on each, with the same --rdzv-endpoint",
+    )
+    train.add_argument(
+        "--rdzv-endpoint",
+        metavar="HOST:PORT",
+        help="with --nnodes: where the nodes meet (HOST is one of the nodes, which hosts it)",
+    )
+    train.add_argument(
+        "--rdzv-id",
+        metavar="ID",
+        help="with --nnodes: the job's id on every node (default: job.name)",
+    )
+    train.add_argument(
+        "--local-addr",
+        metavar="ADDR",
+        help="with --nnodes: this node's address as the others reach it (default: from its name)",
     )
     train.add_argument(
         "--set",
@@ -114,6 +139,7 @@ def _train(args: argparse.Namespace) -> int:
             resume=args.resume,
             overrides=args.overrides,
             dry_run=args.dry_run,
+            nodes=_nodes(args),
         )
     except Interrupted as stop:
         print(f"shardwise: {stop}; checkpoints written so far are kept", file=sys.stderr)
@@ -170,6 +196,28 @@ class _Terminated(KeyboardInterrupt):
 
 def _terminated(signum: int, frame: object) -> None:
     raise _Terminated()
+
+
+def _nodes(args: argparse.Namespace) -> Nodes | None:
+    """The --nnodes options, checked."""
+    from shardwise.launch.local import Nodes
+
+    if args.nnodes < 1:
+        raise ConfigError(f"--nnodes {args.nnodes}: need at least 1 node")
+    if args.nnodes == 1:
+        extra = [f for f in ("rdzv_endpoint", "rdzv_id", "local_addr") if getattr(args, f)]
+        if extra:
+            flag = "--" + extra[0].replace("_", "-")
+            raise ConfigError(f"{flag} is for jobs across machines; add --nnodes N")
+        return None
+    endpoint = args.rdzv_endpoint or ""
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(
+            f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (one node's address and a "
+            "free port on it; every node passes the same)"
+        )
+    return Nodes(args.nnodes, endpoint, run_id=args.rdzv_id, local_addr=args.local_addr)
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -11,7 +11,12 @@ def test_cli_flags_are_pinned():
     commands = parser._subparsers._group_actions[0].choices
     assert sorted(commands) == ["export", "many-models", "train"]
     flags = sorted(o for a in commands["train"]._actions for o in a.option_strings)
-    assert flags == sorted(["-h", "--help", "--nproc", "--set", "--resume", "--dry-run", "--debug"])
+    assert flags == sorted(
+        [
+            *("-h", "--help", "--nproc", "--set", "--resume", "--dry-run", "--debug"),
+            *("--nnodes", "--rdzv-endpoint", "--rdzv-id", "--local-addr"),
+        ]
+    )
     flags = sorted(o for a in commands["export"]._actions for o in a.option_strings)
     assert flags == sorted(["-h", "--help", "--debug"])
     flags = sorted(o for a in commands["many-models"]._actions for o in a.option_strings)
@@ -54,6 +59,15 @@ def test_cli_flags_are_pinned():
         ),
         (["--nproc", "0"], "--nproc 0: need at least 1 process"),
         (["--resume", "/no/such/checkpoint"], "not a complete checkpoint"),
+        (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+        (["--nnodes", "2", "--rdzv-endpoint", "10.0.0.1"], "needs --rdzv-endpoint HOST:PORT"),
+        (["--rdzv-endpoint", "10.0.0.1:29400"], "--rdzv-endpoint is for jobs across machines"),
+        (["--nnodes", "0"], "--nnodes 0: need at least 1 node"),
+        (
+            ["--set", 'checkpoint.dir="nosuch://bucket/run"'],
+            "checkpoint.dir = 'nosuch://bucket/run': cannot write there (ValueError: Protocol "
+            "not known: nosuch)",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_one_line(repo_cwd, tmp_path, capsys, args, message):

@@ -11,12 +11,14 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import signal
 import time
 import uuid
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -68,19 +70,47 @@ class Interrupted(Exception):
         self.signum = signum
 
 
+@dataclass(frozen=True)
+class Nodes:
+    """A job across machines: one `shardwise train` per node, meeting at a c10d rendezvous that
+    the node at `endpoint` hosts. Every node passes the same `count`, `endpoint` and `run_id`."""
+
+    count: int
+    endpoint: str
+    """HOST:PORT of the rendezvous, on the node that hosts it."""
+    run_id: str | None = None
+    """The same on every node; None: the job's name."""
+    local_addr: str | None = None
+    """This node's address as the others reach it (default: resolved from the host name)."""
+
+    def rendezvous_options(self) -> dict[str, Any]:
+        host = self.endpoint.rsplit(":", 1)[0]
+        if self.local_addr is None:
+            return {}  # torch tells the host by matching the endpoint against this machine
+        return {"is_host": self.local_addr == host}
+
+
 def launch(
-    entry: Callable[..., Any], args: tuple[Any, ...], *, nproc: int, max_restarts: int = 0
+    entry: Callable[..., Any],
+    args: tuple[Any, ...],
+    *,
+    nproc: int,
+    max_restarts: int = 0,
+    nodes: Nodes | None = None,
 ) -> dict[int, Any]:
-    """Run `entry(*args)` in `nproc` local processes, restarting all of them up to
-    `max_restarts` times when one fails; return each rank's return value."""
+    """Run `entry(*args)` in `nproc` processes on this machine (and as many on each other node of
+    `nodes`), restarting all of them up to `max_restarts` times when one fails; return each local
+    rank's return value by global rank."""
     config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
+        min_nodes=nodes.count if nodes else 1,
+        max_nodes=nodes.count if nodes else 1,
         nproc_per_node=nproc,
-        run_id=f"shardwise-{uuid.uuid4().hex[:8]}",
-        # c10d rendezvous on port 0: the agent's store takes a free port, no fixed ports anywhere.
+        run_id=(nodes and nodes.run_id) or f"shardwise-{uuid.uuid4().hex[:8]}",
+        # c10d rendezvous; on one machine on port 0: the agent's store takes a free port.
         rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
+        rdzv_endpoint=nodes.endpoint if nodes else "127.0.0.1:0",
+        rdzv_configs=nodes.rendezvous_options() if nodes else {},
+        local_addr=nodes.local_addr if nodes else None,
         max_restarts=max_restarts,
         start_method="spawn",
     )
@@ -88,12 +118,33 @@ def launch(
     for name in ("torch.distributed.elastic", "torchelastic-events-null"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        results: dict[int, Any] = elastic_launch(config, entry)(*args)
+        with _fresh_worker_store():
+            results: dict[int, Any] = elastic_launch(config, entry)(*args)
         return results
     except ChildFailedError as e:
         raise _first_failure(e) from None
     except SignalException as e:  # the agent has already stopped the workers
         raise Interrupted(e.sigval) from None
+
+
+@contextmanager
+def _fresh_worker_store() -> Iterator[None]:
+    """Workers host their own TCPStore, a new one for every attempt, instead of sharing the
+    agent's (torch's default since 2.4). The agent's store outlives attempts, so a restarted
+    group would read the dead workers' addresses; torch separates attempts by the restart count,
+    but that count is per node and differs across nodes after one node's workers fail."""
+    name, before = (
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+        os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE"),
+    )
+    os.environ[name] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
 
 
 def _first_failure(error: ChildFailedError) -> Exception:
@@ -118,12 +169,15 @@ def train(
     resume: str = "never",
     overrides: list[str] | tuple[str, ...] = (),
     dry_run: bool = False,
+    nodes: Nodes | None = None,
 ) -> TrainSummary | None:
-    """Train a job: start `nproc` local workers, or join the job torchrun/Slurm already started.
+    """Train a job: start `nproc` local workers (on each of `nodes`, when given), or join the job
+    torchrun/Slurm already started.
 
     `config` is a `JobConfig` or the path of a job file; `resume` is `never` (refuse to overwrite
     an earlier run's checkpoints), `auto` (continue from the newest complete checkpoint, if any) or
-    the path of a checkpoint. Returns rank 0's summary (None on other ranks under torchrun/Slurm).
+    the path of a checkpoint. Returns rank 0's summary (None where rank 0 does not run: other
+    ranks under torchrun/Slurm, other nodes).
     With `dry_run`, the workers build the layout on the meta device and rank 0 prints what each
     rank would hold; nothing is trained or written, and None is returned.
     """
@@ -141,7 +195,8 @@ def train(
             f"started by {worker.launcher}",
             stacklevel=2,
         )
-    world_size = worker.world_size if worker else (nproc or 1)
+    per_node = nproc or 1
+    world_size = worker.world_size if worker else per_node * (nodes.count if nodes else 1)
     derived = derive(config, world_size)
     builders.check(config)
     check_layout(config, derived)
@@ -153,8 +208,12 @@ def train(
     started = time.time()
     try:
         summary: TrainSummary | None = launch(
-            run_worker, args, nproc=world_size, max_restarts=config.fault.max_restarts
-        )[0]
+            run_worker,
+            args,
+            nproc=per_node,
+            max_restarts=config.fault.max_restarts,
+            nodes=nodes and replace(nodes, run_id=nodes.run_id or config.job.name),
+        ).get(0)
     except Interrupted as stop:
         preempted = _preempted_summary(config, since=started)
         if stop.signum != signal.SIGTERM or preempted is None:
@@ -231,32 +290,19 @@ def run_worker(
     env = detect()
     assert env is not None, "run_worker runs under torch elastic or Slurm"
     config = JobConfig.model_validate(config_data)
-    if env.restart_count and not dry_run:
-        # The agent restarted the group after a failure: continue from the newest checkpoint.
-        with warnings.catch_warnings():
-            if env.rank != 0:
-                warnings.simplefilter("ignore")  # rank 0 tells
-            newest = _newest_good(config)
-        resume = newest or resume
     device = pick_device(config.job.device, local_rank=env.local_rank)
     threads = config.job.threads_per_rank or max(1, visible_cpus() // env.local_world_size)
     torch.set_num_threads(threads)
     # A backstop: the watchdog names a hang after fault.timeout_s, before gloo/NCCL give up.
     timeout = timedelta(seconds=config.fault.timeout_s + 60)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    if env.restart_count and env.master_addr:
-        # After a restart the agent's store still holds the previous attempt's addresses (torch
-        # elastic with c10d rendezvous keeps one store), and gloo would dial the dead workers:
-        # give every attempt its own key space.
+    if env.restart_count and env.agent_store:
+        # Under torchrun, after a restart the agent's store still holds the previous attempt's
+        # addresses and gloo would dial the dead workers: give every attempt its own key space.
+        # (shardwise's own launcher gives every attempt a new store: see _fresh_worker_store.)
         store = PrefixStore(
             f"shardwise/attempt_{env.restart_count}/",
-            TCPStore(
-                env.master_addr,
-                env.master_port,
-                env.world_size,
-                is_master=not env.agent_store and env.rank == 0,
-                timeout=timeout,
-            ),
+            TCPStore(env.master_addr, env.master_port, env.world_size, False, timeout=timeout),
         )
         dist.init_process_group(
             backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
@@ -275,13 +321,33 @@ def run_worker(
         if dry_run:
             loop.dry_run(config, device)
             return None
-        return loop.train(config, device=device, resume=resume, restarts=env.restart_count)
+        restarts = _agreed_restarts(env.restart_count)
+        if restarts:
+            resume = _agreed_newest(config) or resume
+        return loop.train(config, device=device, resume=resume, restarts=restarts)
     finally:
         # Free DDP's reducer (which holds the process group) while the group is still registered:
         # if the group's last reference died inside the reducer's destructor, gloo's destructor
         # would run holding the GIL while its worker thread waits for the GIL (pytorch#56297).
         gc.collect()
         dist.destroy_process_group()
+
+
+def _agreed_restarts(mine: int) -> int:
+    """How many times the group has been restarted, as every rank agrees. Each node's agent
+    counts only the restarts its own workers' failures caused, so after one node's workers fail
+    the other nodes' workers start again with a count of 0: take the largest."""
+    counts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, mine)
+    return int(max(counts))
+
+
+def _agreed_newest(config: JobConfig) -> str | None:
+    """After a restart: the newest good checkpoint as rank 0 finds it (and warns about any it
+    skips), so every rank resumes from the same one."""
+    choice: list[str | None] = [_newest_good(config) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(choice, src=0)
+    return choice[0]
 
 
 def pick_device(choice: str, *, local_rank: int) -> torch.device:
