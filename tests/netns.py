@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
 import pytest
@@ -29,7 +29,10 @@ class Node:
     def free_port(self) -> int:
         """A port free on this node (a new namespace has no listeners, but ask rather than
         assume): bind port 0 there and read what the kernel gave."""
-        probe = f"import socket; s = socket.socket(); s.bind(({self.addr!r}, 0)); print(s.getsockname()[1])"
+        probe = (
+            "import socket; s = socket.socket(); "
+            f"s.bind(({self.addr!r}, 0)); print(s.getsockname()[1])"
+        )
         out = subprocess.run(
             self.command(sys.executable, "-c", probe), capture_output=True, text=True, check=True
         )
@@ -71,7 +74,5 @@ def two_nodes() -> Iterator[tuple[Node, Node]]:
 def _kill_everything_in(namespace: str) -> None:
     found = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True)
     for pid in found.stdout.split():
-        try:
+        with suppress(ProcessLookupError):
             os.kill(int(pid), signal.SIGKILL)
-        except ProcessLookupError:
-            pass

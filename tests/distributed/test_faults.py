@@ -308,7 +308,7 @@ def test_a_job_across_two_nodes_survives_one_nodes_workers_being_killed(tmp_path
             for node in (a, b)
         ]
         outputs = [process.communicate(timeout=240) for process in started]
-    for process, (out, err) in zip(started, outputs, strict=True):
+    for process, (_, err) in zip(started, outputs, strict=True):
         assert process.returncode == 0, err
     assert sum("done: step 16" in out for out, _ in outputs) == 1  # printed where rank 0 ran
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")

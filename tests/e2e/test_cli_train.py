@@ -70,27 +70,26 @@ def test_digits_job_trains_tracks_and_resumes(tmp_path):
     assert max(m.step for m in history) == 350
 
 
-def test_under_torchrun(tmp_path):
+def test_under_torchrun_with_a_restart(tmp_path):
+    """torchrun's own agent launches and restarts: shardwise joins, and after rank 1 is killed
+    the restarted ranks agree to resume from the newest checkpoint."""
     done = subprocess.run(
         [
-            str(BIN / "torchrun"),
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "shardwise",
-            "train",
-            "examples/digits.toml",
-            "--set",
-            f"job.run_dir={tmp_path}",
-            "--set",
-            "train.steps=30",
-            "--set",
-            "eval.every_steps=0",
-            "--set",
-            "tracking.mlflow=false",
+            *(
+                str(BIN / "torchrun"),
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                "--max-restarts",
+                "1",
+            ),
+            *("-m", "shardwise", "train", "examples/digits.toml"),
+            *("--set", f"job.run_dir={tmp_path}", "--set", "train.steps=30"),
+            *("--set", "eval.every_steps=0", "--set", "tracking.mlflow=false"),
+            *("--set", "checkpoint.every_steps=10"),
         ],
         cwd=REPO,
+        env={**os.environ, "SHARDWISE_FAULT": "kill:rank=1:step=15"},
         capture_output=True,
         text=True,
         timeout=300,
@@ -98,7 +97,8 @@ def test_under_torchrun(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "summary.json").read_text())["step"] == 30
-    assert done.stdout.count("resolved config") == 1  # printed by rank 0 only
+    restarts = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "fault/restarts" in r]
+    assert [r["step"] for r in restarts] == [10]
 
 
 def test_under_srun_environment(tmp_path):

@@ -201,10 +201,11 @@ def train(
     builders.check(config)
     check_layout(config, derived)
     pick_device(config.job.device, local_rank=0)
+    if worker is not None:
+        # Every rank runs this; the ranks decide where to start together, once joined.
+        return run_worker(config.model_dump(mode="json"), resume, dry_run, decided=False)
     checkpoint = None if dry_run else resume_point(config, resume)
     args = (config.model_dump(mode="json"), checkpoint, dry_run)
-    if worker is not None:
-        return run_worker(*args)
     started = time.time()
     try:
         summary: TrainSummary | None = launch(
@@ -284,9 +285,11 @@ def _newest_good(config: JobConfig) -> str | None:
 
 
 def run_worker(
-    config_data: dict[str, Any], resume: str | None, dry_run: bool = False
+    config_data: dict[str, Any], resume: str | None, dry_run: bool = False, decided: bool = True
 ) -> TrainSummary | None:
-    """What every rank runs: join the process group on the right device, train, leave cleanly."""
+    """What every rank runs: join the process group on the right device, agree where to start,
+    train, leave cleanly. `resume` is the checkpoint the launcher chose (`decided`), or, under
+    torchrun/Slurm, the user's `--resume` request, which rank 0 resolves for everyone."""
     env = detect()
     assert env is not None, "run_worker runs under torch elastic or Slurm"
     config = JobConfig.model_validate(config_data)
@@ -322,8 +325,8 @@ def run_worker(
             loop.dry_run(config, device)
             return None
         restarts = _agreed_restarts(env.restart_count)
-        if restarts:
-            resume = _agreed_newest(config) or resume
+        if restarts or not decided:
+            resume = _decided_by_rank_0(lambda: _start_point(config, resume, restarts, decided))
         return loop.train(config, device=device, resume=resume, restarts=restarts)
     finally:
         # Free DDP's reducer (which holds the process group) while the group is still registered:
@@ -342,12 +345,27 @@ def _agreed_restarts(mine: int) -> int:
     return int(max(counts))
 
 
-def _agreed_newest(config: JobConfig) -> str | None:
-    """After a restart: the newest good checkpoint as rank 0 finds it (and warns about any it
-    skips), so every rank resumes from the same one."""
-    choice: list[str | None] = [_newest_good(config) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(choice, src=0)
-    return choice[0]
+def _start_point(config: JobConfig, resume: str | None, restarts: int, decided: bool) -> str | None:
+    """The checkpoint to start from: after a restart the newest good one (the warnings name any
+    skipped), else what the launcher chose or what the `--resume` request resolves to."""
+    if restarts and (newest := _newest_good(config)):
+        return newest
+    return resume if decided else resume_point(config, resume or "never")
+
+
+def _decided_by_rank_0(decide: Callable[[], str | None]) -> str | None:
+    """What `decide` returns (or raises, for a ConfigError) on rank 0, on every rank: one look at
+    the checkpoints, one set of warnings, the same answer everywhere."""
+    outcome: list[str | ConfigError | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            outcome[0] = decide()
+        except ConfigError as e:
+            outcome[0] = e
+    dist.broadcast_object_list(outcome, src=0)
+    if isinstance(outcome[0], ConfigError):
+        raise outcome[0]
+    return outcome[0]
 
 
 def pick_device(choice: str, *, local_rank: int) -> torch.device:
