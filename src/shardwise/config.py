@@ -195,8 +195,8 @@ class CheckpointSection(Section):
     keep_last: int = Field(2, gt=0)
     async_save: bool = Field(False, alias="async")
     """`checkpoint.async = true`: copy the state to memory and write it in the background, so
-    training waits only for the copy; the checkpoint is committed when the next save (or the end
-    of the run) finds the write finished."""
+    training waits only for the copy; rank 0 commits the checkpoint as soon as every rank's part
+    is written, and the next save (or the end of the run) reports a failed write."""
     fail_on_save_error: bool = False
     """A save that fails (a full disk, a lost mount) ends the run; by default it is reported and
     training continues, the previous checkpoint still good."""

@@ -231,22 +231,31 @@ def s3(monkeypatch):
     }.items():
         monkeypatch.setenv(name, value)
     fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    fs.clear_instance_cache()  # fsspec reuses instances, with the previous server's endpoint
     fs.mkdir("checkpoints")
     yield fs
+    fs.clear_instance_cache()
     urllib.request.urlopen(  # moto keeps its buckets in this process: forget them
         urllib.request.Request(f"http://{host}:{port}/moto-api/reset", method="POST")
     ).close()
     server.stop()
 
 
-def test_checkpoints_on_s3_restart_resume_and_retention(tmp_path, monkeypatch, uninterrupted, s3):
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_checkpoints_on_s3_restart_resume_and_retention(
+    tmp_path, monkeypatch, uninterrupted, s3, asynchronous
+):
     """checkpoint.dir = s3://…: a rank is killed at step 10, the restarted ranks resume from
     step 8 read back from the object store, and the run ends bitwise like the uninterrupted one;
-    keep_last retention deletes from the store; nothing else is left there."""
+    keep_last retention deletes from the store; nothing else is left there. An asynchronous save
+    is committed as soon as it is written, not at the next save: rank 1 pauses 3 s after step 9
+    (a checkpoint interval is normally much longer than a write) and step 8 is there to resume
+    from."""
     want_losses, want_params, _ = uninterrupted
-    monkeypatch.setenv("SHARDWISE_FAULT", "kill:rank=1:step=10")
+    monkeypatch.setenv("SHARDWISE_FAULT", "stall:rank=1:step=9:seconds=3,kill:rank=1:step=10")
     url = "s3://checkpoints/runs/gpt"
-    sections = {**SECTIONS, "checkpoint": {**SECTIONS["checkpoint"], "dir": url}}
+    checkpoint = {**SECTIONS["checkpoint"], "dir": url, "async": asynchronous}
+    sections = {**SECTIONS, "checkpoint": checkpoint}
     summary = shardwise.train(gpt_job(tmp_path, train={"steps": 16}, **sections), nproc=2)
     assert summary is not None and summary.checkpoint == f"{url}/step_00000016"
     restarts = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "fault/restarts" in r]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -58,12 +58,19 @@ class CheckpointManager:
         # DCP's background writer synchronises the ranks on its own group, so its collectives
         # never interleave with training's.
         self._async_group = dist.new_group(backend="gloo") if asynchronous else None
-        self._pending: tuple[Future[Any], int, dict[str, Any], float] | None = None
+        self._pending: tuple[Future[Any], int] | None = None
+        # Rank 0 commits asynchronous saves from a thread of its own, off the training path.
+        self._committer = (
+            ThreadPoolExecutor(1, thread_name_prefix="shardwise-commit")
+            if asynchronous and self.is_leader
+            else None
+        )
 
     def save(self, step: int, state: dict[str, Any], manifest: dict[str, Any]) -> str:
         """Write `state` as the checkpoint of `step` and return where it is. Synchronous: the
         checkpoint is committed on return. Asynchronous: the state is copied to memory and
-        written in the background; it is committed by the next `save` or by `wait`."""
+        written in the background, and rank 0 commits it as soon as every rank's part is
+        written; the next `save` or `wait` reports how that went."""
         self.wait()
         final, target = self._final(step), self._target(step)
         if self.is_leader:
@@ -72,15 +79,24 @@ class CheckpointManager:
                 Path(target).mkdir(parents=True)
         dist.barrier()
         started = time.perf_counter()
+        manifest = {**manifest, "step": step}
         if self.asynchronous:
             future = dcp_async_save(
                 state, checkpoint_id=_dcp_id(target), process_group=self._async_group
             )
             assert isinstance(future, Future)
-            self._pending = (future, step, manifest, started)
+            if self._committer is not None:
+                future = self._committer.submit(
+                    self._commit_when_written, future, manifest, started
+                )
+            self._pending = (future, step)
             return final
         dcp_save(state, checkpoint_id=_dcp_id(target))
-        self._finish(step, manifest, started)
+        files = self._digests(target)
+        if self.is_leader:
+            files[".metadata"] = file_digest(join(target, ".metadata"))
+            self._commit(manifest, files, started)
+        dist.barrier()
         return final
 
     def _final(self, step: int) -> str:
@@ -91,41 +107,57 @@ class CheckpointManager:
         return self._final(step) + ".partial" if self.local else self._final(step)
 
     def wait(self) -> str | None:
-        """Finish and commit an asynchronous save still in flight (all ranks call it)."""
+        """Wait for an asynchronous save still in flight to be written and committed (all ranks
+        call it); raises `WriteFailed` on every rank if it failed on any."""
         if self._pending is None:
             return None
-        future, step, manifest, started = self._pending
+        future, step = self._pending
         self._pending = None
+        error: BaseException | None = None
         try:
             future.result()
         except BaseException as e:  # DCP raises CheckpointException, a BaseException
+            error = e
+        errors: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(
+            errors, None if error is None else f"{type(error).__name__}: {error}"
+        )
+        failed = [e for e in errors if e is not None]
+        if failed:
             self.discard_partial(step)
-            raise WriteFailed(step, e) from e
-        return self._finish(step, manifest, started)
+            raise WriteFailed(step, error or RuntimeError(failed[0]))
+        return self._final(step)
 
-    def _finish(self, step: int, manifest: dict[str, Any], started: float) -> str:
-        final, target = self._final(step), self._target(step)
-        files = self._digests(target)
-        if self.is_leader:
-            files[".metadata"] = file_digest(join(target, ".metadata"))
-            manifest = {
-                **manifest,
-                "step": step,
-                "saved_at": time.time(),
-                "save_seconds": time.perf_counter() - started,
-                "files": files,
-            }
-            text = json.dumps(manifest, indent=2)
-            if self.local:
-                _write_synced(Path(target, MANIFEST), text)
-                _commit(Path(target), Path(final))
-            else:
-                fs, path = storage(join(target, MANIFEST))
-                fs.pipe_file(path, text.encode())  # the commit: the manifest comes last
-            for old in retention_victims(self.directory, self.keep_last):
-                remove(old)
-        dist.barrier()
-        return final
+    def _commit_when_written(
+        self, written: Future[Any], manifest: dict[str, Any], started: float
+    ) -> None:
+        """Rank 0, in the background: once DCP has written every rank's part (it writes
+        `.metadata` only after gathering every rank's result), hash the files and commit."""
+        written.result()
+        target = self._target(manifest["step"])
+        fs, path = storage(target)
+        names = sorted(name_of(p) for p in fs.ls(path, detail=False))
+        files = {name: file_digest(join(target, name)) for name in names}
+        self._commit(manifest, files, started)
+
+    def _commit(self, manifest: dict[str, Any], files: dict[str, Any], started: float) -> None:
+        """Rank 0: write the manifest (last) and make the checkpoint final; apply retention."""
+        final, target = self._final(manifest["step"]), self._target(manifest["step"])
+        manifest = {
+            **manifest,
+            "saved_at": time.time(),
+            "save_seconds": time.perf_counter() - started,
+            "files": files,
+        }
+        text = json.dumps(manifest, indent=2)
+        if self.local:
+            _write_synced(Path(target, MANIFEST), text)
+            _commit(Path(target), Path(final))
+        else:
+            fs, path = storage(join(target, MANIFEST))
+            fs.pipe_file(path, text.encode())  # the commit: the manifest comes last
+        for old in retention_victims(self.directory, self.keep_last):
+            remove(old)
 
     def discard_partial(self, step: int) -> None:
         """Remove what a failed save of `step` left behind (all ranks call it)."""
