@@ -101,6 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--ray-address", metavar="ADDRESS", help="sets runner.ray_address ('auto': a cluster)"
     )
     many.add_argument("--debug", action="store_true", help="show tracebacks for every error")
+    plan = commands.add_parser(
+        "plan",
+        help="which layout fits, how fast a step runs, how long the run takes",
+        description="Plan a training run: memory per device and time per step for every "
+        "layout, ranked; the whole run's time and the speedup over one device.",
+    )
+    from shardwise.plan.command import add_arguments
+
+    add_arguments(plan)
     export = commands.add_parser(
         "export", help="write a checkpoint's model as one safetensors file, from any layout"
     )
@@ -115,7 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        commands = {"train": _train, "export": _export, "many-models": _many_models}
+        commands = {
+            "train": _train,
+            "export": _export,
+            "many-models": _many_models,
+            "plan": _plan,
+        }
         return commands[args.command](args)
     except ConfigError as e:
         if args.debug:
@@ -196,6 +210,12 @@ class _Terminated(KeyboardInterrupt):
 
 def _terminated(signum: int, frame: object) -> None:
     raise _Terminated()
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from shardwise.plan.command import run
+
+    return run(args)
 
 
 def _nodes(args: argparse.Namespace) -> Nodes | None:

@@ -1,0 +1,43 @@
+"""`shardwise plan --chart out.png`: step time (stacked by term) and memory per device for the
+top layouts, with the device's memory as a line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shardwise.plan.search import HEADROOM, Plan
+
+
+def write_chart(plan: Plan, path: Path, *, top: int = 10) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    shown = plan.ranked[:top] + plan.dropped[: max(0, top - len(plan.ranked[:top]))][:3]
+    names = [c.layout.name() + ("" if c.fits else " ✗") for c in shown]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.45 * len(shown) + 2), sharey=True)
+    y = range(len(shown))
+    start = [0.0] * len(shown)
+    for term in shown[0].time.terms():
+        values = [c.time.terms()[term] for c in shown]
+        left.barh(y, values, left=start, label=term)
+        start = [a + b for a, b in zip(start, values, strict=True)]
+    left.set_yticks(list(y), names, fontsize=8)
+    left.invert_yaxis()
+    left.set_xlabel("seconds per step")
+    left.legend(fontsize=7, loc="lower right")
+    parts = ("params", "grads", "optimizer", "activations", "buffers")
+    start = [0.0] * len(shown)
+    for part in parts:
+        values = [c.memory.as_dict()[part] / 2**30 for c in shown]
+        right.barh(y, values, left=start, label=part)
+        start = [a + b for a, b in zip(start, values, strict=True)]
+    right.axvline(plan.hardware.memory * HEADROOM / 2**30, color="black", linestyle="--")
+    right.set_xlabel("GiB per device (dashed: usable memory)")
+    right.legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"{plan.devices} × {plan.hardware.name}, global batch {plan.global_batch}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

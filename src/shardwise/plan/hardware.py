@@ -1,0 +1,144 @@
+"""Hardware the planner plans for: device memory, dense 16-bit peak FLOP/s, memory bandwidth, and
+the links between devices (inside a node and across nodes), as presets, from a TOML file, or
+calibrated on this machine (calibrate.py).
+
+Preset sources: memory as `nvidia-smi` reports it; peak dense BF16/FP16 tensor FLOP/s and HBM
+bandwidth from NVIDIA's data sheets (A100: 312 TFLOP/s, 1.56/2.04 TB/s; H100 SXM and H200:
+989 TFLOP/s, 3.35/4.8 TB/s; L40S: 362 TFLOP/s, 864 GB/s); NVLink per GPU per direction (A100 300
+GB/s, H100/H200 450 GB/s; L40S has PCIe Gen4 x16, 32 GB/s); one 200 Gb/s (A100 nodes) or 400 Gb/s
+(H100/H200 nodes) InfiniBand port per GPU, 100 Gb/s Ethernet per GPU for L40S nodes. Latencies
+are typical NCCL figures (a few µs in a node, ~10 µs across), assumptions rather than data-sheet
+values. Every value can be overridden.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import tomllib
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    memory: float
+    """Bytes per device."""
+    peak_flops: float
+    """Dense 16-bit matrix-multiply FLOP/s per device (fp32 on a CPU profile)."""
+    memory_bandwidth: float
+    """Bytes/s between a device and its memory (element-wise work, the optimizer step)."""
+    intra_bandwidth: float
+    """Bytes/s per device, one direction, to another device of the same node."""
+    intra_latency: float
+    inter_bandwidth: float
+    """Bytes/s per device, one direction, to a device on another node."""
+    inter_latency: float
+    gpus_per_node: int = 8
+    utilisation: float = 0.5
+    """Fraction of `peak_flops` a training step achieves on the model's matrix multiplies
+    (Megatron-LM reached 44–52% of A100 peak; calibrated profiles measure it)."""
+    overlap: float = 1.0
+    """How much of the data-parallel communication can hide behind the backward pass: 1 on
+    GPUs (NCCL runs on its own streams), 0 where the same cores compute and communicate."""
+    calibrated: bool = False
+
+
+def _gpu(name: str, mib: int, tflops: float, hbm: float, nvlink: float, network: float) -> Hardware:
+    return Hardware(
+        name=name,
+        memory=mib * 2**20,
+        peak_flops=tflops * 1e12,
+        memory_bandwidth=hbm * 1e9,
+        intra_bandwidth=nvlink * 1e9,
+        intra_latency=5e-6,
+        inter_bandwidth=network * 1e9,
+        inter_latency=10e-6,
+    )
+
+
+PRESETS: dict[str, Hardware] = {
+    "a100-40gb": _gpu("a100-40gb", 40_960, 312, 1_555, 300, 25),
+    "a100-80gb": _gpu("a100-80gb", 81_920, 312, 2_039, 300, 25),
+    "h100": _gpu("h100", 81_559, 989, 3_350, 450, 50),
+    "h200": _gpu("h200", 143_771, 989, 4_800, 450, 50),
+    "l40s": _gpu("l40s", 46_068, 362, 864, 32, 12.5),
+}
+ALIASES = {"a100": "a100-80gb", "h100-sxm": "h100", "h100-80gb": "h100"}
+THIS_MACHINE = "this-machine"
+
+
+def profile_path() -> Path:
+    """Where `shardwise plan --calibrate` keeps this machine's profile."""
+    root = os.environ.get("SHARDWISE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shardwise"
+    )
+    return Path(root) / "this-machine.json"
+
+
+class UnknownHardware(ValueError):
+    pass
+
+
+def lookup(name: str) -> Hardware:
+    """A preset, `this-machine` (the calibrated profile), or a TOML/JSON file of fields."""
+    key = ALIASES.get(name.lower(), name.lower())
+    if key in PRESETS:
+        return PRESETS[key]
+    if key == THIS_MACHINE:
+        path = profile_path()
+        if not path.exists():
+            raise UnknownHardware(
+                f"--hardware this-machine: no calibrated profile at {path}; run "
+                "`shardwise plan --calibrate` first (about a minute)"
+            )
+        return from_mapping(json.loads(path.read_text()), name=THIS_MACHINE)
+    path = Path(name)
+    if path.suffix in (".toml", ".json") and path.exists():
+        data = (
+            tomllib.loads(path.read_text())
+            if path.suffix == ".toml"
+            else json.loads(path.read_text())
+        )
+        return from_mapping(data, name=data.get("name", path.stem))
+    nearest = difflib.get_close_matches(key, [*PRESETS, THIS_MACHINE], n=1, cutoff=0)[0]
+    raise UnknownHardware(
+        f"--hardware {name}: unknown; did you mean '{nearest}'? Known: "
+        f"{', '.join([*PRESETS, THIS_MACHINE])}, or a .toml file of fields "
+        f"({', '.join(f.name for f in fields(Hardware) if f.name != 'name')})"
+    )
+
+
+def from_mapping(data: dict[str, Any], *, name: str) -> Hardware:
+    known = {f.name for f in fields(Hardware)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise UnknownHardware(
+            f"hardware {name}: unknown field {unknown[0]!r}; fields: {sorted(known)}"
+        )
+    base = PRESETS.get(str(data.get("base", "")))
+    values = {**(asdict(base) if base else {}), **data, "name": name}
+    missing = sorted(
+        known - set(values) - {"gpus_per_node", "utilisation", "overlap", "calibrated"}
+    )
+    if missing:
+        raise UnknownHardware(f"hardware {name}: missing {', '.join(missing)}")
+    return Hardware(**values)
+
+
+def with_overrides(hardware: Hardware, **overrides: float | int | None) -> Hardware:
+    values: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}
+    return replace(hardware, **values)
+
+
+def save_profile(hardware: Hardware, path: Path | None = None) -> Path:
+    path = path or profile_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {k: v for k, v in asdict(hardware).items() if k != "name"}
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path

@@ -1,0 +1,199 @@
+"""Memory per device: model states by ZeRO stage, activations by sequence, micro-batch, tensor /
+sequence parallelism and recomputation, and the temporary buffers a layout needs.
+
+Model states follow Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models" (SC'20, arXiv:1910.02054), §5: with Ψ parameters, N_d data-parallel ranks and K
+bytes of optimizer state per parameter (K = 12 for mixed-precision Adam), the baseline holds
+(2 + 2 + K)Ψ; P_os 2Ψ + 2Ψ + KΨ/N_d; P_os+g 2Ψ + (2 + K)Ψ/N_d; P_os+g+p (2 + 2 + K)Ψ/N_d.
+
+Activations follow Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+Models" (MLSys'23, arXiv:2205.05198), §4: one layer stores s·b·h·(34 + 5·a·s/h) bytes in 16-bit
+with dropout; with tensor parallelism t, s·b·h·(10 + 24/t + 5·a·s/(h·t)); with sequence
+parallelism too, s·b·h/t·(34 + 5·a·s/h); selective recomputation drops the 5·a·s/h term (the
+attention core is recomputed); full recomputation keeps only each layer's input, 2·s·b·h (÷ t with
+sequence parallelism). Those counts are built here from their parts, so the same code also covers
+fp32 activations, no dropout, and fused attention that never stores the s × s scores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwise.plan.layout import Layout, Precision
+from shardwise.plan.model import Transformer
+
+# Per layer, in units of s·b·h values (Korthikanti et al. §4.1, 16-bit bytes ÷ 2):
+# kept whole under tensor parallelism: the two layer-norm inputs and the inputs of the QKV and
+# first MLP projections; split across t: Q and K, V, the output projection's input, the GeLU's
+# input and output (4h each).
+_UNSPLIT_VALUES = 4
+_SPLIT_VALUES = 12
+_DROPOUT_MASKS = 2  # after attention and after the MLP, one byte per value
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per device on the most loaded pipeline stage."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    """Temporaries: gathered parameters (ZeRO-3), gradient buckets, logits."""
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "params": self.params,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "activations": self.activations,
+            "buffers": self.buffers,
+            "total": self.total,
+        }
+
+
+def model_states(
+    psi: float, *, dp: int, zero: int, precision: Precision, optimizer: str = "adamw"
+) -> tuple[float, float, float]:
+    """Parameter, gradient and optimizer bytes per device for Ψ = `psi` parameters (ZeRO §5)."""
+    k = precision.optimizer_bytes(optimizer)
+    params = precision.param * psi / (dp if zero >= 3 else 1)
+    grads = precision.grad * psi / (dp if zero >= 2 else 1)
+    states = k * psi / (dp if zero >= 1 else 1)
+    return params, grads, states
+
+
+def layer_activations(
+    model: Transformer,
+    micro_batch: int,
+    *,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    value_bytes: int = 2,
+    dropout: bool = True,
+    fused_attention: bool = False,
+) -> float:
+    """Bytes one transformer layer keeps for its backward pass, for one micro-batch."""
+    s, b, h, a = model.seq, micro_batch, model.hidden, model.heads
+    sbh = s * b * h
+    if recompute == "full":
+        return sbh * value_bytes / (tp if sequence_parallel else 1)
+    masks = _DROPOUT_MASKS if dropout else 0
+    unsplit = _UNSPLIT_VALUES * value_bytes + masks
+    split = _SPLIT_VALUES * value_bytes
+    if sequence_parallel:
+        per_layer = (unsplit + split) * sbh / tp
+    else:
+        per_layer = unsplit * sbh + split * sbh / tp
+    if recompute == "selective":
+        return per_layer
+    if fused_attention:  # the kernel keeps its output (counted above) and a log-sum-exp per row
+        return per_layer + 4 * a * s * b / tp
+    # softmax output, and with dropout its mask (1 byte) and output
+    scores = value_bytes + (1 + value_bytes if dropout else 0)
+    return per_layer + scores * a * s * s * b / tp
+
+
+def in_flight(layout: Layout) -> float:
+    """Micro-batches whose activations the first pipeline stage holds at its peak: all of them
+    under GPipe, p under 1F1B, p·(1 + (p − 1)/(p·v)) stage-chunks' worth under the interleaved
+    schedules (Korthikanti et al. §4.2.3, Narayanan et al. §2.2); one without a pipeline."""
+    p, m, v = layout.pp, layout.microbatches, layout.stages_per_rank
+    if p == 1:
+        return 1
+    if layout.schedule == "GPipe":
+        return m
+    if v > 1:
+        return min(p, m) * (1 + (p - 1) / (p * v))
+    return min(p, m)
+
+
+def estimate(
+    model: Transformer,
+    layout: Layout,
+    precision: Precision,
+    *,
+    optimizer: str = "adamw",
+    dropout: bool = True,
+    fused_attention: bool = False,
+    bucket_bytes: float = 25 * 2**20,
+) -> Memory:
+    """Memory per device on the most loaded stage: the first, which holds the embeddings and the
+    most micro-batches in flight (the last stage's output layer is counted there too when
+    there is one stage)."""
+    layers_here = -(-model.layers // layout.pp)
+    embedding = model.embedding_params
+    if model.measured_params is not None:  # a built model: scale the formula to its count
+        formula = model.layers * model.layer_params + embedding
+        scale = model.measured_params / formula
+    else:
+        scale = 1.0
+    psi = scale * (layers_here * model.layer_params + embedding) / layout.tp
+    params, grads, states = model_states(
+        psi, dp=layout.dp, zero=layout.zero, precision=precision, optimizer=optimizer
+    )
+    if layout.offload_optimizer:
+        states = 0.0
+    per_layer = layer_activations(
+        model,
+        layout.micro_batch,
+        tp=layout.tp,
+        sequence_parallel=layout.sequence_parallel,
+        recompute=layout.recompute,
+        value_bytes=precision.activation,
+        dropout=dropout,
+        fused_attention=fused_attention,
+    )
+    activations = layers_here * per_layer * in_flight(layout)
+    if layout.recompute == "full":  # one layer's activations are rebuilt at a time in backward
+        activations += layer_activations(
+            model,
+            layout.micro_batch,
+            tp=layout.tp,
+            sequence_parallel=layout.sequence_parallel,
+            value_bytes=precision.activation,
+            dropout=dropout,
+            fused_attention=fused_attention,
+        )
+    activations += _outside_layers(model, layout, precision, dropout=dropout)
+    return Memory(
+        params, grads, states, activations, _buffers(model, layout, precision, psi, bucket_bytes)
+    )
+
+
+def _outside_layers(
+    model: Transformer, layout: Layout, precision: Precision, *, dropout: bool
+) -> float:
+    """Korthikanti et al. §4.3: the embedding's dropout mask for each micro-batch in flight
+    (s·b·h·p/t), and where the output layer is on the first stage (p = 1) the final norm's input
+    and the output projection's input (2·s·b·h/t each in 16-bit) and the fp32 logits the loss
+    keeps (4·s·b·v/t)."""
+    s, b, h, v = model.seq, layout.micro_batch, model.hidden, model.vocab
+    t = layout.tp
+    sp = t if layout.sequence_parallel else 1
+    embedding = (s * b * h / sp if dropout else 0.0) * in_flight(layout)
+    if layout.pp > 1:
+        return embedding
+    return embedding + 2 * precision.activation * s * b * h / sp + 4 * s * b * v / t
+
+
+def _buffers(
+    model: Transformer, layout: Layout, precision: Precision, psi: float, bucket_bytes: float
+) -> float:
+    """Temporaries at the peak: ZeRO-3 gathers one layer's parameters and prefetches the next
+    (two layers whole), or, holding them from forward to backward, every layer; data-parallel
+    gradient sync without sharding copies gradients into two buckets in flight."""
+    layer = model.layer_params / layout.tp * precision.param
+    if layout.zero >= 3 and layout.dp > 1:
+        if layout.hold_gathered_params:
+            return psi * precision.param * (1 - 1 / layout.dp)
+        return 2 * layer
+    if layout.dp > 1:
+        return min(2 * bucket_bytes, psi * precision.grad)
+    return 0.0

@@ -1,0 +1,279 @@
+"""Enumerate layouts, drop those that cannot exist or do not fit (with the reason), rank the rest
+by step time, and explain the winner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from shardwise.plan.hardware import Hardware
+from shardwise.plan.layout import RECOMPUTE, Layout, Precision, Recompute
+from shardwise.plan.memory import Memory, estimate
+from shardwise.plan.model import Transformer, divisors
+from shardwise.plan.timing import StepTime, one_device_step, step_time
+
+HEADROOM = 0.9
+"""A layout fits when its estimate is at most 90% of device memory: the rest is left for the
+allocator's fragmentation, the CUDA context and communication libraries' buffers."""
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """What the user fixed; None lets the search choose."""
+
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    zero: int | None = None
+    micro_batch: int | None = None
+    recompute: Recompute | None = None
+    offload: bool = False
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    memory: Memory
+    time: StepTime
+    fits: bool
+    reason: str = ""
+
+
+@dataclass
+class Plan:
+    model: Transformer
+    hardware: Hardware
+    precision: Precision
+    optimizer: str
+    devices: int
+    global_batch: int
+    tokens: float | None
+    ranked: list[Candidate] = field(default_factory=list)
+    dropped: list[Candidate] = field(default_factory=list)
+    one_device_step: float = 0.0
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.ranked[0] if self.ranked else None
+
+    def steps(self) -> float | None:
+        if self.tokens is None:
+            return None
+        return self.tokens / (self.global_batch * self.model.seq)
+
+    def run_seconds(self, candidate: Candidate) -> float | None:
+        steps = self.steps()
+        return None if steps is None else steps * candidate.time.total
+
+    def speedup(self, candidate: Candidate) -> float:
+        return self.one_device_step / candidate.time.total
+
+
+class NoLayout(ValueError):
+    """No layout can exist for these devices and this model (not: none fits)."""
+
+
+def layouts(
+    model: Transformer, devices: int, global_batch: int, gpus_per_node: int, fixed: Constraints
+) -> list[Layout]:
+    """Every layout that can exist: tp divides the heads and stays within a node, pp is at most
+    the layer count, dp·tp·pp = devices, the batch splits into whole micro-batches; sequence
+    parallelism whenever tp > 1 (it only saves memory); 1F1B, and the interleaved schedule with
+    two stages per rank where the layers allow."""
+    found = []
+    for tp in divisors(devices):
+        if tp > gpus_per_node or model.heads % tp or (fixed.tp and tp != fixed.tp):
+            continue
+        for pp in divisors(devices // tp):
+            if pp > model.layers or (fixed.pp and pp != fixed.pp):
+                continue
+            dp = devices // (tp * pp)
+            if (fixed.dp and dp != fixed.dp) or global_batch % dp:
+                continue
+            per_rank = global_batch // dp
+            for micro in divisors(per_rank):
+                if micro > 64 or (fixed.micro_batch and micro != fixed.micro_batch):
+                    continue
+                microbatches = per_rank // micro
+                if pp > 1 and microbatches < pp:
+                    continue  # the pipeline would never fill
+                for zero in range(4) if dp > 1 else (0,):
+                    if fixed.zero is not None and zero != fixed.zero:
+                        continue
+                    for recompute in RECOMPUTE:
+                        if fixed.recompute and recompute != fixed.recompute:
+                            continue
+                        base = Layout(
+                            dp=dp,
+                            tp=tp,
+                            pp=pp,
+                            zero=zero,
+                            micro_batch=micro,
+                            microbatches=microbatches,
+                            recompute=recompute,
+                            sequence_parallel=tp > 1,
+                            offload_optimizer=fixed.offload and zero >= 1,
+                        )
+                        found.append(base)
+                        if pp > 1 and model.layers % (2 * pp) == 0:
+                            found.append(
+                                replace(base, schedule="Interleaved1F1B", stages_per_rank=2)
+                            )
+    return found
+
+
+def search(
+    model: Transformer,
+    hardware: Hardware,
+    precision: Precision,
+    *,
+    devices: int,
+    global_batch: int,
+    optimizer: str = "adamw",
+    tokens: float | None = None,
+    fixed: Constraints = Constraints(),
+    dropout: bool = True,
+    fused_attention: bool = True,
+) -> Plan:
+    candidates = layouts(model, devices, global_batch, hardware.gpus_per_node, fixed)
+    if not candidates:
+        raise NoLayout(_why_none(model, devices, global_batch, hardware, fixed))
+    k = precision.optimizer_bytes(optimizer)
+    plan = Plan(model, hardware, precision, optimizer, devices, global_batch, tokens)
+    plan.one_device_step = one_device_step(model, global_batch, precision, hardware, k)
+    budget = hardware.memory * HEADROOM
+    for layout in candidates:
+        memory = estimate(
+            model,
+            layout,
+            precision,
+            optimizer=optimizer,
+            dropout=dropout,
+            fused_attention=fused_attention,
+        )
+        time = step_time(model, layout, precision, hardware, optimizer_bytes=k)
+        if memory.total <= budget:
+            plan.ranked.append(Candidate(layout, memory, time, fits=True))
+        else:
+            reason = (
+                f"needs {memory.total / 2**30:.2f} GiB per device, more than the "
+                f"{budget / 2**30:.2f} usable ({HEADROOM:.0%} of {gib(hardware.memory)}); "
+                f"largest part: {_biggest(memory)}"
+            )
+            plan.dropped.append(Candidate(layout, memory, time, fits=False, reason=reason))
+    # times equal to 0.1% rank by memory: the layout that leaves more room first
+    fastest = min((c.time.total for c in plan.ranked), default=1.0)
+    plan.ranked.sort(key=lambda c: (round(c.time.total / fastest, 3), c.memory.total))
+    plan.dropped.sort(key=lambda c: c.memory.total)
+    return plan
+
+
+def _biggest(memory: Memory) -> str:
+    parts = {k: v for k, v in memory.as_dict().items() if k != "total"}
+    name, value = max(parts.items(), key=lambda kv: kv[1])
+    return f"{name} {gib(value)}"
+
+
+def _why_none(
+    model: Transformer, devices: int, global_batch: int, hardware: Hardware, fixed: Constraints
+) -> str:
+    if fixed.tp and (model.heads % fixed.tp or fixed.tp > hardware.gpus_per_node):
+        return (
+            f"--tp {fixed.tp}: tensor parallelism must divide the {model.heads} heads and stay "
+            f"within a node ({hardware.gpus_per_node} devices); try --tp "
+            f"{max(d for d in divisors(model.heads) if d <= hardware.gpus_per_node)}"
+        )
+    if fixed.pp and fixed.pp > model.layers:
+        return f"--pp {fixed.pp}: more stages than the model's {model.layers} layers"
+    product = (fixed.dp or 1) * (fixed.tp or 1) * (fixed.pp or 1)
+    if devices % product:
+        return (
+            f"dp × tp × pp must divide the {devices} devices; the degrees given multiply to "
+            f"{product}"
+        )
+    fitting = [d for d in divisors(devices) if global_batch % d == 0]
+    return (
+        f"no layout of {devices} devices splits a global batch of {global_batch} into whole "
+        f"micro-batches (data-parallel degrees that divide it: {fitting}); choose a global batch "
+        f"that is a multiple of {devices}"
+    )
+
+
+def explain(plan: Plan) -> list[str]:
+    """Why the winner wins, what dominates its step, and what would change the answer."""
+    best = plan.best
+    if best is None:
+        smallest = plan.dropped[0]
+        return [
+            f"nothing fits: the smallest layout, {smallest.layout.name()}, {smallest.reason}",
+            _nearest_fix(plan, smallest),
+        ]
+    terms = best.time.terms()
+    total = best.time.total
+    share = ", ".join(f"{k} {v / total:.0%}" for k, v in terms.items() if v / total >= 0.01)
+    lines = [
+        f"fastest: {best.layout.name()} — {seconds(total)} per step ({share}); "
+        f"{gib(best.memory.total)} of {gib(plan.hardware.memory)} per device",
+    ]
+    dominant = best.time.dominant()
+    lines.append(f"dominant term: {dominant}; {_lever(dominant, best, plan)}")
+    faster = [c for c in plan.dropped if c.time.total < total]
+    if faster:
+        f = min(faster, key=lambda c: c.time.total)
+        lines.append(
+            f"would change it: {f.layout.name()} is {total / f.time.total:.2f}x faster but "
+            f"needs {gib(f.memory.total)} per device (more device memory, or less per device)"
+        )
+    if len(plan.ranked) > 1:
+        second = plan.ranked[1]
+        slower = second.time.total / total - 1
+        if slower < 0.001:
+            why = f"as fast, but needs {gib(second.memory.total)} per device"
+        else:
+            worse = max(second.time.terms(), key=lambda k: second.time.terms()[k] - terms[k])
+            why = f"{slower:.1%} slower, mostly in {worse}"
+        lines.append(f"runner-up: {second.layout.name()}, {why}")
+    return lines
+
+
+def _lever(dominant: str, best: Candidate, plan: Plan) -> str:
+    if dominant == "compute":
+        return (
+            f"the step is compute-bound at {plan.hardware.utilisation:.0%} of peak: faster "
+            "devices or more of them (with a larger batch) shorten it; parallelism choices "
+            "matter little"
+        )
+    if dominant == "pipeline bubble":
+        return "more micro-batches (a larger global batch) or an interleaved schedule shrink it"
+    if dominant == "tensor-parallel comm":
+        return "a smaller tp, or faster links inside the node, shorten it"
+    if dominant.startswith("data-parallel"):
+        return "a larger batch per step or a faster network amortise it; ZeRO-3 adds 50% to it"
+    return "it is memory-bound: it shrinks with sharding (ZeRO-1+) across more devices"
+
+
+def _nearest_fix(plan: Plan, smallest: Candidate) -> str:
+    need = smallest.memory.total / HEADROOM
+    factor = need / plan.hardware.memory
+    return (
+        f"nearest that would work: about {factor:.1f}x the devices with the same sharding "
+        f"(ZeRO-3 divides model states by the data-parallel degree), devices with "
+        f"{gib(need)} or more, full recomputation, or a smaller micro-batch or sequence"
+    )
+
+
+def gib(value: float) -> str:
+    if value >= 2**40:
+        return f"{value / 2**40:.1f} TiB"
+    if value >= 2**30:
+        return f"{value / 2**30:.1f} GiB"
+    return f"{value / 2**20:.0f} MiB"
+
+
+def seconds(value: float) -> str:
+    if value >= 86_400:
+        return f"{value / 86_400:.1f} days"
+    if value >= 3_600:
+        return f"{value / 3_600:.1f} h"
+    if value >= 1:
+        return f"{value:.2f} s"
+    return f"{value * 1e3:.1f} ms"
