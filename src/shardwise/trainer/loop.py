@@ -35,7 +35,7 @@ from shardwise.tracking.progress import ProgressDisplay
 from shardwise.trainer import report
 from shardwise.trainer import state as train_state
 from shardwise.trainer.data import GlobalBatchSampler, StepLoader, eval_loader
-from shardwise.trainer.memory import state_bytes
+from shardwise.trainer.memory import current_bytes, state_bytes
 from shardwise.trainer.optim import build_optimizer, build_scheduler
 from shardwise.trainer.precision import DTYPES, grad_scaler
 from shardwise.trainer.step import Run, evaluate, mean_loss, train_step
@@ -63,7 +63,9 @@ def train(
 ) -> TrainSummary | None:
     """Train to `train.steps`, resuming from the checkpoint at `resume` if given; `restarts`
     counts the times the launcher restarted the workers after a failure (reported)."""
+    baseline = current_bytes(device)
     run = build_run(config, device)
+    run.baseline_bytes = baseline
     run.faults = FaultPlan.from_env(rank=run.rank, attempt=restarts)
     start = restore(run, resume) if resume else 0
     tracker, display = report.start(run, start, resumed=resume is not None)
@@ -257,11 +259,12 @@ def loop(
             skipped += 1
             _nonfinite(run, tracker, display, step, loss, grad_norm, skipped)
         if step == start + 1:  # warm-up: shape inference, allocations; not in the bubble
-            memory = report.memory(run, display, tracker, step)
             if run.layout.pipeline is not None:
                 run.layout.pipeline.reset_timers()
         else:
             run.step_seconds += time.perf_counter() - began
+        if step == min(start + 2, steps):  # the first step with the optimizer's state in place
+            memory = report.memory(run, display, tracker, step)
         stop = False
         if health is not None and health.due(step):  # the ranks compare notes (SIGTERM, stragglers)
             checked = health.check()

@@ -58,6 +58,14 @@ def state_bytes(
     return out
 
 
+def current_bytes(device: torch.device) -> int:
+    """The memory this process holds now (CUDA: allocated; CPU: resident set size)."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
 def peak_bytes(device: torch.device) -> int:
     """The peak memory of this process so far."""
     if device.type == "cuda":

@@ -35,6 +35,7 @@ def memory(
     bubble to rank 0; print them once after the first step and at the end."""
     mine: dict[str, Any] = {"rank": run.rank, **state_bytes(run.parts, run.optimizers)}
     mine["peak"] = peak_bytes(run.device)
+    mine["baseline"] = run.baseline_bytes
     pipe = run.layout.pipeline
     if pipe is not None and final and run.step_seconds > 0:
         mine["bubble"] = max(0.0, 1.0 - pipe.busy_seconds() / run.step_seconds)

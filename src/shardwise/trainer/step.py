@@ -56,6 +56,9 @@ class Run:
     """Time in forward passes during the current step (this rank's own work, for stragglers)."""
     step_seconds: float = 0.0
     """Time spent in training steps after the first (for the measured pipeline bubble)."""
+    baseline_bytes: int = 0
+    """Memory the process held before the run was built (CPU: the interpreter, torch, the
+    process group), so `peak - baseline` is what training itself took."""
 
     @property
     def parts(self) -> list[nn.Module]:

@@ -1,0 +1,165 @@
+"""How well `shardwise plan` predicts shardwise's own runs on this machine: step time and memory
+per rank, predicted from a profile calibrated in the same run, against measured, for each layout
+the trainer supports on 2 ranks (and 1 process), as ratios. Targets: step time within ±25%,
+memory within ±10%.
+
+Method: calibrate this machine (plan/calibrate.py: matmul rate, a transformer layer's achieved
+share of it, memory bandwidth, gloo all-reduce α/β), then run `shardwise train` for each layout
+with one thread per rank (a "device" is a core) and compare:
+- step time: global batch / median samples/s over the logged windows after warm-up;
+- memory: the largest rank's peak resident set after the second step (the first with optimizer
+  state) minus what the process held before the model was built (interpreter, torch, process
+  group) — the planner predicts training's own memory, not the runtime's.
+
+    python bench/planner_accuracy.py                 # about 10 minutes on 2 cores
+    python bench/planner_accuracy.py --steps 12 --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+MODEL = ["model.args.layers=6", "model.args.heads=8", "model.args.hidden=512"]
+COMMON = [
+    *MODEL,
+    "model.args.seq_len=128",
+    "data.args.seq_len=128",
+    "model.args.dropout=0.0",
+    "data.args.max_bytes=1000000",
+    "train.global_batch=8",
+    "train.micro_batch=2",
+    "train.precision=fp32",
+    "job.threads_per_rank=1",
+    "eval.every_steps=0",
+    "eval.max_samples=8",
+    "tracking.mlflow=false",
+    "tracking.log_every=2",
+]
+LAYOUTS: dict[str, tuple[int, list[str]]] = {
+    "1 process": (1, []),
+    "DDP 2": (2, []),
+    "FSDP 2, ZeRO-3": (2, ["parallel.dp_shard=2"]),
+    "FSDP 2, params held (ZeRO-2)": (
+        2,
+        ["parallel.dp_shard=2", "parallel.reshard_after_forward=false"],
+    ),
+    "FSDP 2, ZeRO-3 + full recompute": (
+        2,
+        ["parallel.dp_shard=2", "parallel.activation_checkpoint=full"],
+    ),
+    "TP 2": (2, ["parallel.tp=2"]),
+    "TP 2 + sequence parallel": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "PP 2 GPipe": (2, ["parallel.pp=2", "parallel.pipeline_schedule=GPipe"]),
+    "PP 2 1F1B": (2, ["parallel.pp=2", "parallel.pipeline_schedule=1F1B"]),
+    "PP 2 Interleaved1F1B": (2, ["parallel.pp=2", "parallel.pipeline_schedule=Interleaved1F1B"]),
+}
+
+
+def train(nproc: int, sets: list[str], steps: int, run_dir: Path) -> dict[str, Any]:
+    overrides = [*COMMON, *sets, f"train.steps={steps}", f"job.run_dir={run_dir}"]
+    cmd = [str(BIN / "shardwise"), "train", "examples/text-gpt.toml", "--nproc", str(nproc)]
+    cmd += [a for s in overrides for a in ("--set", s)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+    summary: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    second = next(r for r in records if any(k.endswith("/peak") for k in r))
+    ranks = sorted({k.split("/")[1] for k in second if k.startswith("memory/")})
+    summary["trained_bytes"] = max(
+        second[f"memory/{r}/peak"] - second[f"memory/{r}/baseline"] for r in ranks
+    )
+    summary["states_bytes"] = max(
+        sum(second[f"memory/{r}/{k}"] for k in ("params", "grads", "optimizer")) for r in ranks
+    )
+    return summary
+
+
+def predict(nproc: int, sets: list[str], hardware: Any) -> tuple[float, float, float]:
+    """Predicted seconds per step, memory per rank, and model-state bytes per rank."""
+    from shardwise.config import load_config
+    from shardwise.plan.job import plan_job
+    from shardwise.plan.memory import estimate
+    from shardwise.plan.timing import step_time
+
+    config = load_config(REPO / "examples/text-gpt.toml", [*COMMON, *sets, "train.steps=1"])
+    job = plan_job(config, nproc)
+    memory = estimate(
+        job.model,
+        job.layout,
+        job.precision,
+        optimizer=job.optimizer,
+        dropout=job.dropout,
+        fused_attention=job.fused_attention,
+    )
+    k = job.precision.optimizer_bytes(job.optimizer)
+    time = step_time(job.model, job.layout, job.precision, hardware, optimizer_bytes=k)
+    return time.total, memory.total, memory.params + memory.grads + memory.optimizer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--only", nargs="*", help="layout names to run (default all)")
+    args = parser.parse_args()
+    from shardwise.plan.calibrate import calibrate
+    from shardwise.plan.command import summary_of
+
+    hardware = calibrate(progress=lambda line: print(line, flush=True))
+    print(f"profile: {summary_of(hardware)}\n", flush=True)
+    chosen = {n: v for n, v in LAYOUTS.items() if not args.only or n in args.only}
+    times: dict[str, list[float]] = {n: [] for n in chosen}
+    memory: dict[str, tuple[float, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(args.repeats):
+            for name, (nproc, sets) in chosen.items():
+                summary = train(
+                    nproc,
+                    sets,
+                    args.steps,
+                    Path(tmp) / f"{repeat}-{len(times[name])}-{nproc}-{abs(hash(name))}",
+                )
+                times[name].append(8 / summary["samples_per_second"])
+                memory[name] = (summary["trained_bytes"], summary["states_bytes"])
+                print(
+                    f"  repeat {repeat + 1}: {name:<32} {times[name][-1] * 1e3:8.1f} ms/step",
+                    flush=True,
+                )
+    print(
+        f"\n  {'layout':<32} {'step ms':>8} {'predicted':>9} {'ratio':>6}   "
+        f"{'MiB/rank':>8} {'predicted':>9} {'ratio':>6}   {'states ratio':>12}"
+    )
+    time_ok = memory_ok = 0
+    for name, (nproc, sets) in chosen.items():
+        measured = statistics.median(times[name])
+        step, total, states = predict(nproc, sets, hardware)
+        trained, held = memory[name]
+        t_ratio, m_ratio = step / measured, total / trained
+        time_ok += abs(t_ratio - 1) <= 0.25
+        memory_ok += abs(m_ratio - 1) <= 0.10
+        print(
+            f"  {name:<32} {measured * 1e3:8.1f} {step * 1e3:9.1f} {t_ratio:6.2f}   "
+            f"{trained / 2**20:8.1f} {total / 2**20:9.1f} {m_ratio:6.2f}   {states / held:12.3f}"
+        )
+    print(
+        f"\n  within ±25% on step time: {time_ok}/{len(chosen)}; within ±10% on memory: "
+        f"{memory_ok}/{len(chosen)} (ratios are predicted / measured)"
+    )
+
+
+if __name__ == "__main__":
+    main()
