@@ -3,6 +3,7 @@ next to it) and the properties any sane planner has."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -200,7 +201,7 @@ def test_time_falls_then_flattens_as_devices_are_added():
         assert plan.best is not None
         times.append(plan.best.time.total)
     assert times == sorted(times, reverse=True)
-    gains = [a / b for a, b in zip(times, times[1:], strict=False)]
+    gains = [a / b for a, b in itertools.pairwise(times)]
     assert gains[0] > 1.9 and gains[-1] < gains[0]
 
 
