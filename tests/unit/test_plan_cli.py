@@ -73,13 +73,33 @@ def test_a_job_file_plans_its_own_model_and_layout(repo_cwd, capsys):
     [
         ([*SHAPE, *RUN, "--hardware", "h10"], "unknown; did you mean 'h100'?"),
         ([*SHAPE, *RUN], "--hardware NAME: one of a100-40gb"),
-        (["--layers", "4", "--hidden", "100", "--heads", "3", "--gpus", "2", "--hardware", "h100"], "not a multiple of --heads 3; try --heads 2"),
-        ([*SHAPE, *RUN, "--hardware", "h100", "--tp", "3"], "--tp 3: tensor parallelism must divide the 32 heads"),
-        (["--params", "175e9", "--gpus", "8", "--hardware", "a100-40gb"], "fits no layout on 8 × a100-40gb"),
+        (
+            [
+                "--layers",
+                "4",
+                "--hidden",
+                "100",
+                "--heads",
+                "3",
+                "--gpus",
+                "2",
+                "--hardware",
+                "h100",
+            ],
+            "not a multiple of --heads 3; try --heads 2",
+        ),
+        (
+            [*SHAPE, *RUN, "--hardware", "h100", "--tp", "3"],
+            "--tp 3: tensor parallelism must divide the 32 heads",
+        ),
+        (
+            ["--params", "175e9", "--gpus", "8", "--hardware", "a100-40gb"],
+            "fits no layout on 8 × a100-40gb",
+        ),
         (["--params", "1e9", "--hardware", "h100"], "--gpus N: how many devices"),
         (["--gpus", "8", "--hardware", "h100"], "describe the model: --layers L"),
     ],
-)  # fmt: skip
+)
 def test_bad_input_exits_2_with_one_line(capsys, args, message):
     assert main(["plan", *args]) == 2
     err = capsys.readouterr().err
