@@ -16,7 +16,7 @@ def write_chart(plan: Plan, path: Path, *, top: int = 10) -> None:
 
     shown = plan.ranked[:top] + plan.dropped[: max(0, top - len(plan.ranked[:top]))][:3]
     names = [c.layout.name() + ("" if c.fits else " ✗") for c in shown]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.45 * len(shown) + 2), sharey=True)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.45 * len(shown) + 3), sharey=True)
     y = range(len(shown))
     start = [0.0] * len(shown)
     for term in shown[0].time.terms():
@@ -26,7 +26,7 @@ def write_chart(plan: Plan, path: Path, *, top: int = 10) -> None:
     left.set_yticks(list(y), names, fontsize=8)
     left.invert_yaxis()
     left.set_xlabel("seconds per step")
-    left.legend(fontsize=7, loc="lower right")
+    left.legend(fontsize=7, loc="upper left", bbox_to_anchor=(0, -0.12), ncol=3)
     parts = ("params", "grads", "optimizer", "activations", "buffers")
     start = [0.0] * len(shown)
     for part in parts:
@@ -35,7 +35,7 @@ def write_chart(plan: Plan, path: Path, *, top: int = 10) -> None:
         start = [a + b for a, b in zip(start, values, strict=True)]
     right.axvline(plan.hardware.memory * HEADROOM / 2**30, color="black", linestyle="--")
     right.set_xlabel("GiB per device (dashed: usable memory)")
-    right.legend(fontsize=7, loc="lower right")
+    right.legend(fontsize=7, loc="upper left", bbox_to_anchor=(0, -0.12), ncol=5)
     fig.suptitle(f"{plan.devices} × {plan.hardware.name}, global batch {plan.global_batch}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

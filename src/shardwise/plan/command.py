@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         from shardwise.plan.chart import write_chart
 
         write_chart(plan, Path(args.chart), top=args.top)
-        print(f"chart: {args.chart}")
+        print(f"chart: {args.chart}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 

@@ -115,19 +115,26 @@ def lookup(name: str) -> Hardware:
 
 
 def from_mapping(data: dict[str, Any], *, name: str) -> Hardware:
-    known = {f.name for f in fields(Hardware)}
+    """Hardware from fields; `base = "<preset>"` starts from a preset and changes the rest."""
+    data = dict(data)
+    base_name = str(data.pop("base", ""))
+    data.pop("name", None)
+    known = {f.name for f in fields(Hardware)} - {"name"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise UnknownHardware(
             f"hardware {name}: unknown field {unknown[0]!r}; fields: {sorted(known)}"
         )
-    base = PRESETS.get(str(data.get("base", "")))
-    values = {**(asdict(base) if base else {}), **data, "name": name}
-    missing = sorted(
-        known - set(values) - {"gpus_per_node", "utilisation", "overlap", "calibrated"}
-    )
+    if base_name and base_name not in PRESETS:
+        raise UnknownHardware(
+            f"hardware {name}: base {base_name!r} is not one of {', '.join(PRESETS)}"
+        )
+    base = asdict(PRESETS[base_name]) if base_name else {}
+    values = {**base, **data, "name": name}
+    optional = {"gpus_per_node", "utilisation", "overlap", "calibrated"}
+    missing = sorted(known - set(values) - optional)
     if missing:
-        raise UnknownHardware(f"hardware {name}: missing {', '.join(missing)}")
+        raise UnknownHardware(f"hardware {name}: missing {', '.join(missing)} (or set base)")
     return Hardware(**values)
 
 
