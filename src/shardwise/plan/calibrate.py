@@ -4,9 +4,12 @@ runs on it. On a CPU a "device" is one core (one rank per core, one thread per r
 
 - `peak_flops`: the best fp32 matrix-multiply rate over square sizes 256–1024;
 - `utilisation`: the share of that rate a transformer layer's forward and backward reaches
-  (hidden 256, sequence 128, micro-batch 4: layer norms, attention and GeLU included);
+  (hidden 512, sequence 128, micro-batch 2: layer norms, attention and GeLU included);
 - `memory_bandwidth`: an element-wise a + b → c over 64 MiB arrays (what the optimizer step
   does);
+
+each measured on every core at once (one process per core), as training uses them: cores share
+caches and memory bandwidth, so one busy core alone is faster than each of two;
 - all-reduce latency and bandwidth from two gloo ranks on this machine, fitted to
   t = 2α + S/β (a ring of two) over messages of 4 KiB to 32 MiB;
 - `memory`: RAM divided by the cores.
@@ -19,6 +22,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -51,14 +55,14 @@ def layer_flops() -> float:
     from shardwise.models.gpt import build_gpt
     from shardwise.plan.model import Transformer
 
-    hidden, seq, batch = 256, 128, 4
-    block = build_gpt(layers=1, heads=4, hidden=hidden, seq_len=seq).layers["0"]
+    hidden, seq, batch = 512, 128, 2
+    block = build_gpt(layers=1, heads=8, hidden=hidden, seq_len=seq).layers["0"]
     x = torch.randn(batch, seq, hidden, requires_grad=True)
 
     def step() -> None:
         block(x).sum().backward()
 
-    shape = Transformer(layers=1, hidden=hidden, heads=4, vocab=0, seq=seq)
+    shape = Transformer(layers=1, hidden=hidden, heads=8, vocab=0, seq=seq)
     flops = 3 * shape.forward_flops_per_token() * batch * seq
     return flops / _best_seconds(step)
 
@@ -67,6 +71,25 @@ def memory_bandwidth() -> float:
     n = 16 << 20  # 64 MiB of fp32
     a, b, c = torch.randn(n), torch.randn(n), torch.empty(n)
     return 3 * 4 * n / _best_seconds(lambda: torch.add(a, b, out=c))
+
+
+def _per_core_worker(rank: int, barrier: Any, results: Any) -> None:
+    torch.set_num_threads(1)
+    barrier.wait()  # every core busy together
+    results[rank] = (matmul_flops(), layer_flops(), memory_bandwidth())
+
+
+def per_core_rates(cores: int) -> tuple[float, float, float]:
+    """Matmul FLOP/s, transformer-layer FLOP/s and memory bandwidth per core, with every core
+    measuring at once; the mean over cores."""
+    with mp.Manager() as manager:
+        barrier, results = manager.Barrier(cores), manager.dict()
+        mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
+            _per_core_worker, args=(barrier, results), nprocs=cores, start_method="spawn"
+        )
+        rates = list(results.values())
+    peak, layer, bandwidth = (statistics.fmean(r[i] for r in rates) for i in range(3))
+    return peak, layer, bandwidth
 
 
 def _all_reduce_worker(rank: int, store_path: str, results: dict[int, float]) -> None:
@@ -120,20 +143,14 @@ def ram_bytes() -> int:
 
 def calibrate(progress: Callable[[str], None] = lambda line: None) -> Hardware:
     cores = len(os.sched_getaffinity(0))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        progress("measuring matrix multiplies (1 thread)…")
-        peak = matmul_flops()
-        progress(f"  {peak / 1e9:.1f} GFLOP/s; a transformer layer, forward and backward…")
-        achieved = layer_flops()
-        progress(f"  {achieved / 1e9:.1f} GFLOP/s; memory bandwidth…")
-        bandwidth = memory_bandwidth()
-        progress(f"  {bandwidth / 1e9:.1f} GB/s; all-reduce between two gloo ranks…")
-        latency, link = all_reduce_fit()
-        progress(f"  α {latency * 1e6:.0f} µs, β {link / 1e9:.2f} GB/s")
-    finally:
-        torch.set_num_threads(threads)
+    progress(f"matrix multiplies, a transformer layer and memory bandwidth on {cores} cores…")
+    peak, achieved, bandwidth = per_core_rates(cores)
+    progress(
+        f"  per core: {peak / 1e9:.1f} GFLOP/s matmul, {achieved / 1e9:.1f} GFLOP/s in a layer, "
+        f"{bandwidth / 1e9:.1f} GB/s; all-reduce between two gloo ranks…"
+    )
+    latency, link = all_reduce_fit()
+    progress(f"  α {latency * 1e6:.0f} µs, β {link / 1e9:.2f} GB/s")
     return Hardware(
         name=THIS_MACHINE,
         memory=ram_bytes() / cores,

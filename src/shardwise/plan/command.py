@@ -234,6 +234,10 @@ def summary_of(profile: hw.Hardware) -> str:
     )
 
 
+def _flops(rate: float) -> str:
+    return f"{rate / 1e12:.0f} TFLOP/s" if rate >= 1e12 else f"{rate / 1e9:.1f} GFLOP/s"
+
+
 def render(plan: Plan, own: Candidate | None, top: int) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -242,7 +246,7 @@ def render(plan: Plan, own: Candidate | None, top: int) -> None:
     console.print(f"model: {describe(plan.model)}")
     console.print(
         f"devices: {plan.devices} × {plan.hardware.name} ({gib(plan.hardware.memory)}, "
-        f"{plan.hardware.peak_flops / 1e12:.1f} TFLOP/s peak at {plan.hardware.utilisation:.0%}, "
+        f"{_flops(plan.hardware.peak_flops)} peak at {plan.hardware.utilisation:.0%}, "
         f"{plan.hardware.gpus_per_node} per node); precision {plan.precision.name}, "
         f"{plan.optimizer}; global batch {plan.global_batch} × {plan.model.seq} tokens"
     )

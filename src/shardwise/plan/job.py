@@ -75,6 +75,7 @@ def plan_job(config: JobConfig, nproc: int) -> PlannedJob:
         pp=degrees["pp"],
         zero=3 if sharded else 0,
         hold_gathered_params=sharded and not par.reshard_after_forward,
+        unsharded_accumulation=sharded,
         micro_batch=derived.micro_batch,
         microbatches=derived.global_batch // (derived.dp * derived.micro_batch),
         recompute=par.activation_checkpoint,

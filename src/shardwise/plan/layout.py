@@ -36,6 +36,10 @@ class Layout:
     stages_per_rank: int = 1
     offload_optimizer: bool = False
     """ZeRO-Offload: optimizer states (and the update) in host memory."""
+    unsharded_accumulation: bool = False
+    """Gradients accumulate unsharded across micro-batches and are reduce-scattered once per
+    step (FSDP with gradient sync off until the last micro-batch, as shardwise runs it), rather
+    than reduce-scattered after every micro-batch (DeepSpeed's ZeRO-2)."""
     hold_gathered_params: bool = False
     """FSDP with `reshard_after_forward = false` (shardwise's "ZeRO-2"): parameters are sharded
     at rest but gathered whole from the forward pass to the end of the backward pass."""

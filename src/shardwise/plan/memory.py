@@ -40,7 +40,7 @@ class Memory:
     optimizer: float
     activations: float
     buffers: float
-    """Temporaries: gathered parameters (ZeRO-3), gradient buckets, logits."""
+    """Temporaries: gathered parameters (ZeRO-3), the optimizer's scratch."""
 
     @property
     def total(self) -> float:
@@ -122,7 +122,6 @@ def estimate(
     optimizer: str = "adamw",
     dropout: bool = True,
     fused_attention: bool = False,
-    bucket_bytes: float = 25 * 2**20,
 ) -> Memory:
     """Memory per device on the most loaded stage: the first, which holds the embeddings and the
     most micro-batches in flight (the last stage's output layer is counted there too when
@@ -138,6 +137,8 @@ def estimate(
     params, grads, states = model_states(
         psi, dp=layout.dp, zero=layout.zero, precision=precision, optimizer=optimizer
     )
+    if layout.unsharded_accumulation and layout.microbatches > 1:
+        grads = precision.grad * psi
     if layout.offload_optimizer:
         states = 0.0
     per_layer = layer_activations(
@@ -162,9 +163,12 @@ def estimate(
             fused_attention=fused_attention,
         )
     activations += _outside_layers(model, layout, precision, dropout=dropout)
-    return Memory(
-        params, grads, states, activations, _buffers(model, layout, precision, psi, bucket_bytes)
-    )
+    buffers = _buffers(model, layout, precision)
+    if optimizer in ("adam", "adamw") and not layout.offload_optimizer:
+        # PyTorch's default (foreach) Adam computes sqrt(v) into a new parameter-sized fp32
+        # tensor every step
+        buffers += 4 * psi / (layout.dp if layout.zero >= 1 else 1)
+    return Memory(params, grads, states, activations, buffers)
 
 
 def _outside_layers(
@@ -183,17 +187,15 @@ def _outside_layers(
     return embedding + 2 * precision.activation * s * b * h / sp + 4 * s * b * v / t
 
 
-def _buffers(
-    model: Transformer, layout: Layout, precision: Precision, psi: float, bucket_bytes: float
-) -> float:
+def _buffers(model: Transformer, layout: Layout, precision: Precision) -> float:
     """Temporaries at the peak: ZeRO-3 gathers one layer's parameters and prefetches the next
-    (two layers whole), or, holding them from forward to backward, every layer; data-parallel
-    gradient sync without sharding copies gradients into two buckets in flight."""
+    (two layers whole), or, holding them from forward to backward, every layer. (DDP with
+    `gradient_as_bucket_view`, as shardwise runs it, keeps gradients inside its all-reduce
+    buckets: no copy.)"""
+    if layout.zero < 3 or layout.dp == 1:
+        return 0.0
+    layers_here = -(-model.layers // layout.pp)
     layer = model.layer_params / layout.tp * precision.param
-    if layout.zero >= 3 and layout.dp > 1:
-        if layout.hold_gathered_params:
-            return psi * precision.param * (1 - 1 / layout.dp)
-        return 2 * layer
-    if layout.dp > 1:
-        return min(2 * bucket_bytes, psi * precision.grad)
-    return 0.0
+    if layout.hold_gathered_params:
+        return layers_here * layer * (1 - 1 / layout.dp)
+    return 2 * layer
