@@ -9,7 +9,8 @@ with one thread per rank (a "device" is a core) and compare:
 - step time: global batch / median samples/s over the logged windows after warm-up;
 - memory: the largest rank's peak resident set after the second step (the first with optimizer
   state) minus what the process held before the model was built (interpreter, torch, process
-  group) — the planner predicts training's own memory, not the runtime's.
+  group) — the planner predicts training's own memory, not the runtime's — with glibc's mmap
+  threshold fixed (MALLOC_MMAP_THRESHOLD_) so freed tensors leave the resident set.
 
     python bench/planner_accuracy.py                 # about 10 minutes on 2 cores
     python bench/planner_accuracy.py --steps 12 --repeats 1
@@ -69,7 +70,10 @@ def train(nproc: int, sets: list[str], steps: int, run_dir: Path) -> dict[str, A
     overrides = [*COMMON, *sets, f"train.steps={steps}", f"job.run_dir={run_dir}"]
     cmd = [str(BIN / "shardwise"), "train", "examples/text-gpt.toml", "--nproc", str(nproc)]
     cmd += [a for s in overrides for a in ("--set", s)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # glibc keeps freed heap memory (and raises its mmap threshold as large blocks are freed), so
+    # the resident set would count memory torch already gave back; a fixed threshold makes large
+    # tensors mmap'ed and returned on free, and the resident set follows live tensors.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
     done = subprocess.run(
         cmd, cwd=REPO, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL
     )

@@ -40,11 +40,16 @@ class Memory:
     optimizer: float
     activations: float
     buffers: float
-    """Temporaries: gathered parameters (ZeRO-3), the optimizer's scratch."""
+    """Temporaries of the forward and backward passes: gathered parameters (ZeRO-3)."""
+    scratch: float = 0.0
+    """The optimizer step's temporaries (after the backward pass has freed the activations)."""
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+        """The peak: model states plus the larger of what the forward/backward passes and the
+        optimizer step hold on top of them."""
+        states = self.params + self.grads + self.optimizer
+        return states + max(self.activations + self.buffers, self.scratch)
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -53,6 +58,7 @@ class Memory:
             "optimizer": self.optimizer,
             "activations": self.activations,
             "buffers": self.buffers,
+            "scratch": self.scratch,
             "total": self.total,
         }
 
@@ -163,12 +169,12 @@ def estimate(
             fused_attention=fused_attention,
         )
     activations += _outside_layers(model, layout, precision, dropout=dropout)
-    buffers = _buffers(model, layout, precision)
+    scratch = 0.0
     if optimizer in ("adam", "adamw") and not layout.offload_optimizer:
         # PyTorch's default (foreach) Adam computes sqrt(v) into a new parameter-sized fp32
         # tensor every step
-        buffers += 4 * psi / (layout.dp if layout.zero >= 1 else 1)
-    return Memory(params, grads, states, activations, buffers)
+        scratch = 4 * psi / (layout.dp if layout.zero >= 1 else 1)
+    return Memory(params, grads, states, activations, _buffers(model, layout, precision), scratch)
 
 
 def _outside_layers(
