@@ -195,7 +195,8 @@ def _outside_layers(
 
 def _buffers(model: Transformer, layout: Layout, precision: Precision) -> float:
     """Temporaries at the peak: ZeRO-3 gathers one layer's parameters and prefetches the next
-    (two layers whole), or, holding them from forward to backward, every layer. (DDP with
+    (two layers whole), or, holding them from forward to backward, every layer (a whole copy
+    next to the shards, which stay allocated). (DDP with
     `gradient_as_bucket_view`, as shardwise runs it, keeps gradients inside its all-reduce
     buckets: no copy.)"""
     if layout.zero < 3 or layout.dp == 1:
@@ -203,5 +204,5 @@ def _buffers(model: Transformer, layout: Layout, precision: Precision) -> float:
     layers_here = -(-model.layers // layout.pp)
     layer = model.layer_params / layout.tp * precision.param
     if layout.hold_gathered_params:
-        return layers_here * layer * (1 - 1 / layout.dp)
+        return layers_here * layer
     return 2 * layer

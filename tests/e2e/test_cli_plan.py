@@ -1,0 +1,36 @@
+"""`shardwise plan --calibrate` measures this machine for real (two gloo ranks, every core busy),
+and the job's own plan then uses that profile."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+SHARDWISE = str(Path(sys.executable).parent / "shardwise")
+
+
+def test_calibrate_then_plan_the_job_on_this_machine(tmp_path):
+    env = {"SHARDWISE_CACHE": str(tmp_path), "PATH": str(Path(sys.executable).parent)}
+    calibrated = subprocess.run(
+        [SHARDWISE, "plan", "--calibrate"], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert calibrated.returncode == 0, calibrated.stderr
+    profile = json.loads((tmp_path / "this-machine.json").read_text())
+    assert profile["calibrated"] and profile["peak_flops"] > 1e9
+    assert 0 < profile["utilisation"] <= 1 and profile["intra_latency"] > 0
+    assert profile["intra_bandwidth"] > 1e7 and profile["memory_bandwidth"] > 1e8
+    planned = subprocess.run(
+        [SHARDWISE, "plan", "examples/text-gpt.toml", "--nproc", "2", "--json"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert planned.returncode == 0, planned.stderr
+    plan = json.loads(planned.stdout)
+    assert plan["hardware"]["name"] == "this-machine"
+    assert plan["job_layout"]["layout"]["dp"] == 2 and plan["job_layout"]["fits"]
