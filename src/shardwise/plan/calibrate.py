@@ -10,8 +10,9 @@ runs on it. On a CPU a "device" is one core (one rank per core, one thread per r
 
 each measured on every core at once (one process per core), as training uses them: cores share
 caches and memory bandwidth, so one busy core alone is faster than each of two;
-- all-reduce latency and bandwidth from two gloo ranks on this machine, fitted to
-  t = 2α + S/β (a ring of two) over messages of 4 KiB to 32 MiB;
+- all-reduce latency and bandwidth from two gloo ranks on this machine, each collective
+  between bursts of compute as in training, fitted to t = 2α + S/β (a ring of two) over
+  messages of 4 KiB to 32 MiB;
 - `memory`: RAM divided by the cores.
 """
 
@@ -93,22 +94,34 @@ def per_core_rates(cores: int) -> tuple[float, float, float]:
 
 
 def _all_reduce_worker(rank: int, store_path: str, results: dict[int, float]) -> None:
+    """Each collective between two bursts of compute, as in training: both ranks multiply
+    matrices for about 2 ms, then all-reduce; the collective's cost is the iteration's time less
+    the compute's, so it includes what an idle ping-pong misses — the ranks arriving at different
+    moments and gloo's threads waiting for a core that is computing."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, 2)  # type: ignore[attr-defined]
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    a, b = torch.randn(384, 384), torch.randn(384, 384)
+
+    def compute() -> None:
+        for _ in range(10):
+            torch.mm(a, b)
+
     try:
+        alone = _best_seconds(compute, repeats=10, inner=1)
         for size in SIZES:
             t = torch.zeros(size // 4)
             times = []
-            for _ in range(12):
-                dist.barrier()
+            dist.barrier()
+            for _ in range(14):
                 began = time.perf_counter()
+                compute()
                 dist.all_reduce(t)
-                times.append(time.perf_counter() - began)
+                times.append(time.perf_counter() - began - alone)
             if rank == 0:
-                results[size] = statistics.median(times[2:])
+                results[size] = max(statistics.median(times[2:]), 1e-6)
     finally:
         dist.destroy_process_group()
 
