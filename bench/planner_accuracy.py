@@ -10,8 +10,9 @@ right before each run, and compare:
 - step time: global batch / median samples/s over the logged windows after warm-up;
 - memory: the largest rank's peak resident set after the second step (the first with optimizer
   state) minus what the process held before the model was built (interpreter, torch, process
-  group) — the planner predicts training's own memory, not the runtime's — with glibc's mmap
-  threshold fixed (MALLOC_MMAP_THRESHOLD_) so freed tensors leave the resident set.
+  group) — the planner predicts training's own memory, not the runtime's — in a separate short
+  run with glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_) so freed tensors leave the
+  resident set.
 
     python bench/planner_accuracy.py                 # about 10 minutes on 2 cores
     python bench/planner_accuracy.py --steps 12 --repeats 1
@@ -67,14 +68,20 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
 }
 
 
-def train(nproc: int, sets: list[str], steps: int, run_dir: Path) -> dict[str, Any]:
+def train(
+    nproc: int, sets: list[str], steps: int, run_dir: Path, *, for_memory: bool = False
+) -> dict[str, Any]:
     overrides = [*COMMON, *sets, f"train.steps={steps}", f"job.run_dir={run_dir}"]
     cmd = [str(BIN / "shardwise"), "train", "examples/text-gpt.toml", "--nproc", str(nproc)]
     cmd += [a for s in overrides for a in ("--set", s)]
-    # glibc keeps freed heap memory (and raises its mmap threshold as large blocks are freed), so
-    # the resident set would count memory torch already gave back; a fixed threshold makes large
-    # tensors mmap'ed and returned on free, and the resident set follows live tensors.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if for_memory:
+        # glibc keeps freed heap memory (and raises its mmap threshold as large blocks are
+        # freed), so the resident set would count memory torch already gave back; a fixed
+        # threshold maps large tensors and returns them on free, and the resident set follows
+        # live tensors. It also makes every large allocation fault its pages in (20–30% slower
+        # steps), so memory is measured in a run of its own.
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     done = subprocess.run(
         cmd, cwd=REPO, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL
     )
@@ -151,7 +158,9 @@ def main() -> None:
                 summary = train(nproc, sets, args.steps, Path(tmp) / f"{repeat}-{i}")
                 measured = 8 / summary["samples_per_second"]
                 runs[name].append((measured, step))
-                memory[name] = (summary["trained_bytes"], summary["states_bytes"], total, states)
+                if repeat == 0:
+                    held = train(nproc, sets, 3, Path(tmp) / f"memory-{i}", for_memory=True)
+                    memory[name] = (held["trained_bytes"], held["states_bytes"], total, states)
                 print(
                     f"  repeat {repeat + 1}: {name:<32} {measured * 1e3:8.1f} ms/step, "
                     f"predicted {step * 1e3:8.1f} (layer rate now "
