@@ -14,7 +14,7 @@ right before each run, and compare:
   run with glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_) so freed tensors leave the
   resident set.
 
-    python bench/planner_accuracy.py                 # about 10 minutes on 2 cores
+    python bench/planner_accuracy.py                 # about 20 minutes on 2 cores
     python bench/planner_accuracy.py --steps 12 --repeats 1
 """
 
