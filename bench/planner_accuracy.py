@@ -104,22 +104,17 @@ def predict(nproc: int, sets: list[str], hardware: Any) -> tuple[float, float, f
     """Predicted seconds per step, memory per rank, and model-state bytes per rank."""
     from shardwise.config import load_config
     from shardwise.plan.job import plan_job
-    from shardwise.plan.memory import estimate
-    from shardwise.plan.timing import step_time
+    from shardwise.plan.search import Plan
 
     config = load_config(REPO / "examples/text-gpt.toml", [*COMMON, *sets, "train.steps=1"])
     job = plan_job(config, nproc)
-    memory = estimate(
-        job.model,
-        job.layout,
-        job.precision,
-        optimizer=job.optimizer,
-        dropout=job.dropout,
-        fused_attention=job.fused_attention,
-    )
-    k = job.precision.optimizer_bytes(job.optimizer)
-    time = step_time(job.model, job.layout, job.precision, hardware, optimizer_bytes=k)
-    return time.total, memory.total, memory.params + memory.grads + memory.optimizer
+    plan = Plan(
+        job.model, hardware, job.precision, job.optimizer, nproc, job.layout.global_batch, None,
+        dropout=job.dropout, fused_attention=job.fused_attention,
+    )  # fmt: skip
+    own = plan.evaluate(job.layout)
+    memory = own.memory
+    return own.time.total, memory.total, memory.params + memory.grads + memory.optimizer
 
 
 def recalibrated(hardware: Any) -> Any:

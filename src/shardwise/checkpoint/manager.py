@@ -152,7 +152,7 @@ class CheckpointManager:
         text = json.dumps(manifest, indent=2)
         if self.local:
             _write_synced(Path(target, MANIFEST), text)
-            _commit(Path(target), Path(final))
+            _rename_into_place(Path(target), Path(final))
         else:
             fs, path = storage(join(target, MANIFEST))
             fs.pipe_file(path, text.encode())  # the commit: the manifest comes last
@@ -185,7 +185,7 @@ def _dcp_id(location: Location) -> str | Path:
     return Path(location) if is_local(location) else os.fspath(location)
 
 
-def _commit(partial: Path, final: Path) -> None:
+def _rename_into_place(partial: Path, final: Path) -> None:
     """Rename a local checkpoint into place (atomic), replacing one of the same step."""
     replaced = final.with_name(final.name + ".replaced")
     if final.exists():  # same step saved before, e.g. by a run resumed from an older step

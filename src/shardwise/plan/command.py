@@ -142,7 +142,7 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, Candidate | None]:
         raise ConfigError(str(e)) from None
     own = None
     if own_layout is not None:
-        own = _evaluate(plan, own_layout, dropout=dropout, fused_attention=fused)
+        own = plan.evaluate(own_layout)
     if plan.best is None and not args.json:
         lines = explain(plan)
         raise ConfigError(
@@ -150,25 +150,6 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, Candidate | None]:
             f"{lines[0].removeprefix('nothing fits: ')}; {lines[1]}"
         )
     return plan, own
-
-
-def _evaluate(plan: Plan, layout: Any, *, dropout: bool, fused_attention: bool) -> Candidate:
-    from shardwise.plan.memory import estimate
-    from shardwise.plan.search import HEADROOM
-    from shardwise.plan.timing import step_time
-
-    memory = estimate(
-        plan.model,
-        layout,
-        plan.precision,
-        optimizer=plan.optimizer,
-        dropout=dropout,
-        fused_attention=fused_attention,
-    )
-    k = plan.precision.optimizer_bytes(plan.optimizer)
-    time = step_time(plan.model, layout, plan.precision, plan.hardware, optimizer_bytes=k)
-    fits = memory.total <= plan.hardware.memory * HEADROOM
-    return Candidate(layout, memory, time, fits)
 
 
 def _hardware(args: argparse.Namespace) -> hw.Hardware:

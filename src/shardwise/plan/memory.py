@@ -133,13 +133,7 @@ def estimate(
     most micro-batches in flight (the last stage's output layer is counted there too when
     there is one stage)."""
     layers_here = -(-model.layers // layout.pp)
-    embedding = model.embedding_params
-    if model.measured_params is not None:  # a built model: scale the formula to its count
-        formula = model.layers * model.layer_params + embedding
-        scale = model.measured_params / formula
-    else:
-        scale = 1.0
-    psi = scale * (layers_here * model.layer_params + embedding) / layout.tp
+    psi = model.stage_params(layout.pp, layout.tp)
     params, grads, states = model_states(
         psi, dp=layout.dp, zero=layout.zero, precision=precision, optimizer=optimizer
     )

@@ -6,7 +6,7 @@ Appendix: l layers, h hidden size, a attention heads, s sequence length, V vocab
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,13 @@ class Transformer:
         extra = {"none": 0.0, "selective": self.layers * 4 * s * h, "full": layers}[recompute]
         return 3 * (layers + logits) + extra
 
-    def with_seq(self, seq: int) -> Transformer:
-        return replace(self, seq=seq)
+    def stage_params(self, pp: int, tp: int) -> float:
+        """Ψ of one device of the most loaded pipeline stage: its share of the layers and the
+        embeddings, split across `tp`; a built model's exact count scales the formula."""
+        formula = self.layers * self.layer_params + self.embedding_params
+        scale = 1.0 if self.measured_params is None else self.measured_params / formula
+        layers_here = -(-self.layers // pp)
+        return scale * (layers_here * self.layer_params + self.embedding_params) / tp
 
 
 def megatron_params(layers: int, hidden: int, vocab: int, seq: int) -> float:

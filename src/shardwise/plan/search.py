@@ -47,6 +47,8 @@ class Plan:
     devices: int
     global_batch: int
     tokens: float | None
+    dropout: bool = True
+    fused_attention: bool = True
     ranked: list[Candidate] = field(default_factory=list)
     dropped: list[Candidate] = field(default_factory=list)
     one_device_step: float = 0.0
@@ -66,6 +68,29 @@ class Plan:
 
     def speedup(self, candidate: Candidate) -> float:
         return self.one_device_step / candidate.time.total
+
+    def evaluate(self, layout: Layout) -> Candidate:
+        """Memory and step time of `layout` for this plan's model, hardware and precision; if
+        it does not fit, why."""
+        memory = estimate(
+            self.model,
+            layout,
+            self.precision,
+            optimizer=self.optimizer,
+            dropout=self.dropout,
+            fused_attention=self.fused_attention,
+        )
+        k = self.precision.optimizer_bytes(self.optimizer)
+        time = step_time(self.model, layout, self.precision, self.hardware, optimizer_bytes=k)
+        budget = self.hardware.memory * HEADROOM
+        if memory.total <= budget:
+            return Candidate(layout, memory, time, fits=True)
+        reason = (
+            f"needs {memory.total / 2**30:.2f} GiB per device, more than the "
+            f"{budget / 2**30:.2f} usable ({HEADROOM:.0%} of {gib(self.hardware.memory)}); "
+            f"largest part: {_biggest(memory)}"
+        )
+        return Candidate(layout, memory, time, fits=False, reason=reason)
 
 
 class NoLayout(ValueError):
@@ -138,28 +163,14 @@ def search(
     if not candidates:
         raise NoLayout(_why_none(model, devices, global_batch, hardware, fixed))
     k = precision.optimizer_bytes(optimizer)
-    plan = Plan(model, hardware, precision, optimizer, devices, global_batch, tokens)
+    plan = Plan(
+        model, hardware, precision, optimizer, devices, global_batch, tokens,
+        dropout=dropout, fused_attention=fused_attention,
+    )  # fmt: skip
     plan.one_device_step = one_device_step(model, global_batch, precision, hardware, k)
-    budget = hardware.memory * HEADROOM
     for layout in candidates:
-        memory = estimate(
-            model,
-            layout,
-            precision,
-            optimizer=optimizer,
-            dropout=dropout,
-            fused_attention=fused_attention,
-        )
-        time = step_time(model, layout, precision, hardware, optimizer_bytes=k)
-        if memory.total <= budget:
-            plan.ranked.append(Candidate(layout, memory, time, fits=True))
-        else:
-            reason = (
-                f"needs {memory.total / 2**30:.2f} GiB per device, more than the "
-                f"{budget / 2**30:.2f} usable ({HEADROOM:.0%} of {gib(hardware.memory)}); "
-                f"largest part: {_biggest(memory)}"
-            )
-            plan.dropped.append(Candidate(layout, memory, time, fits=False, reason=reason))
+        candidate = plan.evaluate(layout)
+        (plan.ranked if candidate.fits else plan.dropped).append(candidate)
     # times equal to 0.1% rank by memory: the layout that leaves more room first
     fastest = min((c.time.total for c in plan.ranked), default=1.0)
     plan.ranked.sort(key=lambda c: (round(c.time.total / fastest, 3), c.memory.total))

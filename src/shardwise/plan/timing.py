@@ -145,9 +145,7 @@ def step_time(
         if layout.pp > 1
         else 0.0
     )
-    psi = (layers_here * model.layer_params + model.embedding_params) / layout.tp
-    if model.measured_params is not None:
-        psi *= model.measured_params / (model.layers * model.layer_params + model.embedding_params)
+    psi = model.stage_params(layout.pp, layout.tp)
     grads, params = psi * precision.grad, psi * precision.param
     if layout.zero == 0:
         data = all_reduce(grads, layout.dp, dp_link)
