@@ -192,7 +192,13 @@ class GPT(nn.Module):
                     f"{prefix}.mlp.down": RowwiseParallel(output_layouts=out),
                 }
             )
-            if sequence_parallel:
+            if not sequence_parallel:
+                # query, key and value take the input as one DTensor, so backward sums their
+                # gradients before a single all-reduce (rather than one each)
+                plan[f"{prefix}.attn"] = PrepareModuleInput(
+                    input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)
+                )
+            else:
                 plan.update(
                     {
                         f"{prefix}.attn_norm": SequenceParallel(),
