@@ -26,6 +26,9 @@ def test_calibrate_then_plan_the_job_on_this_machine(tmp_path):
     assert profile["calibrated"] and profile["peak_flops"] > 1e9
     assert 0 < profile["utilisation"] <= 1 and profile["intra_latency"] > 0
     assert profile["intra_bandwidth"] > 1e7 and profile["memory_bandwidth"] > 1e8
+    for kind in ("all_gather", "reduce_scatter"):  # gloo's kinds, each measured
+        assert profile[f"{kind}_latency"] > 0 and profile[f"{kind}_bandwidth"] > 1e7
+    assert 0 < profile["tensor_parallel_efficiency"] <= 1
     planned = subprocess.run(
         [SHARDWISE, "plan", "examples/text-gpt.toml", "--nproc", "2", "--json"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,

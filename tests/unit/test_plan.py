@@ -18,7 +18,15 @@ from shardwise.plan.model import (
     megatron_training_days,
 )
 from shardwise.plan.search import Constraints, search
-from shardwise.plan.timing import bubble_fraction, step_time
+from shardwise.plan.timing import (
+    OPTIMIZER_PASSES,
+    Link,
+    all_gather,
+    bubble_fraction,
+    reduce_scatter,
+    step_time,
+    tensor_parallel_comm,
+)
 
 BF16 = PRECISIONS["bf16"]
 
@@ -175,6 +183,43 @@ def test_pipeline_bubble_follows_narayanan():
     assert bubble_fraction("Interleaved1F1B", 8, 64, 2) == 7 / 128
     fractions = [bubble_fraction("1F1B", 4, m) for m in (4, 8, 16, 32, 64)]
     assert fractions == sorted(fractions, reverse=True)  # more micro-batches, smaller bubble
+
+
+def test_sequence_parallelism_costs_what_tensor_parallelism_does_on_one_ring():
+    """Korthikanti et al. §4.2.2: replacing each all-reduce by a reduce-scatter and an all-gather
+    keeps the communication volume, so on a link where the three share one ring (NCCL) the time
+    is the same; where the kinds were measured apart (gloo), it follows their own α and β."""
+    model = Transformer(layers=24, hidden=2048, heads=16, vocab=32_000, seq=2048)
+    link = Link(bandwidth=300e9, latency=5e-6)
+    size = 16 * model.seq * model.hidden * 2  # micro-batch 16: large enough that rings win
+    for recompute in ("none", "full"):
+        plain, sp = (
+            Layout(tp=8, micro_batch=1, microbatches=1, recompute=recompute, sequence_parallel=on)
+            for on in (False, True)
+        )
+        embedding_gather = all_gather(size, 8, link)  # sequence parallelism's one extra
+        assert tensor_parallel_comm(model, sp, size, link) == pytest.approx(
+            tensor_parallel_comm(model, plain, size, link) + embedding_gather, rel=1e-12
+        )
+    slow_scatter = Link(300e9, 5e-6, scatter=Link(30e9, 50e-6))
+    sp = Layout(tp=8, micro_batch=1, microbatches=1, sequence_parallel=True)
+    extra = reduce_scatter(size, 8, slow_scatter) - reduce_scatter(size, 8, link)
+    # 4 per layer, and the output layer's input gradient
+    assert tensor_parallel_comm(model, sp, size, slow_scatter) == pytest.approx(
+        tensor_parallel_comm(model, sp, size, link) + (4 * 24 + 1) * extra, rel=1e-12
+    )
+
+
+def test_the_optimizer_step_reads_and_writes_what_torchs_foreach_adamw_does():
+    """AdamW's eight multi-tensor passes over fp32 (12 reads, 8 writes per parameter) and
+    clipping's three over the gradients, at memory bandwidth, for this device's share."""
+    model = Transformer(layers=24, hidden=2048, heads=16, vocab=32_000, seq=2048)
+    fp32, h100 = PRECISIONS["fp32"], PRESETS["h100"]
+    for zero, share in ((0, 1), (1, 8)):
+        layout = Layout(dp=8, zero=zero, micro_batch=1, microbatches=1)
+        expected = model.params / share * (4 * 20 + 3 * 4) / h100.memory_bandwidth
+        assert OPTIMIZER_PASSES["adamw"] == 20
+        assert step_time(model, layout, fp32, h100).optimizer == pytest.approx(expected)
 
 
 def test_memory_falls_as_zero_stage_or_sharding_degree_rises():

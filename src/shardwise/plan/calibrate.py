@@ -10,9 +10,12 @@ runs on it. On a CPU a "device" is one core (one rank per core, one thread per r
 
 each measured on every core at once (one process per core), as training uses them: cores share
 caches and memory bandwidth, so one busy core alone is faster than each of two;
-- all-reduce latency and bandwidth from two gloo ranks on this machine, each collective
-  between bursts of compute as in training, fitted to t = 2α + S/β (a ring of two) over
-  messages of 4 KiB to 32 MiB;
+- latency and bandwidth of all-reduce, all-gather and reduce-scatter between two gloo ranks on
+  this machine, each collective between bursts of compute as in training, each kind fitted to its
+  ring model over messages of 4 KiB to 32 MiB (gloo's kinds differ: its reduce-scatter is slower
+  than its all-reduce; NCCL's share one ring, so presets use one α and β);
+- `tensor_parallel_efficiency`: the same layer split over the two ranks by the GPT's
+  tensor-parallel plan, its time less its four all-reduces, against half the whole layer's;
 - `memory`: RAM divided by the cores.
 """
 
@@ -29,8 +32,11 @@ import torch
 import torch.multiprocessing as mp
 
 from shardwise.plan.hardware import THIS_MACHINE, Hardware
+from shardwise.plan.timing import Link, all_reduce
 
-SIZES = [4 << 10, 64 << 10, 1 << 20, 8 << 20, 32 << 20]
+SIZES = [4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20, 32 << 20]
+LAYER = {"hidden": 512, "seq": 128, "batch": 2}
+"""The transformer layer measured (8 heads, fp32)."""
 
 
 def _best_seconds(fn: Callable[[], object], repeats: int = 5, inner: int = 3) -> float:
@@ -56,7 +62,7 @@ def layer_flops() -> float:
     from shardwise.models.gpt import build_gpt
     from shardwise.plan.model import Transformer
 
-    hidden, seq, batch = 512, 128, 2
+    hidden, seq, batch = LAYER["hidden"], LAYER["seq"], LAYER["batch"]
     block = build_gpt(layers=1, heads=8, hidden=hidden, seq_len=seq).layers["0"]
     x = torch.randn(batch, seq, hidden, requires_grad=True)
 
@@ -93,11 +99,13 @@ def per_core_rates(cores: int) -> tuple[float, float, float]:
     return peak, layer, bandwidth
 
 
-def _all_reduce_worker(rank: int, store_path: str, results: dict[int, float]) -> None:
-    """Each collective between two bursts of compute, as in training: both ranks multiply
-    matrices for about 2 ms, then all-reduce; the collective's cost is the iteration's time less
-    the compute's, so it includes what an idle ping-pong misses — the ranks arriving at different
-    moments and gloo's threads waiting for a core that is computing."""
+def _collectives_worker(rank: int, store_path: str, results: dict[Any, float]) -> None:
+    """Each collective after a burst of compute, as in training: both ranks multiply matrices for
+    about 2 ms, then communicate. Its cost is the median of such iterations less the median of
+    compute-only ones, interleaved with them, so it includes what an idle ping-pong misses: the
+    ranks arriving at different moments and gloo's threads waiting for a core that is computing.
+    Then a transformer layer's forward and backward, whole on each rank and split by tensor
+    parallelism."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -105,45 +113,114 @@ def _all_reduce_worker(rank: int, store_path: str, results: dict[int, float]) ->
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     a, b = torch.randn(384, 384), torch.randn(384, 384)
 
-    def compute() -> None:
+    def iteration(collective: Callable[[], object] | None) -> float:
+        dist.barrier()
+        began = time.perf_counter()
         for _ in range(10):
             torch.mm(a, b)
+        if collective is not None:
+            collective()
+        return time.perf_counter() - began
 
     try:
-        alone = _best_seconds(compute, repeats=10, inner=1)
         for size in SIZES:
-            t = torch.zeros(size // 4)
-            times = []
-            dist.barrier()
-            for _ in range(14):
-                began = time.perf_counter()
-                compute()
-                dist.all_reduce(t)
-                times.append(time.perf_counter() - began - alone)
-            if rank == 0:
-                results[size] = max(statistics.median(times[2:]), 1e-6)
+            whole, half = torch.zeros(size // 4), torch.zeros(size // 8)
+            kinds: dict[str, Callable[[], object]] = {
+                "all_reduce": lambda: dist.all_reduce(whole),  # noqa: B023
+                "all_gather": lambda: dist.all_gather_into_tensor(whole, half),  # noqa: B023
+                "reduce_scatter": lambda: dist.reduce_scatter_single(half, whole),  # noqa: B023
+            }
+            for kind, collective in kinds.items():
+                iteration(collective)  # warm up
+                pairs = [(iteration(collective), iteration(None)) for _ in range(15)]
+                with_it = statistics.median(t for t, _ in pairs)
+                without = statistics.median(t for _, t in pairs)
+                if rank == 0:
+                    results[kind, size] = max(with_it - without, 1e-6)
+        whole_layer, split_layer = _layer_seconds(tp=False), _layer_seconds(tp=True)
+        if rank == 0:
+            results["layer"], results["tp_layer"] = whole_layer, split_layer
     finally:
         dist.destroy_process_group()
 
 
-def all_reduce_fit() -> tuple[float, float]:
-    """(α seconds, β bytes/s) from a least-squares fit of t = 2α + S/β over SIZES."""
+def _layer_seconds(*, tp: bool) -> float:
+    """A GPT block's forward and backward on this rank (both ranks at once), whole or split
+    over the two ranks by the GPT's tensor-parallel plan (collectives included)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from shardwise.models.gpt import build_gpt
+
+    model = build_gpt(layers=1, heads=8, hidden=LAYER["hidden"], seq_len=LAYER["seq"])
+    block = model.layers["0"]
+    if tp:
+        prefix = "layers.0."
+        plan = {
+            name.removeprefix(prefix): style
+            for name, style in model.tp_plan().items()
+            if name.startswith(prefix)
+        }
+        parallelize_module(block, init_device_mesh("cpu", (2,)), plan)
+    x = torch.randn(LAYER["batch"], LAYER["seq"], LAYER["hidden"], requires_grad=True)
+
+    def step() -> None:
+        block(x).sum().backward()
+
+    dist.barrier()
+    return _best_seconds(step)
+
+
+def collective_fits() -> dict[str, float]:
+    """α (seconds) and β (bytes/s) of all-reduce, all-gather and reduce-scatter between two
+    ranks, each from a least-squares line through its times over SIZES (a ring of two: t = 2α +
+    S/β for all-reduce, α + S/(2β) for the others); and the tensor-parallel layer's compute rate
+    relative to the whole layer's (its measured time less its four all-reduces)."""
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         results = manager.dict()
         mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
-            _all_reduce_worker,
+            _collectives_worker,
             args=(os.path.join(tmp, "store"), results),
             nprocs=2,
             start_method="spawn",
         )
-        points = sorted(results.items())
+        measured = dict(results)
+    fits = {}
+    for kind, steps, volume in (
+        ("all_reduce", 2, 1.0),
+        ("all_gather", 1, 0.5),
+        ("reduce_scatter", 1, 0.5),
+    ):
+        intercept, slope = _line([(size, t) for (k, size), t in _kinds(measured) if k == kind])
+        fits[kind] = Link(bandwidth=volume / slope, latency=max(intercept, 1e-6) / steps)
+    link = fits["all_reduce"]
+    activation = LAYER["batch"] * LAYER["seq"] * LAYER["hidden"] * 4
+    split_compute = measured["tp_layer"] - 4 * all_reduce(activation, 2, link)
+    return {
+        "intra_latency": link.latency,
+        "intra_bandwidth": link.bandwidth,
+        "all_gather_latency": fits["all_gather"].latency,
+        "all_gather_bandwidth": fits["all_gather"].bandwidth,
+        "reduce_scatter_latency": fits["reduce_scatter"].latency,
+        "reduce_scatter_bandwidth": fits["reduce_scatter"].bandwidth,
+        "tensor_parallel_efficiency": min(1.0, measured["layer"] / (2 * split_compute)),
+    }
+
+
+def _kinds(measured: dict[Any, float]) -> list[tuple[tuple[str, int], float]]:
+    return [(key, t) for key, t in measured.items() if isinstance(key, tuple)]
+
+
+def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares intercept and slope (at least 1 ps per byte) of t over S."""
     xs, ys = [float(s) for s, _ in points], [t for _, t in points]
     mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
     slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum(
         (x - mean_x) ** 2 for x in xs
     )
-    intercept = max(mean_y - slope * mean_x, 1e-6)
-    return intercept / 2, 1 / slope
+    slope = max(slope, 1e-12)
+    return mean_y - slope * mean_x, slope
 
 
 def ram_bytes() -> int:
@@ -160,20 +237,32 @@ def calibrate(progress: Callable[[str], None] = lambda line: None) -> Hardware:
     peak, achieved, bandwidth = per_core_rates(cores)
     progress(
         f"  per core: {peak / 1e9:.1f} GFLOP/s matmul, {achieved / 1e9:.1f} GFLOP/s in a layer, "
-        f"{bandwidth / 1e9:.1f} GB/s; all-reduce between two gloo ranks…"
+        f"{bandwidth / 1e9:.1f} GB/s; collectives between two gloo ranks…"
     )
-    latency, link = all_reduce_fit()
-    progress(f"  α {latency * 1e6:.0f} µs, β {link / 1e9:.2f} GB/s")
+    fits = collective_fits()
+    progress(
+        "  α, β: "
+        + "; ".join(
+            f"{name} {fits[f'{key}_latency'] * 1e6:.0f} µs, "
+            f"{fits[f'{key}_bandwidth'] / 1e9:.2f} GB/s"
+            for name, key in (
+                ("all-reduce", "intra"),
+                ("all-gather", "all_gather"),
+                ("reduce-scatter", "reduce_scatter"),
+            )
+        )
+        + f"; a tensor-parallel layer computes at {fits['tensor_parallel_efficiency']:.0%} of "
+        "the rate"
+    )
     return Hardware(
         name=THIS_MACHINE,
         memory=ram_bytes() / cores,
         peak_flops=peak,
         memory_bandwidth=bandwidth,
-        intra_bandwidth=link,
-        intra_latency=latency,
-        inter_bandwidth=link,
-        inter_latency=latency,
+        inter_bandwidth=fits["intra_bandwidth"],
+        inter_latency=fits["intra_latency"],
         gpus_per_node=cores,
+        **fits,
         utilisation=min(1.0, achieved / peak),
         overlap=0.0,
         calibrated=True,

@@ -211,7 +211,8 @@ def summary_of(profile: hw.Hardware) -> str:
         f"{profile.peak_flops / 1e9:.1f} GFLOP/s per core ({profile.utilisation:.0%} reached by "
         f"a transformer layer), memory {profile.memory_bandwidth / 1e9:.1f} GB/s, all-reduce "
         f"latency {profile.intra_latency * 1e6:.0f} µs and bandwidth "
-        f"{profile.intra_bandwidth / 1e9:.2f} GB/s"
+        f"{profile.intra_bandwidth / 1e9:.2f} GB/s, a tensor-parallel layer at "
+        f"{profile.tensor_parallel_efficiency:.0%} of the layer's rate"
     )
 
 

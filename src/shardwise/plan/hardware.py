@@ -17,7 +17,7 @@ import difflib
 import json
 import os
 import tomllib
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,17 @@ class Hardware:
     overlap: float = 1.0
     """How much of the data-parallel communication can hide behind the backward pass: 1 on
     GPUs (NCCL runs on its own streams), 0 where the same cores compute and communicate."""
+    all_gather_latency: float | None = None
+    all_gather_bandwidth: float | None = None
+    """All-gathers' own α and β, where measured (calibrated profiles: gloo's collectives differ
+    from one another); None: the ring model on the link's all-reduce α and β, as with NCCL."""
+    reduce_scatter_latency: float | None = None
+    reduce_scatter_bandwidth: float | None = None
+    tensor_parallel_efficiency: float = 1.0
+    """The rate a tensor-parallel layer's compute reaches, relative to the whole layer's: its
+    matrices are 1/tp as wide, and its host dispatches every op through DTensor. 1 on GPUs (the
+    host runs ahead of the kernels, and `utilisation` already reflects Megatron's tensor-parallel
+    runs); calibrated profiles measure it, collectives excluded."""
     calibrated: bool = False
 
 
@@ -131,7 +142,7 @@ def from_mapping(data: dict[str, Any], *, name: str) -> Hardware:
         )
     base = asdict(PRESETS[base_name]) if base_name else {}
     values = {**base, **data, "name": name}
-    optional = {"gpus_per_node", "utilisation", "overlap", "calibrated"}
+    optional = {f.name for f in fields(Hardware) if f.default is not MISSING}
     missing = sorted(known - set(values) - optional)
     if missing:
         raise UnknownHardware(f"hardware {name}: missing {', '.join(missing)} (or set base)")

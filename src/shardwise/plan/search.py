@@ -80,8 +80,9 @@ class Plan:
             dropout=self.dropout,
             fused_attention=self.fused_attention,
         )
-        k = self.precision.optimizer_bytes(self.optimizer)
-        time = step_time(self.model, layout, self.precision, self.hardware, optimizer_bytes=k)
+        time = step_time(
+            self.model, layout, self.precision, self.hardware, optimizer=self.optimizer
+        )
         budget = self.hardware.memory * HEADROOM
         if memory.total <= budget:
             return Candidate(layout, memory, time, fits=True)
@@ -162,12 +163,11 @@ def search(
     candidates = layouts(model, devices, global_batch, hardware.gpus_per_node, fixed)
     if not candidates:
         raise NoLayout(_why_none(model, devices, global_batch, hardware, fixed))
-    k = precision.optimizer_bytes(optimizer)
     plan = Plan(
         model, hardware, precision, optimizer, devices, global_batch, tokens,
         dropout=dropout, fused_attention=fused_attention,
     )  # fmt: skip
-    plan.one_device_step = one_device_step(model, global_batch, precision, hardware, k)
+    plan.one_device_step = one_device_step(model, global_batch, precision, hardware, optimizer)
     for layout in candidates:
         candidate = plan.evaluate(layout)
         (plan.ranked if candidate.fits else plan.dropped).append(candidate)

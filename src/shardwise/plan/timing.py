@@ -3,14 +3,21 @@ each collective with a latency–bandwidth (α–β) model on the link it crosse
 bubble of the schedule.
 
 What overlaps with what (stated, not measured):
-- tensor-parallel all-reduces (2 in forward, 2 in backward per layer and micro-batch; 2 more with
-  full recomputation) sit between dependent matrix multiplies: never overlapped;
+- tensor-parallel collectives sit between dependent matrix multiplies: never overlapped. Per layer
+  and micro-batch, 2 all-reduces in forward and 2 in backward (2 more with full recomputation,
+  which replays the forward); with sequence parallelism an all-gather and a reduce-scatter in place
+  of each. The embedding adds one all-reduce in forward (and an all-gather in backward with
+  sequence parallelism), the output layer a gather of the logits in forward and an all-reduce
+  (reduce-scatter) of its input's gradient in backward — as shardwise's GPT plan issues them;
 - pipeline sends (one activation forward, one gradient back per micro-batch and stage boundary):
   not overlapped (an upper bound; they are small);
 - data-parallel gradient sync (all-reduce, or reduce-scatter + all-gather under ZeRO) overlaps
   with the backward pass, ZeRO-3's parameter all-gathers with forward and backward, up to the
   hardware's `overlap` fraction of that compute; the rest is exposed;
-- the optimizer step is memory-bound and runs after everything else.
+- the optimizer step is memory-bound and runs after everything else: PyTorch's multi-tensor
+  ("foreach") implementations, which shardwise uses, pass over parameter-sized fp32 tensors once
+  per operation (`OPTIMIZER_PASSES`), and gradient clipping reads the gradients twice and writes
+  them once.
 
 Ranks are placed tensor-parallel innermost, then data-parallel, then pipeline (Megatron-LM's
 order): a tensor-parallel group stays inside a node when tp ≤ GPUs per node; data-parallel and
@@ -31,6 +38,10 @@ from shardwise.plan.model import Transformer
 class Link:
     bandwidth: float
     latency: float
+    gather: Link | None = None
+    """All-gathers' own α and β, where measured; None: the same as all-reduce's."""
+    scatter: Link | None = None
+    """Reduce-scatters' own, likewise."""
 
 
 def all_reduce(size: float, n: int, link: Link) -> float:
@@ -43,14 +54,19 @@ def all_reduce(size: float, n: int, link: Link) -> float:
     return min(ring, tree)
 
 
-def all_gather(size: float, n: int, link: Link) -> float:
-    """Ring all-gather (or reduce-scatter) of a `size`-byte whole: (n−1) steps of size/n."""
+def _ring_pass(size: float, n: int, link: Link) -> float:
+    """(n−1) steps of size/n: a ring all-gather or reduce-scatter of a `size`-byte whole."""
     if n <= 1 or size <= 0:
         return 0.0
     return (n - 1) * link.latency + (n - 1) / n * size / link.bandwidth
 
 
-reduce_scatter = all_gather
+def all_gather(size: float, n: int, link: Link) -> float:
+    return _ring_pass(size, n, link.gather or link)
+
+
+def reduce_scatter(size: float, n: int, link: Link) -> float:
+    return _ring_pass(size, n, link.scatter or link)
 
 
 def send(size: float, link: Link) -> float:
@@ -105,12 +121,20 @@ class StepTime:
 def links(layout: Layout, hardware: Hardware) -> tuple[Link, Link, Link]:
     """The links tensor-, data- and pipeline-parallel traffic crosses."""
     node = hardware.gpus_per_node
-    intra = Link(hardware.intra_bandwidth, hardware.intra_latency)
-    inter = Link(hardware.inter_bandwidth, hardware.inter_latency)
+    measured = (
+        _measured(hardware.all_gather_bandwidth, hardware.all_gather_latency),
+        _measured(hardware.reduce_scatter_bandwidth, hardware.reduce_scatter_latency),
+    )
+    intra = Link(hardware.intra_bandwidth, hardware.intra_latency, *measured)
+    inter = Link(hardware.inter_bandwidth, hardware.inter_latency, *measured)
     tp = intra if layout.tp <= node else inter
     dp = intra if layout.tp * layout.dp <= node else inter
     pp = intra if layout.devices <= node else inter
     return tp, dp, pp
+
+
+def _measured(bandwidth: float | None, latency: float | None) -> Link | None:
+    return None if bandwidth is None or latency is None else Link(bandwidth, latency)
 
 
 def flops_rate(hardware: Hardware) -> float:
@@ -123,22 +147,20 @@ def step_time(
     precision: Precision,
     hardware: Hardware,
     *,
-    optimizer_bytes: int = 12,
+    optimizer: str = "adamw",
 ) -> StepTime:
-    """Seconds per optimizer step on each device. `optimizer_bytes` is K (ZeRO's notation)."""
+    """Seconds per optimizer step on each device."""
     tokens = layout.global_batch * model.seq
     flops = tokens * model.train_flops_per_token(layout.recompute)
     compute = flops / layout.devices / flops_rate(hardware)
+    if layout.tp > 1:
+        compute /= hardware.tensor_parallel_efficiency
     bubble = compute * bubble_fraction(
         layout.schedule, layout.pp, layout.microbatches, layout.stages_per_rank
     )
     tp_link, dp_link, pp_link = links(layout, hardware)
-    layers_here = math.ceil(model.layers / layout.pp)
     activation = model.seq * layout.micro_batch * model.hidden * precision.activation
-    per_layer = 6 if layout.recompute == "full" else 4
-    tensor = (
-        layers_here * layout.microbatches * per_layer * all_reduce(activation, layout.tp, tp_link)
-    )
+    tensor = layout.microbatches * tensor_parallel_comm(model, layout, activation, tp_link)
     boundary = activation / (layout.tp if layout.sequence_parallel else 1)
     pipeline = (
         2 * layout.microbatches * layout.stages_per_rank * send(boundary, pp_link)
@@ -159,14 +181,41 @@ def step_time(
     window = compute * (1.0 if layout.zero >= 3 else 2 / 3) * hardware.overlap
     exposed = max(0.0, data - window)
     updated = psi / (layout.dp if layout.zero >= 1 else 1)
-    touched = 2 * optimizer_bytes + precision.grad + 2 * precision.param  # read and write
-    optimizer = 0.0 if layout.offload_optimizer else updated * touched / hardware.memory_bandwidth
-    return StepTime(compute, bubble, tensor, pipeline, data, exposed, optimizer)
+    touched = 4 * OPTIMIZER_PASSES[optimizer] + 3 * precision.grad  # + clipping
+    optimizer_s = 0.0 if layout.offload_optimizer else updated * touched / hardware.memory_bandwidth
+    return StepTime(compute, bubble, tensor, pipeline, data, exposed, optimizer_s)
+
+
+OPTIMIZER_PASSES = {"adamw": 20, "adam": 20, "sgd-momentum": 8, "sgd": 3}
+"""fp32 values read or written per parameter by PyTorch's multi-tensor optimizers (torch/optim):
+AdamW's decay, lerp, mul, addcmul, sqrt, div, add and addcdiv read 12 and write 8; SGD with
+momentum's mul, add and update read 5 and write 3; plain SGD's update reads 2 and writes 1."""
+
+
+def tensor_parallel_comm(
+    model: Transformer, layout: Layout, activation: float, link: Link
+) -> float:
+    """Tensor-parallel communication for one micro-batch on the busiest pipeline stage (see the
+    module docstring for what is counted); `activation` is one layer's input, s·b·h values."""
+    t = layout.tp
+    if t <= 1:
+        return 0.0
+    passes = 6 if layout.recompute == "full" else 4  # per layer, in units of all-reduces
+    ar = all_reduce(activation, t, link)
+    if layout.sequence_parallel:  # each all-reduce becomes an all-gather and a reduce-scatter
+        ag, rs = all_gather(activation, t, link), reduce_scatter(activation, t, link)
+        per_layer, embedding, head_input = passes * (ag + rs), ar + ag, ag + rs
+    else:
+        per_layer, embedding, head_input = passes * ar, ar, ar
+    logits = all_gather(activation / model.hidden * model.vocab, t, link)
+    layers_here = math.ceil(model.layers / layout.pp)
+    last = head_input + logits if layout.pp == 1 else 0.0  # the first stage is the busiest
+    return layers_here * per_layer + embedding + last
 
 
 def one_device_step(
-    model: Transformer, global_batch: int, precision: Precision, hardware: Hardware, k: int
+    model: Transformer, global_batch: int, precision: Precision, hardware: Hardware, optimizer: str
 ) -> float:
     """The same step on one device, as if its memory were unlimited (the speedup's baseline)."""
     single = Layout(dp=1, micro_batch=global_batch, microbatches=1)
-    return step_time(model, single, precision, hardware, optimizer_bytes=k).total
+    return step_time(model, single, precision, hardware, optimizer=optimizer).total
