@@ -16,6 +16,10 @@ caches and memory bandwidth, so one busy core alone is faster than each of two;
   than its all-reduce; NCCL's share one ring, so presets use one α and β);
 - `tensor_parallel_efficiency`: the same layer split over the two ranks by the GPT's
   tensor-parallel plan, its time less its four all-reduces, against half the whole layer's;
+- `runtime_memory`: what those two ranks' work left in a rank's resident set once its tensors
+  were freed (glibc told to return freed memory, as the planner counts live tensors): library code
+  paged in, kernel and communication workspaces — the part of a training process's memory that
+  does not scale with the model;
 - `memory`: RAM divided by the cores.
 """
 
@@ -105,12 +109,38 @@ def _collectives_worker(rank: int, store_path: str, results: dict[Any, float]) -
     compute-only ones, interleaved with them, so it includes what an idle ping-pong misses: the
     ranks arriving at different moments and gloo's threads waiting for a core that is computing.
     Then a transformer layer's forward and backward, whole on each rank and split by tensor
-    parallelism."""
+    parallelism; and what all that left in the resident set once its tensors were freed."""
+    import gc
+
     import torch.distributed as dist
+
+    # imported before the baseline, as the trainer's worker has them
+    import shardwise.parallel.apply
+    import shardwise.trainer.step  # noqa: F401
+    from shardwise.trainer.memory import current_bytes
 
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, 2)  # type: ignore[attr-defined]
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    _return_freed_memory()
+    cpu = torch.device("cpu")
+    before = current_bytes(cpu)  # as the trainer's baseline: after joining, before building
+    try:
+        _collective_seconds(rank, results)
+        whole_layer = _layer_seconds(tp=False)
+        split_layer = _layer_seconds(tp=True)
+        gc.collect()
+        if rank == 0:
+            results["layer"], results["tp_layer"] = whole_layer, split_layer
+            results["runtime"] = max(0, current_bytes(cpu) - before)
+    finally:
+        dist.destroy_process_group()
+
+
+def _collective_seconds(rank: int, results: dict[Any, float]) -> None:
+    """Each collective kind at each of SIZES: (kind, size) → seconds, on rank 0."""
+    import torch.distributed as dist
+
     a, b = torch.randn(384, 384), torch.randn(384, 384)
 
     def iteration(collective: Callable[[], object] | None) -> float:
@@ -122,26 +152,30 @@ def _collectives_worker(rank: int, store_path: str, results: dict[Any, float]) -
             collective()
         return time.perf_counter() - began
 
-    try:
-        for size in SIZES:
-            whole, half = torch.zeros(size // 4), torch.zeros(size // 8)
-            kinds: dict[str, Callable[[], object]] = {
-                "all_reduce": lambda: dist.all_reduce(whole),  # noqa: B023
-                "all_gather": lambda: dist.all_gather_into_tensor(whole, half),  # noqa: B023
-                "reduce_scatter": lambda: dist.reduce_scatter_single(half, whole),  # noqa: B023
-            }
-            for kind, collective in kinds.items():
-                iteration(collective)  # warm up
-                pairs = [(iteration(collective), iteration(None)) for _ in range(15)]
-                with_it = statistics.median(t for t, _ in pairs)
-                without = statistics.median(t for _, t in pairs)
-                if rank == 0:
-                    results[kind, size] = max(with_it - without, 1e-6)
-        whole_layer, split_layer = _layer_seconds(tp=False), _layer_seconds(tp=True)
-        if rank == 0:
-            results["layer"], results["tp_layer"] = whole_layer, split_layer
-    finally:
-        dist.destroy_process_group()
+    for size in SIZES:
+        whole, half = torch.zeros(size // 4), torch.zeros(size // 8)
+        kinds: dict[str, Callable[[], object]] = {
+            "all_reduce": lambda: dist.all_reduce(whole),  # noqa: B023
+            "all_gather": lambda: dist.all_gather_into_tensor(whole, half),  # noqa: B023
+            "reduce_scatter": lambda: dist.reduce_scatter_single(half, whole),  # noqa: B023
+        }
+        for kind, collective in kinds.items():
+            iteration(collective)  # warm up
+            pairs = [(iteration(collective), iteration(None)) for _ in range(15)]
+            with_it = statistics.median(t for t, _ in pairs)
+            without = statistics.median(t for _, t in pairs)
+            if rank == 0:
+                results[kind, size] = max(with_it - without, 1e-6)
+
+
+def _return_freed_memory() -> None:
+    """Have glibc map every allocation of 64 KiB or more on its own and unmap it when freed (as
+    MALLOC_MMAP_THRESHOLD_=65536 does), so the resident set follows live tensors; by default it
+    keeps freed memory for reuse, which would count as the runtime's."""
+    import ctypes
+
+    m_mmap_threshold = -3
+    ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 65536)
 
 
 def _layer_seconds(*, tp: bool) -> float:
@@ -205,6 +239,7 @@ def collective_fits() -> dict[str, float]:
         "reduce_scatter_latency": fits["reduce_scatter"].latency,
         "reduce_scatter_bandwidth": fits["reduce_scatter"].bandwidth,
         "tensor_parallel_efficiency": min(1.0, measured["layer"] / (2 * split_compute)),
+        "runtime_memory": measured["runtime"],
     }
 
 
@@ -252,7 +287,7 @@ def calibrate(progress: Callable[[str], None] = lambda line: None) -> Hardware:
             )
         )
         + f"; a tensor-parallel layer computes at {fits['tensor_parallel_efficiency']:.0%} of "
-        "the rate"
+        f"the rate; runtime memory {fits['runtime_memory'] / 2**20:.0f} MiB"
     )
     return Hardware(
         name=THIS_MACHINE,

@@ -27,7 +27,7 @@ def write_chart(plan: Plan, path: Path, *, top: int = 10) -> None:
     left.invert_yaxis()
     left.set_xlabel("seconds per step")
     left.legend(fontsize=7, loc="upper left", bbox_to_anchor=(0, -0.12), ncol=3)
-    parts = ("params", "grads", "optimizer", "activations", "buffers")  # the forward/backward peak
+    parts = ("params", "grads", "optimizer", "runtime", "activations", "buffers")  # fwd/bwd peak
     start = [0.0] * len(shown)
     for part in parts:
         values = [c.memory.as_dict()[part] / 2**30 for c in shown]

@@ -57,6 +57,10 @@ class Hardware:
     matrices are 1/tp as wide, and its host dispatches every op through DTensor. 1 on GPUs (the
     host runs ahead of the kernels, and `utilisation` already reflects Megatron's tensor-parallel
     runs); calibrated profiles measure it, collectives excluded."""
+    runtime_memory: float = 0.0
+    """Bytes a training process holds beyond its tensors once every kernel has run: library code
+    paged in, kernel and communication workspaces. Calibrated profiles measure it; presets
+    leave it (with the CUDA context) to the search's headroom."""
     calibrated: bool = False
 
 

@@ -43,12 +43,14 @@ class Memory:
     """Temporaries of the forward and backward passes: gathered parameters (ZeRO-3)."""
     scratch: float = 0.0
     """The optimizer step's temporaries (after the backward pass has freed the activations)."""
+    runtime: float = 0.0
+    """What the training process holds beyond its tensors (`Hardware.runtime_memory`)."""
 
     @property
     def total(self) -> float:
-        """The peak: model states plus the larger of what the forward/backward passes and the
-        optimizer step hold on top of them."""
-        states = self.params + self.grads + self.optimizer
+        """The peak: model states and the runtime, plus the larger of what the forward/backward
+        passes and the optimizer step hold on top of them."""
+        states = self.params + self.grads + self.optimizer + self.runtime
         return states + max(self.activations + self.buffers, self.scratch)
 
     def as_dict(self) -> dict[str, float]:
@@ -59,6 +61,7 @@ class Memory:
             "activations": self.activations,
             "buffers": self.buffers,
             "scratch": self.scratch,
+            "runtime": self.runtime,
             "total": self.total,
         }
 
@@ -128,10 +131,11 @@ def estimate(
     optimizer: str = "adamw",
     dropout: bool = True,
     fused_attention: bool = False,
+    runtime: float = 0.0,
 ) -> Memory:
     """Memory per device on the most loaded stage: the first, which holds the embeddings and the
     most micro-batches in flight (the last stage's output layer is counted there too when
-    there is one stage)."""
+    there is one stage). `runtime` is what the process holds beyond its tensors."""
     layers_here = -(-model.layers // layout.pp)
     psi = model.stage_params(layout.pp, layout.tp)
     params, grads, states = model_states(
@@ -168,7 +172,8 @@ def estimate(
         # PyTorch's default (foreach) Adam computes sqrt(v) into a new parameter-sized fp32
         # tensor every step
         scratch = 4 * psi / (layout.dp if layout.zero >= 1 else 1)
-    return Memory(params, grads, states, activations, _buffers(model, layout, precision), scratch)
+    buffers = _buffers(model, layout, precision)
+    return Memory(params, grads, states, activations, buffers, scratch, runtime)
 
 
 def _outside_layers(
@@ -188,15 +193,16 @@ def _outside_layers(
 
 
 def _buffers(model: Transformer, layout: Layout, precision: Precision) -> float:
-    """Temporaries at the peak: ZeRO-3 gathers one layer's parameters and prefetches the next
-    (two layers whole), or, holding them from forward to backward, every layer (a whole copy
-    next to the shards, which stay allocated). (DDP with
-    `gradient_as_bucket_view`, as shardwise runs it, keeps gradients inside its all-reduce
-    buckets: no copy.)"""
+    """Temporaries at the peak: ZeRO-3 (FSDP2) gathers a layer's parameters into one flat buffer
+    and copies them out into the layer's own; prefetching the next layer while one is in use
+    holds three layers whole (the one in use, the next one's buffer and its copy). Holding them
+    from forward to backward, every layer is whole (next to the shards, which stay allocated),
+    plus a buffer while the next lands. (DDP with `gradient_as_bucket_view`, as shardwise runs
+    it, keeps gradients inside its all-reduce buckets: no copy.)"""
     if layout.zero < 3 or layout.dp == 1:
         return 0.0
     layers_here = -(-model.layers // layout.pp)
     layer = model.layer_params / layout.tp * precision.param
     if layout.hold_gathered_params:
-        return layers_here * layer
-    return 2 * layer
+        return (layers_here + 1) * layer
+    return 3 * layer

@@ -79,6 +79,7 @@ class Plan:
             optimizer=self.optimizer,
             dropout=self.dropout,
             fused_attention=self.fused_attention,
+            runtime=self.hardware.runtime_memory,
         )
         time = step_time(
             self.model, layout, self.precision, self.hardware, optimizer=self.optimizer
