@@ -110,7 +110,7 @@ def predict(nproc: int, sets: list[str], hardware: Any) -> tuple[float, float, f
     job = plan_job(config, nproc)
     plan = Plan(
         job.model, hardware, job.precision, job.optimizer, nproc, job.layout.global_batch, None,
-        dropout=job.dropout, fused_attention=job.fused_attention,
+        dropout=job.dropout, fused_attention=job.fused_attention, traced=job.traced,
     )  # fmt: skip
     own = plan.evaluate(job.layout)
     memory = own.memory

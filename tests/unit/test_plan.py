@@ -222,6 +222,37 @@ def test_the_optimizer_step_reads_and_writes_what_torchs_foreach_adamw_does():
         assert step_time(model, layout, fp32, h100).optimizer == pytest.approx(expected)
 
 
+def test_fsdp_gathers_three_layers_at_a_prefetch_and_every_layer_when_holding_them():
+    """FSDP2 gathers a layer into a flat buffer and copies it out into the layer's parameters:
+    while the next layer's prefetch lands, the layer in use, that buffer and its copy are whole.
+    Holding gathered parameters from forward to backward keeps every layer whole, plus one
+    buffer. The process's runtime adds to the peak whatever the layout."""
+    model = Transformer(layers=24, hidden=2048, heads=16, vocab=32_000, seq=2048)
+    layer = model.layer_params * BF16.param
+    zero3 = Layout(dp=8, zero=3, micro_batch=1, microbatches=1)
+    held = Layout(dp=8, zero=3, micro_batch=1, microbatches=1, hold_gathered_params=True)
+    assert estimate(model, zero3, BF16).buffers == 3 * layer
+    assert estimate(model, held, BF16).buffers == 25 * layer
+    assert estimate(model, Layout(dp=8, zero=2), BF16).buffers == 0
+    plain = estimate(model, zero3, BF16)
+    assert estimate(model, zero3, BF16, runtime=2**30).total == plain.total + 2**30
+
+
+def test_a_calibrated_profile_keeps_every_measured_field(tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from shardwise.plan.hardware import lookup, save_profile
+
+    monkeypatch.setenv("SHARDWISE_CACHE", str(tmp_path))
+    measured = replace(
+        PRESETS["l40s"], name="this-machine", all_gather_latency=2e-3, all_gather_bandwidth=5e8,
+        reduce_scatter_latency=3e-3, reduce_scatter_bandwidth=4e8,
+        tensor_parallel_efficiency=0.8, runtime_memory=22 * 2**20, calibrated=True,
+    )  # fmt: skip
+    save_profile(measured)
+    assert lookup("this-machine") == measured
+
+
 def test_memory_falls_as_zero_stage_or_sharding_degree_rises():
     model = Transformer(layers=32, hidden=4096, heads=32, vocab=32_000, seq=2048)
     by_stage = [

@@ -111,3 +111,39 @@ def test_this_machine_needs_a_calibration_first(repo_cwd, capsys, tmp_path, monk
     monkeypatch.setenv("SHARDWISE_CACHE", str(tmp_path))
     assert main(["plan", "examples/text-gpt.toml", "--nproc", "2"]) == 2
     assert "run `shardwise plan --calibrate` first" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_the_meta_trace_saves_what_a_real_forward_on_cpu_does(tmp_path, dropout):
+    """The job's model traced on the meta device (nothing allocated) records the bytes a real
+    forward pass on CPU saves for backward: with fused attention (no dropout) the kernel's own
+    saved tensors, with dropout the unfused attention's."""
+    import torch
+
+    from helpers import gpt_job
+    from shardwise import builders
+    from shardwise.plan.job import trace_activations
+
+    args = {"layers": 3, "heads": 4, "hidden": 64, "seq_len": 32, "dropout": dropout}
+    config = gpt_job(tmp_path, model={"args": args})
+    with torch.device("meta"):
+        meta = builders.build_model(config)
+    traced = trace_activations(config, meta, fused_attention=dropout == 0)
+
+    real = builders.build_model(config)
+    params = {p.untyped_storage().data_ptr() for p in real.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    train_set, _ = builders.build_datasets(config)
+    inputs, target = (torch.as_tensor(x).unsqueeze(0) for x in train_set[0])
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        builders.build_loss(config)(real(inputs), target)
+    # the same but for the token ids, which on CPU share one storage with the targets
+    real_bytes = sum(saved.values())
+    assert 3 * traced.layer + traced.before + traced.after == pytest.approx(real_bytes, abs=520)
+    assert traced.after >= 32 * 256 * 4  # the log-softmax of the logits: after the layers

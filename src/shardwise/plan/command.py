@@ -97,6 +97,7 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, Candidate | None]:
     hardware = _hardware(args)
     own_layout = None
     dropout, fused = not args.no_dropout, args.attention == "fused"
+    traced = None
     if args.job:
         from shardwise.config import load_config
         from shardwise.plan.job import plan_job
@@ -107,7 +108,7 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, Candidate | None]:
         optimizer = args.optimizer or planned.optimizer
         devices = args.nproc or 1
         global_batch = args.global_batch or own_layout.global_batch
-        dropout, fused = planned.dropout, planned.fused_attention
+        dropout, fused, traced = planned.dropout, planned.fused_attention, planned.traced
     else:
         model = _model(args)
         precision = PRECISIONS[args.precision or "bf16"]
@@ -137,6 +138,7 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, Candidate | None]:
             fixed=fixed,
             dropout=dropout,
             fused_attention=fused,
+            traced=traced,
         )
     except NoLayout as e:
         raise ConfigError(str(e)) from None

@@ -1,15 +1,25 @@
-"""Plan a shardwise job: its model, built on the meta device (parameters counted, nothing
-allocated), and its own layout, in the planner's terms."""
+"""Plan a shardwise job: its model, built on the meta device (parameters counted, the bytes its
+forward pass saves for backward traced, nothing allocated), and its own layout, in the planner's
+terms."""
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.nn.functional as F  # noqa: N812 (the conventional name)
+from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from shardwise import builders
 from shardwise.config import ConfigError, JobConfig, derive
+from shardwise.parallel.pipeline import pipeline_blocks
 from shardwise.plan.layout import PRECISIONS, Layout, Precision
+from shardwise.plan.memory import Traced
 from shardwise.plan.model import Transformer
 
 
@@ -21,11 +31,13 @@ class PlannedJob:
     optimizer: str
     dropout: bool
     fused_attention: bool
+    traced: Traced
 
 
-def model_of(config: JobConfig) -> tuple[Transformer, bool]:
+def model_of(config: JobConfig) -> tuple[Transformer, bool, Traced]:
     """The job's transformer shape (from its model arguments) with the parameter count of the
-    model itself, built on the meta device; and whether it uses dropout."""
+    model itself, built on the meta device; whether it uses dropout; and its traced
+    activations."""
     args = {**_defaults(config), **config.model.args}
     needed = ("layers", "hidden", "heads")
     missing = [k for k in needed if k not in args]
@@ -48,7 +60,89 @@ def model_of(config: JobConfig) -> tuple[Transformer, bool]:
         tied_embeddings=False,
         measured_params=count,
     )
-    return shape, float(args.get("dropout", 0.0)) > 0
+    dropout = float(args.get("dropout", 0.0)) > 0
+    return shape, dropout, trace_activations(config, model, fused_attention=not dropout)
+
+
+def trace_activations(config: JobConfig, model: nn.Module, *, fused_attention: bool) -> Traced:
+    """Run one sample through the meta-device model and its loss, recording the bytes of every
+    tensor autograd saves for backward (each storage once, parameters excluded), attributed to
+    the block running at the time: the repeated blocks are the transformer layers, those before
+    and after them the rest. On the meta device attention decomposes into its unfused parts;
+    with `fused_attention` it saves what the fused kernels keep instead (query, key, value, the
+    output and a log-sum-exp per row)."""
+    train_set, _ = builders.build_datasets(config)
+    inputs, target = (torch.as_tensor(x).unsqueeze(0).to("meta") for x in train_set[0])
+    blocks = pipeline_blocks(model) if _has_blocks(model) else []
+    modules = {name: model.get_submodule(name) for name in blocks}
+    kind = Counter(type(m) for m in modules.values()).most_common(1)
+    layer_type = kind[0][0] if kind else None
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    saved: dict[int, tuple[str, int]] = {}
+    where = ["before"]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage()._cdata
+        if key not in params and key not in saved:
+            saved[key] = (where[0], t.untyped_storage().nbytes())
+        return t
+
+    def entering(name: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            where[0] = "layer" if type(modules[name]) is layer_type else where[0]
+
+        return hook
+
+    def leaving(name: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            if type(modules[name]) is layer_type:
+                where[0] = "after"
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(entering(n)) for n, m in modules.items()]
+    handles += [m.register_forward_hook(leaving(n)) for n, m in modules.items()]
+    mode = _FusedAttentionMode() if fused_attention else contextlib.nullcontext()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
+            builders.build_loss(config)(model(inputs), target)
+    finally:
+        for handle in handles:
+            handle.remove()
+    layers = sum(type(m) is layer_type for m in modules.values()) or 1
+    total = {
+        w: sum(n for place, n in saved.values() if place == w) for w in ("before", "layer", "after")
+    }
+    if not modules:  # no blocks to tell apart: the whole trace, spread over the layers
+        return Traced(layer=sum(total.values()) / layers, before=0.0, after=0.0)
+    return Traced(layer=total["layer"] / layers, before=total["before"], after=total["after"])
+
+
+def _has_blocks(model: nn.Module) -> bool:
+    return callable(getattr(model, "pipeline_blocks", None)) or isinstance(model, nn.Sequential)
+
+
+class _FusedAttention(torch.autograd.Function):
+    """What a fused attention kernel saves for backward (PyTorch's flash and memory-efficient
+    kernels, on CPU and GPU): its inputs, its output (in their layout, so that merging the heads
+    back is a view, not a copy) and a log-sum-exp per query row."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        shape = (*q.shape[:-1], v.shape[-1])
+        if q.dim() == 4:  # (batch, heads, sequence, dim), laid out as (batch, sequence, heads, dim)
+            out = q.new_empty((shape[0], shape[2], shape[1], shape[3])).transpose(1, 2)
+        else:
+            out = q.new_empty(shape)
+        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1]))
+        return out
+
+
+class _FusedAttentionMode(TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is F.scaled_dot_product_attention:
+            return _FusedAttention.apply(*args[:3])  # type: ignore[no-untyped-call]
+        return func(*args, **(kwargs or {}))
 
 
 def _defaults(config: JobConfig) -> dict[str, object]:
@@ -67,7 +161,7 @@ def plan_job(config: JobConfig, nproc: int) -> PlannedJob:
     derived = derive(config, nproc)
     degrees = derived.degrees
     par = config.parallel
-    model, dropout = model_of(config)
+    model, dropout, traced = model_of(config)
     sharded = degrees["dp_shard"] > 1
     layout = Layout(
         dp=derived.dp,
@@ -90,4 +184,4 @@ def plan_job(config: JobConfig, nproc: int) -> PlannedJob:
         optimizer = "sgd-momentum"
     # PyTorch's fused attention kernels run without dropout; with it, CPU falls back to the
     # unfused path that keeps the s × s scores.
-    return PlannedJob(model, layout, PRECISIONS[key], optimizer, dropout, not dropout)
+    return PlannedJob(model, layout, PRECISIONS[key], optimizer, dropout, not dropout, traced)

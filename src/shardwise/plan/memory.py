@@ -32,6 +32,17 @@ _DROPOUT_MASKS = 2  # after attention and after the MLP, one byte per value
 
 
 @dataclass(frozen=True)
+class Traced:
+    """Bytes one sample's forward pass saves for the backward pass, traced on the meta device
+    in fp32 without tensor parallelism (plan/job.py): per transformer layer (their mean), in the
+    blocks before the layers (the embedding), and after them (final norm, output layer, loss)."""
+
+    layer: float
+    before: float
+    after: float
+
+
+@dataclass(frozen=True)
 class Memory:
     """Bytes per device on the most loaded pipeline stage."""
 
@@ -132,10 +143,13 @@ def estimate(
     dropout: bool = True,
     fused_attention: bool = False,
     runtime: float = 0.0,
+    traced: Traced | None = None,
 ) -> Memory:
     """Memory per device on the most loaded stage: the first, which holds the embeddings and the
     most micro-batches in flight (the last stage's output layer is counted there too when
-    there is one stage). `runtime` is what the process holds beyond its tensors."""
+    there is one stage). `runtime` is what the process holds beyond its tensors; `traced`, a
+    job's model traced on the meta device, replaces the formulas' activation bytes (which then
+    only scale them with tensor and sequence parallelism, recomputation and precision)."""
     layers_here = -(-model.layers // layout.pp)
     psi = model.stage_params(layout.pp, layout.tp)
     params, grads, states = model_states(
@@ -145,28 +159,29 @@ def estimate(
         grads = precision.grad * psi
     if layout.offload_optimizer:
         states = 0.0
-    per_layer = layer_activations(
-        model,
-        layout.micro_batch,
-        tp=layout.tp,
-        sequence_parallel=layout.sequence_parallel,
-        recompute=layout.recompute,
-        value_bytes=precision.activation,
-        dropout=dropout,
-        fused_attention=fused_attention,
-    )
-    activations = layers_here * per_layer * in_flight(layout)
-    if layout.recompute == "full":  # one layer's activations are rebuilt at a time in backward
-        activations += layer_activations(
+
+    def one_layer(recompute: str = "none", tp: int = layout.tp, value_bytes: int = 4) -> float:
+        return layer_activations(
             model,
             layout.micro_batch,
-            tp=layout.tp,
-            sequence_parallel=layout.sequence_parallel,
-            value_bytes=precision.activation,
+            tp=tp,
+            sequence_parallel=layout.sequence_parallel and tp > 1,
+            recompute=recompute,
+            value_bytes=value_bytes,
             dropout=dropout,
             fused_attention=fused_attention,
         )
-    activations += _outside_layers(model, layout, precision, dropout=dropout)
+
+    per_layer = one_layer(layout.recompute, value_bytes=precision.activation)
+    rebuilt = one_layer(value_bytes=precision.activation)
+    if traced is not None:  # the traced bytes, scaled as the formulas scale with the layout
+        whole = one_layer(tp=1)
+        per_layer *= traced.layer * layout.micro_batch / whole
+        rebuilt *= traced.layer * layout.micro_batch / whole
+    activations = layers_here * per_layer * in_flight(layout)
+    if layout.recompute == "full":  # one layer's activations are rebuilt at a time in backward
+        activations += rebuilt
+    activations += _outside_layers(model, layout, precision, dropout=dropout, traced=traced)
     scratch = 0.0
     if optimizer in ("adam", "adamw") and not layout.offload_optimizer:
         # PyTorch's default (foreach) Adam computes sqrt(v) into a new parameter-sized fp32
@@ -177,7 +192,12 @@ def estimate(
 
 
 def _outside_layers(
-    model: Transformer, layout: Layout, precision: Precision, *, dropout: bool
+    model: Transformer,
+    layout: Layout,
+    precision: Precision,
+    *,
+    dropout: bool,
+    traced: Traced | None = None,
 ) -> float:
     """Korthikanti et al. §4.3: the embedding's dropout mask for each micro-batch in flight
     (s·b·h·p/t), and where the output layer is on the first stage (p = 1) the final norm's input
@@ -186,10 +206,13 @@ def _outside_layers(
     s, b, h, v = model.seq, layout.micro_batch, model.hidden, model.vocab
     t = layout.tp
     sp = t if layout.sequence_parallel else 1
-    embedding = (s * b * h / sp if dropout else 0.0) * in_flight(layout)
+    embedding = traced.before * b if traced else (s * b * h / sp if dropout else 0.0)
     if layout.pp > 1:
-        return embedding
-    return embedding + 2 * precision.activation * s * b * h / sp + 4 * s * b * v / t
+        return embedding * in_flight(layout)
+    output = 2 * precision.activation * s * b * h / sp + 4 * s * b * v / t
+    if traced is not None:  # scaled as the formula scales from fp32 on one device
+        output *= traced.after * b / (2 * 4 * s * b * h + 4 * s * b * v)
+    return embedding * in_flight(layout) + output
 
 
 def _buffers(model: Transformer, layout: Layout, precision: Precision) -> float:

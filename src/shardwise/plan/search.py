@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import RECOMPUTE, Layout, Precision, Recompute
-from shardwise.plan.memory import Memory, estimate
+from shardwise.plan.memory import Memory, Traced, estimate
 from shardwise.plan.model import Transformer, divisors
 from shardwise.plan.timing import StepTime, one_device_step, step_time
 
@@ -49,6 +49,8 @@ class Plan:
     tokens: float | None
     dropout: bool = True
     fused_attention: bool = True
+    traced: Traced | None = None
+    """A job's model traced on the meta device (activation bytes), when planning a job file."""
     ranked: list[Candidate] = field(default_factory=list)
     dropped: list[Candidate] = field(default_factory=list)
     one_device_step: float = 0.0
@@ -80,6 +82,7 @@ class Plan:
             dropout=self.dropout,
             fused_attention=self.fused_attention,
             runtime=self.hardware.runtime_memory,
+            traced=self.traced,
         )
         time = step_time(
             self.model, layout, self.precision, self.hardware, optimizer=self.optimizer
@@ -160,13 +163,14 @@ def search(
     fixed: Constraints = Constraints(),
     dropout: bool = True,
     fused_attention: bool = True,
+    traced: Traced | None = None,
 ) -> Plan:
     candidates = layouts(model, devices, global_batch, hardware.gpus_per_node, fixed)
     if not candidates:
         raise NoLayout(_why_none(model, devices, global_batch, hardware, fixed))
     plan = Plan(
         model, hardware, precision, optimizer, devices, global_batch, tokens,
-        dropout=dropout, fused_attention=fused_attention,
+        dropout=dropout, fused_attention=fused_attention, traced=traced,
     )  # fmt: skip
     plan.one_device_step = one_device_step(model, global_batch, precision, hardware, optimizer)
     for layout in candidates:
