@@ -4,17 +4,18 @@ the trainer supports on 2 ranks (and 1 process), as ratios. Targets: step time w
 memory within ±10%.
 
 Method: calibrate this machine (plan/calibrate.py: matmul rate, a transformer layer's achieved
-share of it, memory bandwidth, gloo all-reduce α/β), then run `shardwise train` for each layout
+share of it, memory bandwidth, α/β of gloo's all-reduce, all-gather and reduce-scatter, a
+tensor-parallel layer's rate, the runtime's memory), then run `shardwise train` for each layout
 with one thread per rank (a "device" is a core), the compute and memory rates measured again
-right before each run, and compare:
+right before and right after each run (their mean predicts it), and compare:
 - step time: global batch / median samples/s over the logged windows after warm-up;
 - memory: the largest rank's peak resident set after the second step (the first with optimizer
   state) minus what the process held before the model was built (interpreter, torch, process
-  group) — the planner predicts training's own memory, not the runtime's — in a separate short
-  run with glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_) so freed tensors leave the
-  resident set.
+  group), in a separate short run with glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_) so
+  freed tensors leave the resident set (the calibration measures the runtime's memory the same
+  way).
 
-    python bench/planner_accuracy.py                 # about 20 minutes on 2 cores
+    python bench/planner_accuracy.py                 # about 30 minutes on 2 cores
     python bench/planner_accuracy.py --steps 12 --repeats 1
 """
 
@@ -120,7 +121,7 @@ def predict(nproc: int, sets: list[str], hardware: Any) -> tuple[float, float, f
 def recalibrated(hardware: Any) -> Any:
     """The profile with its compute and memory rates measured again now (every core at once,
     about 3 s): this VM's speed drifts by 20% over minutes, so each run is predicted from rates
-    taken right before it; the all-reduce fit is kept from the full calibration."""
+    taken around it; the collectives' fits are kept from the full calibration."""
     from dataclasses import replace
 
     from shardwise.plan.calibrate import per_core_rates
@@ -131,10 +132,23 @@ def recalibrated(hardware: Any) -> Any:
     )
 
 
+def averaged(a: Any, b: Any) -> Any:
+    """The profile with the mean of two measurements of its compute and memory rates."""
+    from dataclasses import replace
+
+    return replace(
+        a,
+        peak_flops=(a.peak_flops + b.peak_flops) / 2,
+        utilisation=(a.peak_flops * a.utilisation + b.peak_flops * b.utilisation)
+        / (a.peak_flops + b.peak_flops),
+        memory_bandwidth=(a.memory_bandwidth + b.memory_bandwidth) / 2,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", nargs="*", help="layout names to run (default all)")
     args = parser.parse_args()
     from shardwise.plan.calibrate import calibrate
@@ -148,9 +162,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
             for i, (name, (nproc, sets)) in enumerate(chosen.items()):
-                now = recalibrated(hardware)
-                step, total, states = predict(nproc, sets, now)
+                before = recalibrated(hardware)
                 summary = train(nproc, sets, args.steps, Path(tmp) / f"{repeat}-{i}")
+                now = averaged(before, recalibrated(hardware))
+                step, total, states = predict(nproc, sets, now)
                 measured = 8 / summary["samples_per_second"]
                 runs[name].append((measured, step))
                 if repeat == 0:
