@@ -226,7 +226,10 @@ def collective_fits() -> dict[str, float]:
         ("all_gather", 1, 0.5),
         ("reduce_scatter", 1, 0.5),
     ):
-        intercept, slope = _line([(size, t) for (k, size), t in _kinds(measured) if k == kind])
+        times = [
+            (key[1], t) for key, t in measured.items() if isinstance(key, tuple) and key[0] == kind
+        ]
+        intercept, slope = _line(times)
         fits[kind] = Link(bandwidth=volume / slope, latency=max(intercept, 1e-6) / steps)
     link = fits["all_reduce"]
     activation = LAYER["batch"] * LAYER["seq"] * LAYER["hidden"] * 4
@@ -241,10 +244,6 @@ def collective_fits() -> dict[str, float]:
         "tensor_parallel_efficiency": min(1.0, measured["layer"] / (2 * split_compute)),
         "runtime_memory": measured["runtime"],
     }
-
-
-def _kinds(measured: dict[Any, float]) -> list[tuple[tuple[str, int], float]]:
-    return [(key, t) for key, t in measured.items() if isinstance(key, tuple)]
 
 
 def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
