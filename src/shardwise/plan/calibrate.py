@@ -122,7 +122,7 @@ def _collectives_worker(rank: int, store_path: str, results: dict[Any, float]) -
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, 2)  # type: ignore[attr-defined]
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    _return_freed_memory()
+    follows_tensors = _return_freed_memory()
     cpu = torch.device("cpu")
     before = current_bytes(cpu)  # as the trainer's baseline: after joining, before building
     try:
@@ -132,7 +132,8 @@ def _collectives_worker(rank: int, store_path: str, results: dict[Any, float]) -
         gc.collect()
         if rank == 0:
             results["layer"], results["tp_layer"] = whole_layer, split_layer
-            results["runtime"] = max(0, current_bytes(cpu) - before)
+            # unknown (0) where freed memory stays in the resident set
+            results["runtime"] = max(0, current_bytes(cpu) - before) if follows_tensors else 0
     finally:
         dist.destroy_process_group()
 
@@ -168,14 +169,19 @@ def _collective_seconds(rank: int, results: dict[Any, float]) -> None:
                 results[kind, size] = max(with_it - without, 1e-6)
 
 
-def _return_freed_memory() -> None:
+def _return_freed_memory() -> bool:
     """Have glibc map every allocation of 64 KiB or more on its own and unmap it when freed (as
     MALLOC_MMAP_THRESHOLD_=65536 does), so the resident set follows live tensors; by default it
-    keeps freed memory for reuse, which would count as the runtime's."""
+    keeps freed memory for reuse, which would count as the runtime's. False where the C library
+    has no `mallopt` (not glibc)."""
     import ctypes
 
     m_mmap_threshold = -3
-    ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 65536)
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(m_mmap_threshold, 65536))
 
 
 def _layer_seconds(*, tp: bool) -> float:
