@@ -101,14 +101,19 @@ def train(
     return summary
 
 
-def predict(nproc: int, sets: list[str], hardware: Any) -> tuple[float, float, float]:
-    """Predicted seconds per step, memory per rank, and model-state bytes per rank."""
+def planned(nproc: int, sets: list[str]) -> Any:
+    """The layout's job as the planner sees it (its model built and traced on the meta device)."""
     from shardwise.config import load_config
     from shardwise.plan.job import plan_job
-    from shardwise.plan.search import Plan
 
     config = load_config(REPO / "examples/text-gpt.toml", [*COMMON, *sets, "train.steps=1"])
-    job = plan_job(config, nproc)
+    return plan_job(config, nproc)
+
+
+def predict(job: Any, nproc: int, hardware: Any) -> tuple[float, float, float]:
+    """Predicted seconds per step, memory per rank, and model-state bytes per rank."""
+    from shardwise.plan.search import Plan
+
     plan = Plan(
         job.model, hardware, job.precision, job.optimizer, nproc, job.layout.global_batch, None,
         dropout=job.dropout, fused_attention=job.fused_attention, traced=job.traced,
@@ -157,6 +162,7 @@ def main() -> None:
     hardware = calibrate(progress=lambda line: print(line, flush=True))
     print(f"profile: {summary_of(hardware)}\n", flush=True)
     chosen = {n: v for n, v in LAYOUTS.items() if not args.only or n in args.only}
+    jobs = {name: planned(nproc, sets) for name, (nproc, sets) in chosen.items()}
     runs: dict[str, list[tuple[float, float]]] = {n: [] for n in chosen}  # (measured, predicted)
     memory: dict[str, tuple[float, float, float, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -165,7 +171,7 @@ def main() -> None:
                 before = recalibrated(hardware)
                 summary = train(nproc, sets, args.steps, Path(tmp) / f"{repeat}-{i}")
                 now = averaged(before, recalibrated(hardware))
-                step, total, states = predict(nproc, sets, now)
+                step, total, states = predict(jobs[name], nproc, now)
                 measured = 8 / summary["samples_per_second"]
                 runs[name].append((measured, step))
                 if repeat == 0:

@@ -37,6 +37,7 @@ from shardwise.config import ConfigError, Derived, JobConfig, ParallelSection
 from shardwise.parallel.pipeline import (
     Pipeline,
     balance,
+    blocks_if_any,
     explicit_split,
     pipeline_blocks,
     stage_indices,
@@ -90,7 +91,7 @@ def parallelize(
     parts = [pipe.modules[i] for i in sorted(pipe.modules)] if pipe else [model]
     wrapper = data_parallel_wrapper(degrees)
     for part in parts:
-        blocks = pipeline_blocks(part) if _has_blocks(part) else []
+        blocks = blocks_if_any(part)
         # 2. Tensor parallel.
         if degrees["tp"] > 1:
             apply_tensor_parallel(
@@ -188,14 +189,6 @@ def split_pipeline(
         modules={s: stage_module(model, blocks, set(stage_blocks[s])) for s in mine},
         block_names=stage_blocks,
     )
-
-
-def _has_blocks(model: nn.Module) -> bool:
-    try:
-        pipeline_blocks(model)
-    except ConfigError:
-        return False
-    return True
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -48,6 +48,14 @@ def pipeline_blocks(model: nn.Module) -> list[str]:
     )
 
 
+def blocks_if_any(model: nn.Module) -> list[str]:
+    """`pipeline_blocks(model)`, or none when the model is not a sequence of blocks."""
+    try:
+        return pipeline_blocks(model)
+    except ConfigError:
+        return []
+
+
 def stage_indices(schedule: str, *, pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
     """The global indices of the stages that live on pp rank `pp_rank`."""
     if schedule in V_SHAPED:

@@ -39,8 +39,8 @@ from shardwise.plan.hardware import THIS_MACHINE, Hardware
 from shardwise.plan.timing import Link, all_reduce
 
 SIZES = [4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20, 32 << 20]
-LAYER = {"hidden": 512, "seq": 128, "batch": 2}
-"""The transformer layer measured (8 heads, fp32)."""
+LAYER = {"hidden": 512, "heads": 8, "seq": 128, "batch": 2}
+"""The transformer layer measured (fp32)."""
 
 
 def _best_seconds(fn: Callable[[], object], repeats: int = 5, inner: int = 3) -> float:
@@ -63,19 +63,36 @@ def matmul_flops() -> float:
 
 
 def layer_flops() -> float:
-    from shardwise.models.gpt import build_gpt
     from shardwise.plan.model import Transformer
 
     hidden, seq, batch = LAYER["hidden"], LAYER["seq"], LAYER["batch"]
-    block = build_gpt(layers=1, heads=8, hidden=hidden, seq_len=seq).layers["0"]
-    x = torch.randn(batch, seq, hidden, requires_grad=True)
+    shape = Transformer(layers=1, hidden=hidden, heads=LAYER["heads"], vocab=0, seq=seq)
+    flops = 3 * shape.forward_flops_per_token() * batch * seq
+    return flops / _layer_seconds(tp=False)
+
+
+def _layer_seconds(*, tp: bool) -> float:
+    """The LAYER GPT block's forward and backward, whole, or split over this process group's
+    two ranks by the GPT's tensor-parallel plan (collectives included); in a process group, both
+    ranks at once."""
+    from shardwise.models.gpt import build_gpt
+
+    model = build_gpt(layers=1, heads=LAYER["heads"], hidden=LAYER["hidden"], seq_len=LAYER["seq"])
+    if tp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from shardwise.parallel.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(model, init_device_mesh("cpu", (2,)), None, sequence_parallel=False)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # both ranks measure at once
+    block = model.layers["0"]
+    x = torch.randn(LAYER["batch"], LAYER["seq"], LAYER["hidden"], requires_grad=True)
 
     def step() -> None:
         block(x).sum().backward()
 
-    shape = Transformer(layers=1, hidden=hidden, heads=8, vocab=0, seq=seq)
-    flops = 3 * shape.forward_flops_per_token() * batch * seq
-    return flops / _best_seconds(step)
+    return _best_seconds(step)
 
 
 def memory_bandwidth() -> float:
@@ -182,34 +199,6 @@ def _return_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(m_mmap_threshold, 65536))
-
-
-def _layer_seconds(*, tp: bool) -> float:
-    """A GPT block's forward and backward on this rank (both ranks at once), whole or split
-    over the two ranks by the GPT's tensor-parallel plan (collectives included)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    from shardwise.models.gpt import build_gpt
-
-    model = build_gpt(layers=1, heads=8, hidden=LAYER["hidden"], seq_len=LAYER["seq"])
-    block = model.layers["0"]
-    if tp:
-        prefix = "layers.0."
-        plan = {
-            name.removeprefix(prefix): style
-            for name, style in model.tp_plan().items()
-            if name.startswith(prefix)
-        }
-        parallelize_module(block, init_device_mesh("cpu", (2,)), plan)
-    x = torch.randn(LAYER["batch"], LAYER["seq"], LAYER["hidden"], requires_grad=True)
-
-    def step() -> None:
-        block(x).sum().backward()
-
-    dist.barrier()
-    return _best_seconds(step)
 
 
 def collective_fits() -> dict[str, float]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 
 from shardwise import builders
 from shardwise.config import ConfigError, JobConfig, derive
-from shardwise.parallel.pipeline import pipeline_blocks
+from shardwise.parallel.pipeline import blocks_if_any
 from shardwise.plan.layout import PRECISIONS, Layout, Precision
 from shardwise.plan.memory import Traced
 from shardwise.plan.model import Transformer
@@ -73,8 +72,7 @@ def trace_activations(config: JobConfig, model: nn.Module, *, fused_attention: b
     output and a log-sum-exp per row)."""
     train_set, _ = builders.build_datasets(config)
     inputs, target = (torch.as_tensor(x).unsqueeze(0).to("meta") for x in train_set[0])
-    blocks = pipeline_blocks(model) if _has_blocks(model) else []
-    modules = {name: model.get_submodule(name) for name in blocks}
+    modules = {name: model.get_submodule(name) for name in blocks_if_any(model)}
     kind = Counter(type(m) for m in modules.values()).most_common(1)
     layer_type = kind[0][0] if kind else None
     params = {p.untyped_storage()._cdata for p in model.parameters()}
@@ -87,21 +85,15 @@ def trace_activations(config: JobConfig, model: nn.Module, *, fused_attention: b
             saved[key] = (where[0], t.untyped_storage().nbytes())
         return t
 
-    def entering(name: str) -> Callable[..., None]:
-        def hook(*_: Any) -> None:
-            where[0] = "layer" if type(modules[name]) is layer_type else where[0]
+    def entering(*_: Any) -> None:
+        where[0] = "layer"
 
-        return hook
+    def leaving(*_: Any) -> None:
+        where[0] = "after"
 
-    def leaving(name: str) -> Callable[..., None]:
-        def hook(*_: Any) -> None:
-            if type(modules[name]) is layer_type:
-                where[0] = "after"
-
-        return hook
-
-    handles = [m.register_forward_pre_hook(entering(n)) for n, m in modules.items()]
-    handles += [m.register_forward_hook(leaving(n)) for n, m in modules.items()]
+    layer_modules = [m for m in modules.values() if type(m) is layer_type]
+    handles = [m.register_forward_pre_hook(entering) for m in layer_modules]
+    handles += [m.register_forward_hook(leaving) for m in layer_modules]
     mode = _FusedAttentionMode() if fused_attention else contextlib.nullcontext()
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
@@ -109,17 +101,13 @@ def trace_activations(config: JobConfig, model: nn.Module, *, fused_attention: b
     finally:
         for handle in handles:
             handle.remove()
-    layers = sum(type(m) is layer_type for m in modules.values()) or 1
+    layers = len(layer_modules) or 1
     total = {
         w: sum(n for place, n in saved.values() if place == w) for w in ("before", "layer", "after")
     }
     if not modules:  # no blocks to tell apart: the whole trace, spread over the layers
         return Traced(layer=sum(total.values()) / layers, before=0.0, after=0.0)
     return Traced(layer=total["layer"] / layers, before=total["before"], after=total["after"])
-
-
-def _has_blocks(model: nn.Module) -> bool:
-    return callable(getattr(model, "pipeline_blocks", None)) or isinstance(model, nn.Sequential)
 
 
 class _FusedAttention(torch.autograd.Function):

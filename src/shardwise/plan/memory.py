@@ -150,7 +150,7 @@ def estimate(
     there is one stage). `runtime` is what the process holds beyond its tensors; `traced`, a
     job's model traced on the meta device, replaces the formulas' activation bytes (which then
     only scale them with tensor and sequence parallelism, recomputation and precision)."""
-    layers_here = -(-model.layers // layout.pp)
+    layers_here = model.layers_per_stage(layout.pp)
     psi = model.stage_params(layout.pp, layout.tp)
     params, grads, states = model_states(
         psi, dp=layout.dp, zero=layout.zero, precision=precision, optimizer=optimizer
@@ -224,7 +224,7 @@ def _buffers(model: Transformer, layout: Layout, precision: Precision) -> float:
     it, keeps gradients inside its all-reduce buckets: no copy.)"""
     if layout.zero < 3 or layout.dp == 1:
         return 0.0
-    layers_here = -(-model.layers // layout.pp)
+    layers_here = model.layers_per_stage(layout.pp)
     layer = model.layer_params / layout.tp * precision.param
     if layout.hold_gathered_params:
         return (layers_here + 1) * layer

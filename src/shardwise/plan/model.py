@@ -71,8 +71,11 @@ class Transformer:
         embeddings, split across `tp`; a built model's exact count scales the formula."""
         formula = self.layers * self.layer_params + self.embedding_params
         scale = 1.0 if self.measured_params is None else self.measured_params / formula
-        layers_here = -(-self.layers // pp)
-        return scale * (layers_here * self.layer_params + self.embedding_params) / tp
+        return scale * (self.layers_per_stage(pp) * self.layer_params + self.embedding_params) / tp
+
+    def layers_per_stage(self, pp: int) -> int:
+        """Layers on the most loaded of `pp` pipeline stages."""
+        return -(-self.layers // pp)
 
 
 def megatron_params(layers: int, hidden: int, vocab: int, seq: int) -> float:

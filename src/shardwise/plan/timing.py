@@ -208,7 +208,7 @@ def tensor_parallel_comm(
     else:
         per_layer, embedding, head_input = passes * ar, ar, ar
     logits = all_gather(activation / model.hidden * model.vocab, t, link)
-    layers_here = math.ceil(model.layers / layout.pp)
+    layers_here = model.layers_per_stage(layout.pp)
     last = head_input + logits if layout.pp == 1 else 0.0  # the first stage is the busiest
     return layers_here * per_layer + embedding + last
 
