@@ -128,7 +128,7 @@ def test_the_meta_trace_saves_what_a_real_forward_on_cpu_does(tmp_path, dropout)
     config = gpt_job(tmp_path, model={"args": args})
     with torch.device("meta"):
         meta = builders.build_model(config)
-    traced = trace_activations(config, meta, fused_attention=dropout == 0)
+    traced = trace_activations(config, meta, layers=3, fused_attention=dropout == 0)
 
     real = builders.build_model(config)
     params = {p.untyped_storage().data_ptr() for p in real.parameters()}
@@ -147,3 +147,29 @@ def test_the_meta_trace_saves_what_a_real_forward_on_cpu_does(tmp_path, dropout)
     real_bytes = sum(saved.values())
     assert 3 * traced.layer + traced.before + traced.after == pytest.approx(real_bytes, abs=520)
     assert traced.after >= 32 * 256 * 4  # the log-softmax of the logits: after the layers
+
+
+def test_a_model_without_blocks_is_traced_whole_over_its_layers(tmp_path):
+    import torch
+    from torch import nn
+
+    from helpers import gpt_job
+    from shardwise import builders
+    from shardwise.plan.job import trace_activations
+
+    config = gpt_job(tmp_path, model={"args": {"layers": 3, "heads": 4, "hidden": 64}})
+    with torch.device("meta"):
+        gpt = builders.build_model(config)
+
+    class Opaque(nn.Module):  # no pipeline_blocks(): its blocks cannot be told apart
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = gpt
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x)  # type: ignore[no-any-return]
+
+    blocks = trace_activations(config, gpt, layers=3, fused_attention=False)
+    whole = trace_activations(config, Opaque(), layers=3, fused_attention=False)
+    assert whole.before == whole.after == 0
+    assert 3 * whole.layer == 3 * blocks.layer + blocks.before + blocks.after

@@ -60,14 +60,18 @@ def model_of(config: JobConfig) -> tuple[Transformer, bool, Traced]:
         measured_params=count,
     )
     dropout = float(args.get("dropout", 0.0)) > 0
-    return shape, dropout, trace_activations(config, model, fused_attention=not dropout)
+    traced = trace_activations(config, model, layers=shape.layers, fused_attention=not dropout)
+    return shape, dropout, traced
 
 
-def trace_activations(config: JobConfig, model: nn.Module, *, fused_attention: bool) -> Traced:
+def trace_activations(
+    config: JobConfig, model: nn.Module, *, layers: int, fused_attention: bool
+) -> Traced:
     """Run one sample through the meta-device model and its loss, recording the bytes of every
     tensor autograd saves for backward (each storage once, parameters excluded), attributed to
     the block running at the time: the repeated blocks are the transformer layers, those before
-    and after them the rest. On the meta device attention decomposes into its unfused parts;
+    and after them the rest (a model that is not a sequence of blocks: the whole trace over its
+    `layers`). On the meta device attention decomposes into its unfused parts;
     with `fused_attention` it saves what the fused kernels keep instead (query, key, value, the
     output and a log-sum-exp per row)."""
     train_set, _ = builders.build_datasets(config)
@@ -101,13 +105,13 @@ def trace_activations(config: JobConfig, model: nn.Module, *, fused_attention: b
     finally:
         for handle in handles:
             handle.remove()
-    layers = len(layer_modules) or 1
     total = {
         w: sum(n for place, n in saved.values() if place == w) for w in ("before", "layer", "after")
     }
     if not modules:  # no blocks to tell apart: the whole trace, spread over the layers
         return Traced(layer=sum(total.values()) / layers, before=0.0, after=0.0)
-    return Traced(layer=total["layer"] / layers, before=total["before"], after=total["after"])
+    per_layer = total["layer"] / len(layer_modules)
+    return Traced(layer=per_layer, before=total["before"], after=total["after"])
 
 
 class _FusedAttention(torch.autograd.Function):
