@@ -327,3 +327,19 @@ def test_a_job_across_two_nodes_survives_one_nodes_workers_being_killed(tmp_path
     final = load_params(tmp_path / "run" / "checkpoints" / "step_00000016")
     for name, value in want_params.items():
         assert torch.equal(final[name], value), name
+
+
+def test_a_failing_final_evaluation_keeps_the_final_checkpoint(tmp_path):
+    """The last step's checkpoint is written before the last evaluation: a model that fails in
+    evaluation loses nothing it trained."""
+    job = gpt_job(
+        tmp_path,
+        model={"name": "tests.zoo:fails_in_evaluation", "args": {}},
+        data={"name": "digits", "args": {}},
+        train={"steps": 6, "global_batch": 16, "micro_batch": 8},
+    )
+    with pytest.raises(shardwise.WorkerFailed, match="injected failure in evaluation"):
+        shardwise.train(job, nproc=2)
+    final = tmp_path / "checkpoints" / "step_00000006"
+    assert problem(str(final)) is None
+    assert load_params(final).keys() == {"body.1.weight", "body.1.bias"}

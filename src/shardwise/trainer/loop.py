@@ -277,23 +277,14 @@ def loop(
             metrics.update(stats)
             losses, clock, window_start = [], time.perf_counter(), step
             report.report(tracker, display, stats, step)
-        # Evaluation and checkpoint time is moved out of the throughput window (clock += ...).
-        if _due(step, cfg.eval.every_steps, steps) and run.eval_data is not None:
-            if watchdog is not None:
-                watchdog.beat()
-            began = time.perf_counter()
-            evaluation = evaluate(run)
-            clock += time.perf_counter() - began
-            metrics.update(evaluation)
-            report.report(tracker, None, evaluation, step)
-            if display is not None:
-                display.report(step, evaluation)
+        # Checkpoint, then evaluate (a failing evaluation loses nothing that was trained); their
+        # time is moved out of the throughput window (clock += ...).
         if _due(step, cfg.checkpoint.every_steps, steps) or stop:
             if watchdog is not None:
                 watchdog.beat()
             began = time.perf_counter()
             try:
-                checkpoint = save(run, step)
+                checkpoint = save(run, step, final=step == steps)
                 saved = {"checkpoint/save_s": time.perf_counter() - began}
             except SaveFailed as failure:
                 if cfg.checkpoint.fail_on_save_error:
@@ -307,6 +298,16 @@ def loop(
                     )
             clock += time.perf_counter() - began
             report.report(tracker, None, saved, step)
+        if _due(step, cfg.eval.every_steps, steps) and run.eval_data is not None:
+            if watchdog is not None:
+                watchdog.beat()
+            began = time.perf_counter()
+            evaluation = evaluate(run)
+            clock += time.perf_counter() - began
+            metrics.update(evaluation)
+            report.report(tracker, None, evaluation, step)
+            if display is not None:
+                display.report(step, evaluation)
         if watchdog is not None:
             watchdog.finished(step)
         run.faults.after_step(step)
@@ -378,8 +379,10 @@ class SaveFailed(RuntimeError):
     """Writing a checkpoint failed on every rank (what was written of it is removed)."""
 
 
-def save(run: Run, step: int) -> str:
-    """Checkpoint the run at `step`; a failed write raises `SaveFailed` after cleaning up."""
+def save(run: Run, step: int, *, final: bool = False) -> str:
+    """Checkpoint the run at `step`; a failed write raises `SaveFailed` after cleaning up. The
+    `final` checkpoint is committed before this returns, even an asynchronous one, so that
+    nothing after it (the last evaluation) can lose the trained model."""
     state = train_state.capture(
         parts=run.parts,
         optimizers=run.optimizers,
@@ -391,7 +394,10 @@ def save(run: Run, step: int) -> str:
     )
     try:
         run.faults.before_save(step)
-        return run.checkpoints.save(step, state, _manifest(run))
+        path = run.checkpoints.save(step, state, _manifest(run))
+        if final:
+            run.checkpoints.wait()
+        return path
     except WriteFailed as e:  # the previous, asynchronous save
         raise SaveFailed(f"saving the checkpoint of step {e.step} failed: {e}") from e
     except (OSError, RuntimeError, CheckpointException) as e:
