@@ -204,3 +204,32 @@ def test_pipeline_reports_measured_and_theoretical_bubble(runs):
     for rank in summary(runs, "pp-GPipe")["memory"]:
         assert rank["bubble_theory"] == pytest.approx((2 - 1) / (4 + 2 - 1))
         assert 0.0 <= rank["bubble"] < 1.0
+
+
+def _dry_run_each(jobs: list[tuple[str, dict[str, Any]]]) -> dict[str, str]:
+    import traceback
+
+    from shardwise.config import JobConfig
+    from shardwise.trainer.loop import dry_run
+
+    failures = {}
+    for name, config in jobs:
+        try:
+            dry_run(JobConfig.model_validate(config), torch.device("cpu"))
+        except Exception:
+            failures[name] = traceback.format_exc()
+    return failures
+
+
+@pytest.mark.parametrize(
+    ("world", "layouts"),
+    [(2, {"ddp": {}, **TWO_RANKS}), (4, FOUR_RANKS)],
+    ids=["2-ranks", "4-ranks"],
+)
+def test_dry_run_builds_every_layout(tmp_path, world, layouts):
+    """`--dry-run` lays the model out on the meta device under every layout (DDP included,
+    which cannot wrap meta parameters) and allocates nothing."""
+    jobs = [(n, job(tmp_path / n, p)) for n, p in layouts.items()]
+    failed = {n: tb for f in run_distributed(_dry_run_each, world, jobs) for n, tb in f.items()}
+    assert not failed, "\n".join(f"{n}:\n{tb}" for n, tb in failed.items())
+    assert not any((tmp_path / n).exists() for n in layouts)  # nothing written

@@ -258,6 +258,23 @@ def test_ctrl_c_stops_every_process(tmp_path):
     assert session_processes(proc.pid) == []
 
 
+def test_dry_run_of_the_default_layout(tmp_path):
+    """The README's dry run of the demo job (plain data parallelism: DDP)."""
+    done = shardwise(
+        "train",
+        "examples/digits.toml",
+        "--nproc",
+        "2",
+        "--dry-run",
+        "--set",
+        f"job.run_dir={tmp_path / 'run'}",
+    )
+    assert done.returncode == 0, done.stderr
+    assert "data-parallel wrapper: ddp" in done.stdout
+    assert "dry run: what each rank holds" in done.stdout
+    assert not (tmp_path / "run").exists()
+
+
 def test_dry_run_shows_the_layout_without_training(tmp_path):
     done = shardwise(
         "train",

@@ -14,7 +14,8 @@ The transforms apply in a fixed order, each to what the previous one produced:
 
 Between 4's FSDP2 and DDP, `init` gives the parameters storage: FSDP2 and tensor parallelism work on
 meta tensors, so each rank allocates only its shard; DDP broadcasts rank 0's weights when it wraps,
-so it needs real ones.
+so it needs real ones. Without `init` (a dry run) the parameters stay on the meta device and DDP,
+which has nothing to broadcast, is named but not applied.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def parallelize(
     parallel: ParallelSection,
     *,
     device: torch.device,
-    init: Callable[[list[nn.Module]], None],
+    init: Callable[[list[nn.Module]], None] | None,
     tp_plan: PlanFn | None = None,
     param_dtype: torch.dtype | None = None,
     block_costs: list[float] | None = None,
@@ -102,9 +103,10 @@ def parallelize(
         # 4a. FSDP2 or its replicate mode.
         if wrapper in ("fsdp", "replicate"):
             shard(part, blocks, mesh, degrees, parallel, param_dtype=param_dtype)
-    init(parts)
+    if init is not None:
+        init(parts)
     # 4b. DDP.
-    if wrapper == "ddp":
+    if wrapper == "ddp" and init is not None:
         parts = [
             DistributedDataParallel(
                 part,

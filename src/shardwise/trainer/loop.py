@@ -184,8 +184,6 @@ def build_layout(
         model = builders.build_model(config)
 
     def init(parts: list[nn.Module]) -> None:
-        if not materialize_weights:
-            return
         if use_meta:
             materialize(parts, template, seed=config.job.seed, device=device)
         else:
@@ -208,7 +206,7 @@ def build_layout(
         derived,
         config.parallel,
         device=device,
-        init=init,
+        init=init if materialize_weights else None,
         tp_plan=tp_plan,
         param_dtype=DTYPES.get(config.train.precision),
         block_costs=costs,
