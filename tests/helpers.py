@@ -126,6 +126,29 @@ def run_distributed(
                     p.join()
 
 
+def train_in_workers(
+    nproc: int, jobs: list[tuple[str, dict[str, Any], str | None]], timeout: float = 900
+) -> dict[str, str]:
+    """Train each `(name, config as JSON, resume)` in turn in one set of `nproc` workers (the
+    start-up cost is paid once); returns the traceback of every job that failed, by name."""
+    per_rank = run_distributed(_train_each, nproc, jobs, timeout=timeout)
+    return {name: tb for failures in per_rank for name, tb in failures.items()}
+
+
+def _train_each(jobs: list[tuple[str, dict[str, Any], str | None]]) -> dict[str, str]:
+    """In every rank: train each job in turn; a failure is recorded and the next job runs."""
+    from shardwise.config import JobConfig
+    from shardwise.trainer.loop import train
+
+    failures = {}
+    for name, config, resume in jobs:
+        try:
+            train(JobConfig.model_validate(config), device=torch.device("cpu"), resume=resume)
+        except Exception:
+            failures[name] = traceback.format_exc()
+    return failures
+
+
 def _entry(fn, rank, world_size, store, results, args):  # runs in each spawned process
     import gc
 

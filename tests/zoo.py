@@ -24,3 +24,19 @@ class FailsInEvaluation(nn.Module):
 
 def fails_in_evaluation() -> nn.Module:
     return FailsInEvaluation()
+
+
+def bn_cnn(*, channels: int = 8) -> nn.Sequential:
+    """The tutorial CNN for 8×8 digits, with batch normalisation after each convolution (whose
+    bias BatchNorm would cancel: left out, as ResNets do)."""
+    return nn.Sequential(
+        nn.Conv2d(1, channels, 3, padding=1, bias=False),
+        nn.BatchNorm2d(channels),
+        nn.ReLU(),
+        nn.Conv2d(channels, 2 * channels, 3, padding=1, bias=False),
+        nn.BatchNorm2d(2 * channels),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(2 * channels * 16, 10),
+    )

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from helpers import gpt_job, load_params, losses, run_distributed
+from helpers import gpt_job, load_params, losses, run_distributed, train_in_workers
 
 pytestmark = pytest.mark.slow
 LOSS_RTOL, PARAM_ATOL = 1e-5, 2e-5
@@ -93,45 +93,24 @@ def user_job(run_dir: Path, parallel: dict[str, Any]) -> dict[str, Any]:
     return gpt_job(run_dir, **sections).model_dump(mode="json")
 
 
-def _train_each(jobs: list[tuple[str, dict[str, Any], str | None]]) -> dict[str, str]:
-    """In every rank: train each job in turn; a failure is recorded and the next job runs."""
-    import traceback
-
-    from shardwise.config import JobConfig
-    from shardwise.trainer.loop import train
-
-    failures = {}
-    for name, config, resume in jobs:
-        try:
-            train(JobConfig.model_validate(config), device=torch.device("cpu"), resume=resume)
-        except Exception:
-            failures[name] = traceback.format_exc()
-    return failures
-
-
-def _run(nproc: int, jobs: list[tuple[str, dict[str, Any], str | None]]) -> dict[str, str]:
-    per_rank = run_distributed(_train_each, nproc, jobs, timeout=900)
-    return {name: tb for failures in per_rank for name, tb in failures.items()}
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("layouts")
-    failures = _run(
+    failures = train_in_workers(
         1,
         [
             ("reference", job(root / "reference", {}), None),
             ("user-reference", user_job(root / "user-reference", {}), None),
         ],
     )
-    failures |= _run(
+    failures |= train_in_workers(
         2,
         [(n, job(root / n, p), None) for n, p in TWO_RANKS.items()]
         + [(n, user_job(root / n, p), None) for n, p in USER_LAYOUTS.items()],
     )
-    failures |= _run(4, [(n, job(root / n, p), None) for n, p in FOUR_RANKS.items()])
+    failures |= train_in_workers(4, [(n, job(root / n, p), None) for n, p in FOUR_RANKS.items()])
     for world in (1, 2):
-        failures |= _run(
+        failures |= train_in_workers(
             world,
             [
                 (name, job(root / name, layout), str(root / source / "checkpoints/step_00000005"))

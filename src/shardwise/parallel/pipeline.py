@@ -168,9 +168,24 @@ def measure_block_costs(
 
 class TimedStage(PipelineStage):
     """A pipeline stage that adds up the time it spends computing (forward and backward chunks),
-    so that the bubble, the time a rank waits, can be measured."""
+    so that the bubble, the time a rank waits, can be measured; and whose shape inference leaves
+    no trace in the model."""
 
     busy_seconds: float = 0.0
+
+    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        """torch learns what flows between stages by running each stage once, in training mode,
+        before the first step: the first stage on the first micro-batch, the others on
+        uninitialised tensors of the right shape. Buffers (BatchNorm's running statistics) must
+        never see that forward, so they are put back afterwards. (torch itself keeps the random
+        streams out of it.)"""
+        saved = [b.detach().clone() for b in self.submod.buffers()]
+        try:
+            return super()._forward_metadata_inference(*args, **kwargs)
+        finally:
+            with torch.no_grad():
+                for buffer, value in zip(self.submod.buffers(), saved, strict=True):
+                    buffer.copy_(value)
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         began = time.perf_counter()
