@@ -4,8 +4,12 @@ contract. The tests name them by import path (`tests.zoo:...`), as a user's job 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 
 class FailsInEvaluation(nn.Module):
@@ -40,3 +44,60 @@ def bn_cnn(*, channels: int = 8) -> nn.Sequential:
         nn.Flatten(),
         nn.Linear(2 * channels * 16, 10),
     )
+
+
+class TiedLM(nn.Module):
+    """A small language model whose output layer shares the embedding's weight (GPT-2's and most
+    Hugging Face models' `tie_word_embeddings`), a sequence of blocks for pipelines."""
+
+    def __init__(self, vocab: int, hidden: int, layers: int) -> None:
+        super().__init__()
+        self.embed: nn.Embedding | None = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleDict(
+            {
+                str(i): nn.Sequential(
+                    nn.LayerNorm(hidden),
+                    nn.Linear(hidden, 2 * hidden),
+                    nn.GELU(),
+                    nn.Linear(2 * hidden, hidden),
+                )
+                for i in range(layers)
+            }
+        )
+        self.final: nn.Sequential | None = nn.Sequential(
+            nn.LayerNorm(hidden), nn.Linear(hidden, vocab, bias=False)
+        )
+        self.final[1].weight = self.embed.weight
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            h = self.embed(h)
+        for layer in self.layers.values():
+            h = h + layer(h)
+        if self.final is not None:
+            h = self.final(h)
+        return h
+
+    def pipeline_blocks(self) -> list[str]:
+        names = ["embed"] if self.embed is not None else []
+        names += [f"layers.{k}" for k in self.layers]
+        return names + (["final"] if self.final is not None else [])
+
+
+def tied_lm(*, vocab: int = 256, hidden: int = 32, layers: int = 2) -> nn.Module:
+    return TiedLM(vocab, hidden, layers)
+
+
+def tied_lm_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[str, Any]:
+    """The embedding split by vocabulary rows, the tied output layer by the same rows (its
+    output columns), Megatron's MLP split in between."""
+    del sequence_parallel
+    plan: dict[str, Any] = {}
+    if getattr(model, "embed", None) is not None:
+        plan["embed"] = RowwiseParallel(input_layouts=Replicate())
+    for key in getattr(model, "layers", {}):
+        plan[f"layers.{key}.1"] = ColwiseParallel()
+        plan[f"layers.{key}.3"] = RowwiseParallel()
+    if getattr(model, "final", None) is not None:
+        plan["final.1"] = ColwiseParallel(output_layouts=Replicate())
+    return plan

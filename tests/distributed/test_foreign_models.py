@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from helpers import gpt_job, load_params, losses, train_in_workers
+from shardwise.checkpoint.export import export_safetensors, load_exported
 
 pytestmark = pytest.mark.slow
 LOSS_RTOL, PARAM_ATOL = 1e-5, 2e-5
@@ -29,7 +30,15 @@ BN_CNN = {
     "train": {"steps": STEPS, "global_batch": 16, "micro_batch": 4, "lr": 1e-2},
     "eval": {"max_samples": 64},
 }
-ONE_PROCESS = {"bn-cnn": (BN_CNN, {})}
+# tied weights: the output layer is the embedding
+TIED = {
+    "model": {"name": "tests.zoo:tied_lm", "args": {}},
+    "data": {"args": {"seq_len": 16, "max_bytes": 20_000}},
+    "train": {"steps": STEPS, "global_batch": 8, "micro_batch": 2, "lr": 3e-3},
+}
+TIED_META = {**TIED, "model": {**TIED["model"], "init": "meta"}}
+TIED_PLAN = "tests.zoo:tied_lm_tp_plan"
+ONE_PROCESS = {"bn-cnn": (BN_CNN, {}), "tied": (TIED, {}), "tied-meta": (TIED_META, {})}
 TWO_RANKS = {
     "bn-cnn-pp-GPipe": (BN_CNN, {"pp": 2, "pipeline_schedule": "GPipe"}),
     "bn-cnn-pp-1F1B": (BN_CNN, {"pp": 2, "pipeline_schedule": "1F1B"}),
@@ -42,6 +51,15 @@ GPT_DROPOUT = {
     "checkpoint": {"every_steps": 4},
 }
 TWO_RANKS["gpt-dropout-pp"] = (GPT_DROPOUT, {"pp": 2})
+TIED_LAYOUTS = {
+    "tied-ddp": {},
+    "tied-fsdp": {"dp_shard": 2},
+    "tied-tp": {"tp": 2, "tp_plan": TIED_PLAN},
+    "tied-pp-1F1B": {"pp": 2},
+    "tied-pp-ZBVZeroBubble": {"pp": 2, "pipeline_schedule": "ZBVZeroBubble"},
+}
+TWO_RANKS |= {name: (TIED, parallel) for name, parallel in TIED_LAYOUTS.items()}
+TWO_RANKS["tied-meta-fsdp"] = (TIED_META, {"dp_shard": 2})
 RESUMED = {"gpt-dropout-pp-resumed": (GPT_DROPOUT, {"pp": 2}, "gpt-dropout-pp")}
 FOUR_RANKS = {"bn-cnn-dp2-pp2": (BN_CNN, {"dp_replicate": 2, "pp": 2})}
 
@@ -132,3 +150,30 @@ def test_a_resumed_pipeline_draws_the_same_dropout_masks(runs):
         want_losses[s] for s in range(5, STEPS + 1)
     ]
     assert all(torch.equal(got_state[n], v) for n, v in want_state.items())
+
+
+def assert_tied(state: dict[str, torch.Tensor]) -> None:
+    assert torch.equal(state["embed.weight"], state["final.1.weight"])
+
+
+def test_tied_weights_stay_tied_on_one_process(runs):
+    assert_tied(outcome(runs, "tied")[1])
+    assert_tied(outcome(runs, "tied-meta")[1])  # initialised on the meta device
+
+
+@pytest.mark.parametrize("name", TIED_LAYOUTS)
+def test_tied_weights_stay_tied_under_every_layout(runs, name):
+    """One process's training, both ends of the tie equal: under a pipeline the stages that
+    hold a copy add their gradients (Megatron's embedding group), on one rank or across ranks."""
+    got = outcome(runs, name)
+    assert_tied(got[1])
+    assert_same_training(got, outcome(runs, "tied"))
+    exported = runs["root"] / name / "model.safetensors"
+    export_safetensors(runs["root"] / name / "checkpoints" / f"step_{STEPS:08d}", exported)
+    assert_tied(load_exported(exported))
+
+
+def test_tied_weights_initialised_on_the_meta_device_under_fsdp(runs):
+    got = outcome(runs, "tied-meta-fsdp")
+    assert_tied(got[1])
+    assert_same_training(got, outcome(runs, "tied-meta"))

@@ -40,6 +40,7 @@ from shardwise.parallel.pipeline import (
     balance,
     blocks_if_any,
     explicit_split,
+    held_names,
     pipeline_blocks,
     stage_indices,
     stage_module,
@@ -50,6 +51,7 @@ from shardwise.parallel.tensor import (
     apply_tensor_parallel,
     tensor_parallel_plan,
 )
+from shardwise.parallel.ties import connect, retie, spanning_ties, tied_groups
 
 
 @dataclass
@@ -85,6 +87,7 @@ def parallelize(
     block_costs: list[float] | None = None,
 ) -> Layout:
     degrees = derived.degrees
+    ties = tied_groups(model)
     # 1. Pipeline split.
     pipe = (
         split_pipeline(model, mesh, derived, parallel, block_costs) if degrees["pp"] > 1 else None
@@ -93,11 +96,12 @@ def parallelize(
     wrapper = data_parallel_wrapper(degrees)
     for part in parts:
         blocks = blocks_if_any(part)
-        # 2. Tensor parallel.
+        # 2. Tensor parallel (which gives each name of a tied weight a parameter of its own).
         if degrees["tp"] > 1:
             apply_tensor_parallel(
                 part, mesh["tp"], tp_plan, sequence_parallel=parallel.sequence_parallel
             )
+            retie(part, ties)
         # 3. Activation checkpointing.
         apply_activation_checkpointing(part, blocks, parallel.activation_checkpoint)
         # 4a. FSDP2 or its replicate mode.
@@ -144,14 +148,41 @@ def shard(
         )
     else:
         wrap = functools.partial(replicate, mesh=mesh["dp_replicate"], mp_policy=policy)
-    for name in blocks:
-        wrap(part.get_submodule(name))
+    for group in _blocks_by_shared_parameters(part, blocks):
+        # blocks that share a parameter (a tied embedding and output layer) form one group
+        wrap(
+            [part.get_submodule(name) for name in group]
+            if len(group) > 1
+            else part.get_submodule(group[0])
+        )
     wrap(part)
     for module in part.modules():
         if isinstance(module, FSDPModule):
             # gloo turns ReduceOp.AVG into a plain sum in reduce-scatter (pytorch#162338):
             # reduce with SUM and let FSDP divide by the data-parallel size itself.
             module.set_force_sum_reduction_for_comms(True)
+
+
+def _blocks_by_shared_parameters(part: nn.Module, blocks: list[str]) -> list[list[str]]:
+    """The blocks in groups of those that share a parameter (most blocks are alone)."""
+    parent = list(range(len(blocks)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    first_holder: dict[int, int] = {}
+    for i, name in enumerate(blocks):
+        for param in part.get_submodule(name).parameters():
+            if id(param) in first_holder:
+                parent[root(i)] = root(first_holder[id(param)])
+            else:
+                first_holder[id(param)] = i
+    groups: dict[int, list[str]] = {}
+    for i, name in enumerate(blocks):
+        groups.setdefault(root(i), []).append(name)
+    return list(groups.values())
 
 
 def split_pipeline(
@@ -182,6 +213,9 @@ def split_pipeline(
             owner[s] = r
     pp_rank = mesh.get_local_rank("pp")
     mine = [s for s in range(num_stages) if owner[s] == pp_rank]
+    held = {s: held_names(model, blocks, set(stage_blocks[s])) for s in range(num_stages)}
+    ties = spanning_ties(model, held, owner, pp_rank)
+    connect(ties, pp_slices(mesh), mesh.get_group("pp"))
     return Pipeline(
         schedule_name=schedule,
         num_stages=num_stages,
@@ -190,7 +224,15 @@ def split_pipeline(
         owner=owner,
         modules={s: stage_module(model, blocks, set(stage_blocks[s])) for s in mine},
         block_names=stage_blocks,
+        ties=ties,
     )
+
+
+def pp_slices(mesh: DeviceMesh) -> list[list[int]]:
+    """The global ranks of every pipeline (each pp group), in pp order."""
+    pp = mesh["pp"].size()
+    ranks: list[list[int]] = mesh.mesh.movedim(0, -1).reshape(-1, pp).tolist()
+    return ranks
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -23,13 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-# Segments that wrappers insert into parameter names (activation checkpointing, DDP, compile).
-_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "module", "_orig_mod")
-
-
-def clean_name(name: str) -> str:
-    """A parameter's name as in the user's model, without the segments wrappers insert."""
-    return ".".join(p for p in name.split(".") if p not in _WRAPPER_SEGMENTS)
+from shardwise.parallel.ties import aliases, clean_name, retie, tied_groups
 
 
 def module_seed(seed: int, name: str) -> int:
@@ -49,17 +43,26 @@ def materialize(
     parts: list[nn.Module], template: nn.Module, *, seed: int, device: torch.device
 ) -> None:
     """Give the (parallelized, meta) `parts` storage on `device` and fill every parameter and
-    buffer with this rank's slice of the value the unsharded `template` (on meta) would get."""
-    targets: dict[str, torch.Tensor] = {}
+    buffer with this rank's slice of the value the unsharded `template` (on meta) would get.
+
+    A tied parameter takes the value its first name's module gives it, on every stage that
+    holds one of its names, as in the built model (the output layer holds the embedding)."""
+    groups = tied_groups(template)
+    tied = aliases(groups)
+    targets: dict[str, list[torch.Tensor]] = {}
     for part in parts:
         part.to_empty(device=device)
+        retie(part, groups)  # to_empty gave every name a parameter of its own
         for name, tensor in itertools.chain(part.named_parameters(), part.named_buffers()):
-            targets[clean_name(name)] = tensor
+            targets[clean_name(name)] = [tensor]
+    for group in groups:  # the first name's value goes to every name of the group held here
+        targets[group[0]] = [t for name in group for t in targets.get(name, [])]
     init_weights = getattr(template, "init_weights", None)
     scratch = _Scratch()
     for prefix, module in _owning_modules(template):
-        if not any(name in targets for name, _ in _own_tensors(module, prefix)):
-            continue  # another pipeline stage owns it
+        own = [(n, t) for n, t in _own_tensors(module, prefix) if tied.get(n, (n,))[0] == n]
+        if not any(targets.get(name) for name, _ in own):
+            continue  # another pipeline stage owns it, or it is a tied parameter's second name
         scratch.attach(module)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(module_seed(seed, prefix))
@@ -70,8 +73,9 @@ def materialize(
                 init_weights(module)
         with torch.no_grad():
             for name, full in _own_tensors(module, prefix):
-                if name in targets:
-                    copy_slice(full, targets[name])
+                if tied.get(name, (name,))[0] == name:
+                    for target in targets.get(name, []):
+                        copy_slice(full, target)
         module.to_empty(device="meta", recurse=False)
 
 

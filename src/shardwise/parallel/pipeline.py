@@ -27,6 +27,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _PipelineSchedule, get_schedule_class
 
 from shardwise.config import ConfigError
+from shardwise.parallel.ties import StageTies
 
 SINGLE_STAGE = ("GPipe", "1F1B")
 LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
@@ -124,6 +125,15 @@ def stage_module(model: nn.Module, blocks: list[str], keep: set[str]) -> nn.Modu
         if name not in keep:
             _remove(stage, name)
     return stage
+
+
+def held_names(model: nn.Module, blocks: list[str], keep: set[str]) -> set[str]:
+    """The parameter names `stage_module(model, blocks, keep)` holds: all but those under the
+    blocks it drops."""
+    dropped = tuple(f"{b}." for b in blocks if b not in keep)
+    return {
+        n for n, _ in model.named_parameters(remove_duplicate=False) if not n.startswith(dropped)
+    }
 
 
 def _remove(model: nn.Module, name: str) -> None:
@@ -225,6 +235,8 @@ class Pipeline:
     """Every stage's blocks (all stages, not only this rank's)."""
     schedule: _PipelineSchedule | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    ties: StageTies = field(default_factory=lambda: StageTies([], 0))
+    """Parameters held by more than one stage (tied weights), kept equal across them."""
 
     @property
     def pp_rank(self) -> int:
@@ -242,6 +254,7 @@ class Pipeline:
         """Create the stages and the schedule (after the stage modules are parallelized and
         materialized)."""
         self.device = device
+        self.ties.collect(self.modules.values())
         self.stages = [
             TimedStage(module, index, self.num_stages, device, group=self.group)
             for index, module in sorted(self.modules.items())

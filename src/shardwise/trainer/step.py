@@ -76,8 +76,10 @@ def train_step(
     neither clipping nor the non-finite check needs it); and whether the update was applied — it
     is not when the gradient norm is NaN or infinite (the same verdict on every rank, as the
     norm is global). With fp16 the gradient scaler makes that call itself."""
-    if run.layout.pipeline is not None:
+    pipe = run.layout.pipeline
+    if pipe is not None:
         loss = _pipeline_forward_backward(run, micro_batches)
+        pipe.ties.sum_gradients()  # copies of one parameter on several stages
     else:
         loss = _forward_backward(run, micro_batches)
     if run.faults.faults:
@@ -88,7 +90,8 @@ def train_step(
     check = run.config.train.precision != "fp16"
     if run.config.train.grad_clip > 0 or check:
         limit = run.config.train.grad_clip or math.inf
-        grad_norm = clip_grad_norm(run.parameters(), limit, run.pp_group)
+        copies = pipe.ties.not_in_norm() if pipe is not None else set()
+        grad_norm = clip_grad_norm(run.parameters(), limit, run.pp_group, copies=copies)
     applied = not check or grad_norm is None or bool(torch.isfinite(grad_norm))
     if applied:
         for optimizer in run.optimizers:
@@ -137,22 +140,33 @@ def _pipeline_forward_backward(run: Run, micro_batches: list[Any]) -> torch.Tens
 
 
 def clip_grad_norm(
-    params: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None
+    params: list[nn.Parameter],
+    max_norm: float,
+    pp_group: dist.ProcessGroup | None,
+    *,
+    copies: set[int] | frozenset[int] = frozenset(),
 ) -> torch.Tensor:
     """Clip the gradient norm of the whole model, whatever holds it: sharded gradients (DTensors,
     grouped by mesh and placement, each group's norm reduced over its mesh), plain ones, and the
-    other pipeline stages' (their squared norms summed over the `pp` axis)."""
+    other pipeline stages' (their squared norms summed over the `pp` axis). Parameters whose ids
+    are in `copies` (a tied weight's copies on other stages) are clipped but not counted."""
     groups: dict[Any, list[torch.Tensor]] = defaultdict(list)
+    counted: dict[Any, list[torch.Tensor]] = defaultdict(list)
     for p in params:
         if p.grad is not None:
             grad = p.grad
             key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
             groups[key].append(grad)
+            if id(p) not in copies:
+                counted[key].append(grad)
     norms = []
-    for grads in groups.values():
+    for grads in counted.values():
         norm = torch.nn.utils.get_total_norm(grads)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = norms[0] if len(norms) == 1 else torch.stack(norms).norm()
+    if len(norms) == 1:
+        total = norms[0]
+    else:  # several groups, or none (a stage whose only parameters are others' copies)
+        total = torch.stack(norms).norm() if norms else torch.zeros((), device=_device(groups))
     if pp_group is not None:
         squared = total.square()
         dist.all_reduce(squared, group=pp_group)
@@ -165,6 +179,11 @@ def clip_grad_norm(
     with torch.no_grad():
         torch._foreach_mul_(local, coef)
     return total
+
+
+def _device(groups: dict[Any, list[torch.Tensor]]) -> torch.device:
+    first = next((g for grads in groups.values() for g in grads), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 @torch.no_grad()
