@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.pipelining import pipe_split
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -101,3 +102,82 @@ def tied_lm_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dic
     if getattr(model, "final", None) is not None:
         plan["final.1"] = ColwiseParallel(output_layouts=Replicate())
     return plan
+
+
+class ModelParallelCNN(nn.Module):
+    """Shaped like PyTorch's model-parallel tutorial: two parts called in `forward`, a reshape
+    between them, BatchNorm in one and dropout in the other; no pipeline contract at all."""
+
+    def __init__(self, channels: int = 8, marked: bool = False) -> None:
+        super().__init__()
+        self.marked = marked
+        self.features = nn.Sequential(
+            nn.Conv2d(1, channels, 3, padding=1, bias=False),
+            nn.BatchNorm2d(channels),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
+        self.classifier = nn.Sequential(
+            nn.Linear(channels * 16, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 10)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.features(x)
+        x = x.view(x.size(0), -1)
+        if self.marked:
+            pipe_split()  # where torch's tracer cuts the pipeline
+        out: torch.Tensor = self.classifier(x)
+        return out
+
+
+def model_parallel_cnn(*, channels: int = 8) -> nn.Module:
+    return ModelParallelCNN(channels)
+
+
+def marked_cnn(*, channels: int = 8) -> nn.Module:
+    return ModelParallelCNN(channels, marked=True)
+
+
+class ResidualMLP(nn.Module):
+    """Repeated layers in a ModuleList, called in a loop with a residual: no pipeline contract,
+    but layers a pipeline, FSDP and activation checkpointing can find."""
+
+    def __init__(self, hidden: int, layers: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(64, hidden)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, hidden), nn.GELU())
+            for _ in range(layers)
+        )
+        self.out = nn.Linear(hidden, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x.flatten(1))
+        for layer in self.layers:
+            h = h + layer(h)
+        out: torch.Tensor = self.out(h)
+        return out
+
+
+def residual_mlp(*, hidden: int = 32, layers: int = 4) -> nn.Module:
+    return ResidualMLP(hidden, layers)
+
+
+class HalfContract(nn.Module):
+    """Names its blocks for pipelines but its forward does not skip the ones a stage lacks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Sequential(nn.Flatten(), nn.Linear(64, 32))
+        self.second = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.second(self.first(x))
+        return out
+
+    def pipeline_blocks(self) -> list[str]:
+        return ["first", "second"]
+
+
+def half_contract() -> nn.Module:
+    return HalfContract()

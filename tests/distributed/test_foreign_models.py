@@ -38,7 +38,19 @@ TIED = {
 }
 TIED_META = {**TIED, "model": {**TIED["model"], "init": "meta"}}
 TIED_PLAN = "tests.zoo:tied_lm_tp_plan"
-ONE_PROCESS = {"bn-cnn": (BN_CNN, {}), "tied": (TIED, {}), "tied-meta": (TIED_META, {})}
+# models that are not a sequence of blocks: pipelines trace them
+# (62 held-out samples in batches of 8: a traced pipeline pads the last one to its micro-batch)
+TRACEABLE = {**BN_CNN, "eval": {"max_samples": 62, "batch": 8}}
+MP_CNN = {**TRACEABLE, "model": {"name": "tests.zoo:model_parallel_cnn", "args": {}}}
+MARKED_CNN = {**TRACEABLE, "model": {"name": "tests.zoo:marked_cnn", "args": {}}}
+RESIDUAL = {**TRACEABLE, "model": {"name": "tests.zoo:residual_mlp", "args": {}}}
+ONE_PROCESS = {
+    "bn-cnn": (BN_CNN, {}),
+    "tied": (TIED, {}),
+    "tied-meta": (TIED_META, {}),
+    "mp-cnn": (MP_CNN, {}),
+    "residual": (RESIDUAL, {}),
+}
 TWO_RANKS = {
     "bn-cnn-pp-GPipe": (BN_CNN, {"pp": 2, "pipeline_schedule": "GPipe"}),
     "bn-cnn-pp-1F1B": (BN_CNN, {"pp": 2, "pipeline_schedule": "1F1B"}),
@@ -60,6 +72,17 @@ TIED_LAYOUTS = {
 }
 TWO_RANKS |= {name: (TIED, parallel) for name, parallel in TIED_LAYOUTS.items()}
 TWO_RANKS["tied-meta-fsdp"] = (TIED_META, {"dp_shard": 2})
+TRACED = {
+    "mp-cnn-split-by-name": (
+        MP_CNN,
+        {"pp": 2, "pipeline_schedule": "GPipe", "pipeline_split": ["classifier"]},
+    ),
+    "mp-cnn-pipe-split-markers": (MARKED_CNN, {"pp": 2}),
+    "residual-pp-automatic": (RESIDUAL, {"pp": 2}),
+    "residual-pp-interleaved": (RESIDUAL, {"pp": 2, "pipeline_schedule": "Interleaved1F1B"}),
+}
+TWO_RANKS |= TRACED
+TWO_RANKS["residual-fsdp"] = (RESIDUAL, {"dp_shard": 2})
 RESUMED = {"gpt-dropout-pp-resumed": (GPT_DROPOUT, {"pp": 2}, "gpt-dropout-pp")}
 FOUR_RANKS = {"bn-cnn-dp2-pp2": (BN_CNN, {"dp_replicate": 2, "pp": 2})}
 
@@ -177,3 +200,19 @@ def test_tied_weights_initialised_on_the_meta_device_under_fsdp(runs):
     got = outcome(runs, "tied-meta-fsdp")
     assert_tied(got[1])
     assert_same_training(got, outcome(runs, "tied-meta"))
+
+
+@pytest.mark.parametrize("name", TRACED)
+def test_a_model_that_is_not_a_sequence_of_blocks_pipelines_by_tracing(runs, name):
+    """Split by module name, by pipe_split() markers or automatically at its repeated layers:
+    one process's losses, parameters and BatchNorm statistics; evaluation (the last batch padded
+    to the traced size) with BatchNorm's statistics and without dropout, as in one process."""
+    reference = "mp-cnn" if "cnn" in name else "residual"
+    assert_same_training(outcome(runs, name), outcome(runs, reference))
+    assert evaluation(runs, name)["eval/loss"] == pytest.approx(
+        evaluation(runs, reference)["eval/loss"], rel=LOSS_RTOL
+    )
+
+
+def test_repeated_layers_are_found_for_fsdp(runs):
+    assert_same_training(outcome(runs, "residual-fsdp"), outcome(runs, "residual"))

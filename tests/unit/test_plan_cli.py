@@ -149,9 +149,24 @@ def test_the_meta_trace_saves_what_a_real_forward_on_cpu_does(tmp_path, dropout)
     assert traced.after >= 32 * 256 * 4  # the log-softmax of the logits: after the layers
 
 
-def test_a_model_without_blocks_is_traced_whole_over_its_layers(tmp_path):
-    import torch
+def opaque(inner):
+    """A model without pipeline_blocks() around another (torch is imported by the tests that
+    use it, not by this module)."""
     from torch import nn
+
+    class Opaque(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+
+    return Opaque()
+
+
+def test_a_model_without_blocks_has_its_repeated_layers_found(tmp_path):
+    import torch
 
     from helpers import gpt_job
     from shardwise import builders
@@ -160,16 +175,22 @@ def test_a_model_without_blocks_is_traced_whole_over_its_layers(tmp_path):
     config = gpt_job(tmp_path, model={"args": {"layers": 3, "heads": 4, "hidden": 64}})
     with torch.device("meta"):
         gpt = builders.build_model(config)
-
-    class Opaque(nn.Module):  # no pipeline_blocks(): its blocks cannot be told apart
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = gpt
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.inner(x)  # type: ignore[no-any-return]
-
     blocks = trace_activations(config, gpt, layers=3, fused_attention=False)
-    whole = trace_activations(config, Opaque(), layers=3, fused_attention=False)
+    found = trace_activations(config, opaque(gpt), layers=3, fused_attention=False)
+    assert found == blocks  # inner.layers.0 … 2: the repeated layers, found without the contract
+
+
+def test_a_model_without_blocks_or_repeated_layers_is_traced_whole_over_its_layers(tmp_path):
+    import torch
+
+    from helpers import gpt_job
+    from shardwise import builders
+    from shardwise.plan.job import trace_activations
+
+    config = gpt_job(tmp_path, model={"args": {"layers": 1, "heads": 4, "hidden": 64}})
+    with torch.device("meta"):
+        gpt = builders.build_model(config)
+    blocks = trace_activations(config, gpt, layers=1, fused_attention=False)
+    whole = trace_activations(config, opaque(gpt), layers=3, fused_attention=False)
     assert whole.before == whole.after == 0
-    assert 3 * whole.layer == 3 * blocks.layer + blocks.before + blocks.after
+    assert 3 * whole.layer == blocks.layer + blocks.before + blocks.after

@@ -38,9 +38,11 @@ from shardwise.config import ConfigError, Derived, JobConfig, ParallelSection
 from shardwise.parallel.pipeline import (
     Pipeline,
     balance,
-    blocks_if_any,
     explicit_split,
+    has_blocks,
+    has_submodule,
     held_names,
+    model_blocks,
     pipeline_blocks,
     stage_indices,
     stage_module,
@@ -52,6 +54,7 @@ from shardwise.parallel.tensor import (
     tensor_parallel_plan,
 )
 from shardwise.parallel.ties import connect, retie, spanning_ties, tied_groups
+from shardwise.parallel.traced import trace_split
 
 
 @dataclass
@@ -85,17 +88,23 @@ def parallelize(
     tp_plan: PlanFn | None = None,
     param_dtype: torch.dtype | None = None,
     block_costs: list[float] | None = None,
+    example: Any = None,
 ) -> Layout:
+    """`example` is one micro-batch of inputs, which a pipeline traces models that are not a
+    sequence of blocks with."""
     degrees = derived.degrees
     ties = tied_groups(model)
+    all_blocks = model_blocks(model)
     # 1. Pipeline split.
     pipe = (
-        split_pipeline(model, mesh, derived, parallel, block_costs) if degrees["pp"] > 1 else None
+        split_pipeline(model, mesh, derived, parallel, block_costs, example)
+        if degrees["pp"] > 1
+        else None
     )
     parts = [pipe.modules[i] for i in sorted(pipe.modules)] if pipe else [model]
     wrapper = data_parallel_wrapper(degrees)
     for part in parts:
-        blocks = blocks_if_any(part)
+        blocks = [b for b in all_blocks if has_submodule(part, b)]
         # 2. Tensor parallel (which gives each name of a tied weight a parameter of its own).
         if degrees["tp"] > 1:
             apply_tensor_parallel(
@@ -191,21 +200,15 @@ def split_pipeline(
     derived: Derived,
     parallel: ParallelSection,
     block_costs: list[float] | None,
+    example: Any,
 ) -> Pipeline:
-    """This rank's stages: the model's blocks split into pp × stages_per_rank consecutive groups
-    (explicitly, or balanced by parameter count or measured cost), placed by the schedule."""
+    """This rank's stages: pp × stages_per_rank stages placed by the schedule. A sequence of
+    blocks is split into consecutive groups of blocks (explicitly, or balanced by parameter
+    count or measured cost), each stage a copy of the model without the others' blocks; any
+    other model is traced on `example` (a micro-batch of inputs) and its graph cut into stages
+    (traced.py)."""
     pp, per_rank = derived.degrees["pp"], derived.stages_per_rank
-    blocks = pipeline_blocks(model)
     num_stages = pp * per_rank
-    if parallel.pipeline_split:
-        starts = explicit_split(blocks, parallel.pipeline_split, num_stages)
-    else:
-        costs = block_costs or [
-            float(sum(p.numel() for p in model.get_submodule(b).parameters())) for b in blocks
-        ]
-        starts = balance(costs, num_stages)
-    bounds = [*starts, len(blocks)]
-    stage_blocks = {s: blocks[bounds[s] : bounds[s + 1]] for s in range(num_stages)}
     schedule = parallel.pipeline_schedule
     owner = [0] * num_stages
     for r in range(pp):
@@ -213,7 +216,17 @@ def split_pipeline(
             owner[s] = r
     pp_rank = mesh.get_local_rank("pp")
     mine = [s for s in range(num_stages) if owner[s] == pp_rank]
-    held = {s: held_names(model, blocks, set(stage_blocks[s])) for s in range(num_stages)}
+    static_batch = None
+    if has_blocks(model):
+        blocks = pipeline_blocks(model)
+        stage_blocks = _group_blocks(model, blocks, parallel, num_stages, block_costs)
+        held = {s: held_names(model, blocks, set(stage_blocks[s])) for s in range(num_stages)}
+        modules = {s: stage_module(model, blocks, set(stage_blocks[s])) for s in mine}
+    else:
+        traced = trace_split(model, example, num_stages=num_stages, split=parallel.pipeline_split)
+        stage_blocks, held = traced.blocks, traced.held
+        modules = {s: traced.modules[s] for s in mine}
+        static_batch = derived.micro_batch
     ties = spanning_ties(model, held, owner, pp_rank)
     connect(ties, pp_slices(mesh), mesh.get_group("pp"))
     return Pipeline(
@@ -222,10 +235,30 @@ def split_pipeline(
         num_microbatches=derived.grad_accum,
         group=mesh.get_group("pp"),
         owner=owner,
-        modules={s: stage_module(model, blocks, set(stage_blocks[s])) for s in mine},
+        modules=modules,
         block_names=stage_blocks,
         ties=ties,
+        static_batch=static_batch,
     )
+
+
+def _group_blocks(
+    model: nn.Module,
+    blocks: list[str],
+    parallel: ParallelSection,
+    num_stages: int,
+    block_costs: list[float] | None,
+) -> dict[int, list[str]]:
+    """Each stage's consecutive blocks."""
+    if parallel.pipeline_split:
+        starts = explicit_split(blocks, parallel.pipeline_split, num_stages)
+    else:
+        costs = block_costs or [
+            float(sum(p.numel() for p in model.get_submodule(b).parameters())) for b in blocks
+        ]
+        starts = balance(costs, num_stages)
+    bounds = [*starts, len(blocks)]
+    return {s: blocks[bounds[s] : bounds[s + 1]] for s in range(num_stages)}
 
 
 def pp_slices(mesh: DeviceMesh) -> list[list[int]]:

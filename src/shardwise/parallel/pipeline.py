@@ -49,12 +49,41 @@ def pipeline_blocks(model: nn.Module) -> list[str]:
     )
 
 
-def blocks_if_any(model: nn.Module) -> list[str]:
-    """`pipeline_blocks(model)`, or none when the model is not a sequence of blocks."""
+def has_blocks(model: nn.Module) -> bool:
+    """Whether the model is a sequence of blocks (the contract `pipeline_blocks` reads)."""
+    return callable(getattr(model, "pipeline_blocks", None)) or isinstance(model, nn.Sequential)
+
+
+def model_blocks(model: nn.Module) -> list[str]:
+    """The units that FSDP shards and activation checkpointing recomputes one at a time: the
+    model's pipeline blocks, or, for a model that is not a sequence of blocks, its repeated
+    layers (a transformer's decoder layers); none when it has neither."""
+    return pipeline_blocks(model) if has_blocks(model) else repeated_layers(model)
+
+
+def has_submodule(model: nn.Module, name: str) -> bool:
+    """Whether `name` is a module of `model` (a pipeline stage lacks the other stages')."""
     try:
-        return pipeline_blocks(model)
-    except ConfigError:
-        return []
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def repeated_layers(model: nn.Module) -> list[str]:
+    """The children of the largest (by parameters) `nn.ModuleList` or `nn.ModuleDict` holding
+    two or more modules of one type, e.g. `transformer.h.0` … `transformer.h.11` in GPT-2."""
+    best: tuple[int, list[str]] = (0, [])
+    for prefix, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList | nn.ModuleDict) or len(module) < 2:
+            continue
+        children = list(module.named_children())
+        if len({type(child) for _, child in children}) != 1:
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if size > best[0]:
+            best = (size, [f"{prefix}.{name}" if prefix else name for name, _ in children])
+    return best[1]
 
 
 def stage_indices(schedule: str, *, pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
@@ -145,6 +174,13 @@ def _remove(model: nn.Module, name: str) -> None:
         setattr(parent, leaf, None)
 
 
+def example_batch(sample: Any, micro_batch: int, device: torch.device) -> torch.Tensor:
+    """A micro-batch of copies of one training item's inputs, on `device` (meta is fine)."""
+    inputs = sample[0] if isinstance(sample, tuple | list) else sample
+    inputs = torch.as_tensor(inputs)
+    return inputs.unsqueeze(0).expand(micro_batch, *inputs.shape).contiguous().to(device)
+
+
 def measure_block_costs(
     template: nn.Module, seed: int, sample: Any, *, micro_batch: int
 ) -> list[float]:
@@ -157,8 +193,7 @@ def measure_block_costs(
 
         model = copy.deepcopy(template)
         materialize([model], template, seed=seed, device=torch.device("cpu"))
-        inputs = sample[0] if isinstance(sample, tuple | list) else sample
-        h = inputs.unsqueeze(0).expand(micro_batch, *inputs.shape).contiguous()
+        h = example_batch(sample, micro_batch, torch.device("cpu"))
         measured = []
         for name in pipeline_blocks(model):
             block = model.get_submodule(name)
@@ -237,6 +272,8 @@ class Pipeline:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     ties: StageTies = field(default_factory=lambda: StageTies([], 0))
     """Parameters held by more than one stage (tied weights), kept equal across them."""
+    static_batch: int | None = None
+    """A traced pipeline's stages run only at the batch size they were traced with."""
 
     @property
     def pp_rank(self) -> int:
@@ -286,37 +323,90 @@ class Pipeline:
 @torch.no_grad()
 def pipeline_forward(pipe: Pipeline, inputs: Any) -> torch.Tensor | None:
     """A plain forward pass through every stage in order (for evaluation): any batch size, no
-    schedule. Returns the last stage's output on the rank that holds it, None elsewhere."""
+    schedule. Returns the last stage's output on the rank that holds it, None elsewhere.
+
+    A traced pipeline runs only at the batch size it was traced with: the batch goes through in
+    pieces of that size, the last one padded with copies of its last sample, and the padding's
+    outputs are dropped."""
+    size = pipe.static_batch
+    if size is None:
+        out: torch.Tensor | None = _through_stages(pipe, inputs)
+        return out
+    count = len(inputs)
+    outputs = []
+    for start in range(0, count, size):
+        piece = inputs[start : start + size]
+        if len(piece) < size:
+            pad = piece[-1:].expand(size - len(piece), *piece.shape[1:])
+            piece = torch.cat([piece, pad])
+        outputs.append(_through_stages(pipe, piece))
+    if not pipe.has_last:
+        return None
+    return torch.cat([o for o in outputs if o is not None])[:count]
+
+
+def _through_stages(pipe: Pipeline, inputs: Any) -> Any:
     me = pipe.pp_rank
     h = inputs
     for index in range(pipe.num_stages):
-        holder = pipe.owner[index]
-        if holder != me:
+        if pipe.owner[index] != me:
             continue
         if index > 0 and pipe.owner[index - 1] != me:
             h = _recv(pipe.group, pipe.owner[index - 1], pipe.device)
-        h = pipe.modules[index](h)
+        # a stage's outputs are the next stage's arguments (several, from a traced stage)
+        h = (
+            pipe.modules[index](*h)
+            if index > 0 and isinstance(h, tuple)
+            else pipe.modules[index](h)
+        )
         if index < pipe.num_stages - 1 and pipe.owner[index + 1] != me:
             _send(h, pipe.group, pipe.owner[index + 1])
     return h if pipe.has_last else None
 
 
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
+_DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.bool,
+]
 
 
-def _send(tensor: torch.Tensor, group: dist.ProcessGroup, peer: int) -> None:
-    header = torch.tensor(
-        [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape], device=tensor.device
-    )
-    header = torch.nn.functional.pad(header, (0, 8 - len(header)))
-    dist.send(header, group=group, group_dst=peer)
-    dist.send(tensor.contiguous(), group=group, group_dst=peer)
+def _send(
+    values: torch.Tensor | tuple[torch.Tensor, ...], group: dist.ProcessGroup, peer: int
+) -> None:
+    """Send a tensor, or a tuple of them, to the next stage's rank: a header per tensor (dtype,
+    shape), then its data."""
+    tensors = values if isinstance(values, tuple) else (values,)
+    count = torch.tensor([len(tensors), int(isinstance(values, tuple))], device=tensors[0].device)
+    dist.send(count, group=group, group_dst=peer)
+    for tensor in tensors:
+        header = torch.tensor(
+            [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape], device=tensor.device
+        )
+        header = torch.nn.functional.pad(header, (0, 8 - len(header)))
+        dist.send(header, group=group, group_dst=peer)
+        # gloo sends no bool: as bytes
+        data = tensor.to(torch.uint8) if tensor.dtype == torch.bool else tensor
+        dist.send(data.contiguous(), group=group, group_dst=peer)
 
 
-def _recv(group: dist.ProcessGroup, peer: int, device: torch.device) -> torch.Tensor:
-    header = torch.zeros(8, dtype=torch.long, device=device)
-    dist.recv(header, group=group, group_src=peer)
-    dtype, ndim = _DTYPES[int(header[0])], int(header[1])
-    tensor = torch.empty([int(d) for d in header[2 : 2 + ndim]], dtype=dtype, device=device)
-    dist.recv(tensor, group=group, group_src=peer)
-    return tensor
+def _recv(
+    group: dist.ProcessGroup, peer: int, device: torch.device
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    count = torch.zeros(2, dtype=torch.long, device=device)
+    dist.recv(count, group=group, group_src=peer)
+    tensors = []
+    for _ in range(int(count[0])):
+        header = torch.zeros(8, dtype=torch.long, device=device)
+        dist.recv(header, group=group, group_src=peer)
+        dtype, ndim = _DTYPES[int(header[0])], int(header[1])
+        wire = torch.uint8 if dtype == torch.bool else dtype
+        tensor = torch.empty([int(d) for d in header[2 : 2 + ndim]], dtype=wire, device=device)
+        dist.recv(tensor, group=group, group_src=peer)
+        tensors.append(tensor.to(dtype))
+    return tuple(tensors) if int(count[1]) else tensors[0]

@@ -16,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 
 from shardwise import builders
 from shardwise.config import ConfigError, JobConfig, derive
-from shardwise.parallel.pipeline import blocks_if_any
+from shardwise.parallel.pipeline import model_blocks
 from shardwise.plan.layout import PRECISIONS, Layout, Precision
 from shardwise.plan.memory import Traced
 from shardwise.plan.model import Transformer
@@ -76,7 +76,7 @@ def trace_activations(
     output and a log-sum-exp per row)."""
     train_set, _ = builders.build_datasets(config)
     inputs, target = (torch.as_tensor(x).unsqueeze(0).to("meta") for x in train_set[0])
-    modules = {name: model.get_submodule(name) for name in blocks_if_any(model)}
+    modules = {name: model.get_submodule(name) for name in model_blocks(model)}
     kind = Counter(type(m) for m in modules.values()).most_common(1)
     layer_type = kind[0][0] if kind else None
     params = {p.untyped_storage()._cdata for p in model.parameters()}

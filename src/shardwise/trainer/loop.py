@@ -29,7 +29,7 @@ from shardwise.fault.watchdog import Watchdog
 from shardwise.parallel.apply import Layout, parallelize
 from shardwise.parallel.init import materialize, supports_meta_init
 from shardwise.parallel.mesh import build_mesh, dp_group, dp_position, pp_group
-from shardwise.parallel.pipeline import measure_block_costs
+from shardwise.parallel.pipeline import example_batch, measure_block_costs
 from shardwise.tracking.metrics import Tracker
 from shardwise.tracking.progress import ProgressDisplay
 from shardwise.trainer import report
@@ -200,6 +200,10 @@ def build_layout(
         if config.parallel.tp_plan
         else None
     )
+    example = None
+    if derived.degrees["pp"] > 1:  # what a pipeline traces a model that is not a sequence with
+        where = next(model.parameters(), torch.empty(0, device="meta")).device
+        example = example_batch(sample, derived.micro_batch, where)
     return parallelize(
         model,
         mesh,
@@ -210,6 +214,7 @@ def build_layout(
         tp_plan=tp_plan,
         param_dtype=DTYPES.get(config.train.precision),
         block_costs=costs,
+        example=example,
     )
 
 
