@@ -13,7 +13,7 @@ from torch import nn
 from helpers import gpt_job
 from shardwise.config import ConfigError, derive
 from shardwise.models.gpt import build_gpt
-from shardwise.parallel.apply import check_layout
+from shardwise.parallel.checks import check_layout
 from shardwise.parallel.init import materialize, supports_meta_init
 from shardwise.parallel.pipeline import (
     balance,

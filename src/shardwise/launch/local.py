@@ -43,7 +43,7 @@ from shardwise.checkpoint.layout import (
 from shardwise.config import ConfigError, JobConfig, apply_override, derive, load_config, validate
 from shardwise.fault.watchdog import describe as describe_hang
 from shardwise.launch.env import detect, visible_cpus
-from shardwise.parallel.apply import check_layout
+from shardwise.parallel.checks import check_layout
 
 if TYPE_CHECKING:
     from shardwise.trainer.loop import TrainSummary
