@@ -181,3 +181,18 @@ class HalfContract(nn.Module):
 
 def half_contract() -> nn.Module:
     return HalfContract()
+
+
+class NamesAMissingBlock(HalfContract):
+    def pipeline_blocks(self) -> list[str]:
+        return ["first", "head"]
+
+
+def names_a_missing_block() -> nn.Module:
+    return NamesAMissingBlock()
+
+
+def conv_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[str, Any]:
+    """A plan that asks for a style on a layer type it does not support."""
+    del model, sequence_parallel
+    return {"0": ColwiseParallel()}

@@ -271,6 +271,7 @@ def test_dry_run_of_the_default_layout(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert "data-parallel wrapper: ddp" in done.stdout
+    assert "layout: data parallel (DDP): every rank holds the whole model" in done.stdout
     assert "dry run: what each rank holds" in done.stdout
     assert not (tmp_path / "run").exists()
 

@@ -169,3 +169,150 @@ def test_pipeline_micro_batches_derive_from_either_key(tmp_path):
     assert (derived.micro_batch, derived.grad_accum, derived.stages_per_rank) == (2, 8, 1)
     looped = gpt_job(tmp_path, parallel={"pp": 2, "pipeline_schedule": "Interleaved1F1B"})
     assert derive(looped, 2).stages_per_rank == 2
+
+
+def zoo_job(tmp_path, model: str, **parallel):
+    """A digits job with a model from tests/zoo.py (data builders run: checks trace the model
+    on one micro-batch)."""
+    return gpt_job(
+        tmp_path,
+        model={"name": f"tests.zoo:{model}", "args": {}},
+        data={"name": "digits", "args": {}},
+        train={"global_batch": 16, "micro_batch": 4},
+        parallel=parallel,
+    )
+
+
+@pytest.mark.parametrize(
+    ("model", "world", "parallel", "message"),
+    [
+        (
+            "half_contract",
+            2,
+            {"pp": 2},
+            r"HalfContract\.forward calls a block this stage does not hold "
+            r"\(TypeError: 'NoneType' object is not callable\).*skip blocks that are None.*"
+            r"README, 'Pipeline parallelism'",
+        ),
+        (
+            "names_a_missing_block",
+            2,
+            {"pp": 2},
+            r"pipeline_blocks\(\) names 'head', which NamesAMissingBlock does not have",
+        ),
+        (
+            "model_parallel_cnn",
+            2,
+            {"pp": 2},
+            r"ModelParallelCNN is not a sequence of blocks .* and has no repeated layers to "
+            r"split into 2 pipeline stages; name where stages begin with parallel.pipeline_split",
+        ),
+        (
+            "model_parallel_cnn",
+            2,
+            {"pp": 2, "pipeline_split": ["clasifier"]},
+            r"the model has no module 'clasifier'; did you mean 'classifier'\?",
+        ),
+        (
+            "marked_cnn",
+            4,
+            {"pp": 4, "pipeline_schedule": "GPipe"},
+            r"has 1 pipe_split\(\) markers, which make 2 stages, but .* = 4",
+        ),
+        (
+            "model_parallel_cnn",
+            2,
+            {"pp": 2, "pipeline_split": ["classifier"], "pipeline_balance": "cost"},
+            r"pipeline_balance = 'cost' times each block on its own",
+        ),
+        (
+            "model_parallel_cnn",
+            4,
+            {"pp": 2, "tp": 2, "pipeline_split": ["classifier"], "tp_plan": "tests.zoo:conv_tp_plan"},
+            r"tensor parallelism cannot split a traced pipeline stage",
+        ),
+        (
+            "bn_cnn",
+            2,
+            {"tp": 2, "tp_plan": "tests.zoo:conv_tp_plan"},
+            r"the tensor-parallel plan applies ColwiseParallel to '0', a Conv2d; ColwiseParallel "
+            r"splits nn\.Linear and nn\.Embedding",
+        ),
+        (
+            "model_parallel_cnn",
+            1,
+            {"activation_checkpoint": "full"},
+            r"activation_checkpoint = 'full' recomputes blocks, but ModelParallelCNN has none",
+        ),
+    ],
+    ids=[
+        "half-a-contract",
+        "missing-block",
+        "nothing-to-split-at",
+        "misspelt-split",
+        "markers-vs-stages",
+        "cost-balance-traced",
+        "tp-traced",
+        "style-on-wrong-layer",
+        "recompute-without-blocks",
+    ],
+)
+def test_models_that_cannot_take_a_layout_are_refused_before_launch(
+    tmp_path, repo_cwd, model, world, parallel, message
+):
+    config = zoo_job(tmp_path, model, **parallel)
+    with pytest.raises(ConfigError, match=message):
+        check_layout(config, derive(config, world))
+
+
+@pytest.mark.parametrize(
+    ("model", "parallel"),
+    [
+        ("model_parallel_cnn", {"pp": 2, "pipeline_split": ["classifier"]}),
+        ("marked_cnn", {"pp": 2}),
+        ("residual_mlp", {"pp": 2, "activation_checkpoint": "full"}),
+        ("bn_cnn", {"pp": 2}),
+    ],
+)
+def test_models_that_can_take_a_layout_pass_the_checks(tmp_path, repo_cwd, model, parallel):
+    config = zoo_job(tmp_path, model, **parallel)
+    check_layout(config, derive(config, 2))
+
+
+@pytest.mark.parametrize(
+    ("model", "parallel", "line"),
+    [
+        (
+            "residual_mlp",
+            {"dp_shard": 2, "activation_checkpoint": "full"},
+            "FSDP2 (ZeRO-3) shards 4 repeated Sequential layers (layers.0 … layers.3, found in "
+            "the model) one at a time, then the rest of the model",
+        ),
+        (
+            "residual_mlp",
+            {"dp_shard": 2, "activation_checkpoint": "full"},
+            "activation checkpointing (full) recomputes 4 repeated Sequential layers",
+        ),
+        (
+            "model_parallel_cnn",
+            {"dp_shard": 2},
+            "FSDP2 (ZeRO-3) shards ModelParallelCNN as one unit, since it has no blocks",
+        ),
+        ("bn_cnn", {"dp_shard": 2, "reshard_after_forward": False}, "(ZeRO-2) shards 9 blocks"),
+        ("bn_cnn", {}, "data parallel (DDP): every rank holds the whole model"),
+    ],
+)
+def test_the_layout_says_what_it_applied_to_what(tmp_path, repo_cwd, model, parallel, line):
+    """FSDP and recomputation without blocks are not silent no-ops: the start of every run
+    says what each was applied to (repeated layers are found without the blocks contract)."""
+    from shardwise import builders
+    from shardwise.parallel.apply import data_parallel_wrapper, describe
+    from shardwise.parallel.pipeline import model_blocks
+
+    config = zoo_job(tmp_path, model, **parallel)
+    degrees = derive(config, 2).degrees
+    built = builders.build_model(config)
+    lines = describe(
+        built, model_blocks(built), degrees, config.parallel, data_parallel_wrapper(degrees)
+    )
+    assert any(line in printed for printed in lines), lines

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,8 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from shardwise.config import Derived, ParallelSection
 from shardwise.parallel.pipeline import (
     Pipeline,
-    balance,
-    explicit_split,
+    group_blocks,
     has_blocks,
     has_submodule,
     held_names,
@@ -64,6 +63,8 @@ class Layout:
     pipeline: Pipeline | None
     wrapper: str
     """The data-parallel wrapper: `none`, `ddp`, `replicate` or `fsdp`."""
+    applied: list[str] = field(default_factory=list)
+    """What each transform was applied to on this rank, one line each (printed at start)."""
 
 
 def data_parallel_wrapper(degrees: dict[str, int]) -> str:
@@ -101,6 +102,8 @@ def parallelize(
     )
     parts = [pipe.modules[i] for i in sorted(pipe.modules)] if pipe else [model]
     wrapper = data_parallel_wrapper(degrees)
+    held = [b for part in parts for b in all_blocks if has_submodule(part, b)]
+    applied = describe(model, held, degrees, parallel, wrapper)
     for part in parts:
         blocks = [b for b in all_blocks if has_submodule(part, b)]
         # 2. Tensor parallel (which gives each name of a tied weight a parameter of its own).
@@ -130,7 +133,51 @@ def parallelize(
         ]
     if pipe is not None:
         pipe.modules = dict(zip(sorted(pipe.modules), parts, strict=True))
-    return Layout(parts=parts, pipeline=pipe, wrapper=wrapper)
+    return Layout(parts=parts, pipeline=pipe, wrapper=wrapper, applied=applied)
+
+
+def describe(
+    model: nn.Module,
+    blocks: list[str],
+    degrees: dict[str, int],
+    parallel: ParallelSection,
+    wrapper: str,
+) -> list[str]:
+    """One line per transform: what it applies to on this rank (nothing is silently skipped)."""
+    if has_blocks(model):
+        units = f"{len(blocks)} blocks ({span(blocks)})"
+    elif blocks:
+        kind = type(model.get_submodule(blocks[0])).__name__
+        units = f"{len(blocks)} repeated {kind} layers ({span(blocks)}, found in the model)"
+    else:
+        units = ""
+    name = type(model).__name__
+    lines = []
+    if degrees["tp"] > 1:
+        plan = "parallel.tp_plan" if parallel.tp_plan else f"{name}.tp_plan()"
+        lines.append(f"tensor parallel splits the layers {plan} names over {degrees['tp']} ranks")
+    if parallel.activation_checkpoint != "none":
+        lines.append(
+            f"activation checkpointing ({parallel.activation_checkpoint}) recomputes {units}"
+        )
+    if wrapper == "fsdp":
+        zero = "ZeRO-3" if parallel.reshard_after_forward else "ZeRO-2"
+        lines.append(
+            f"FSDP2 ({zero}) shards {units} one at a time, then the rest of the model"
+            if units
+            else f"FSDP2 ({zero}) shards {name} as one unit, since it has no blocks (no "
+            "pipeline_blocks(), not an nn.Sequential, no list of repeated layers): every rank "
+            "gathers all of its parameters at once"
+        )
+    elif wrapper == "replicate":
+        lines.append(f"data parallel (FSDP2 replicate) reduces {units or name + ' as one unit'}")
+    elif wrapper == "ddp":
+        lines.append("data parallel (DDP): every rank holds the whole model")
+    return lines
+
+
+def span(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]} … {names[-1]}"
 
 
 def shard(
@@ -217,7 +264,7 @@ def split_pipeline(
     static_batch = None
     if has_blocks(model):
         blocks = pipeline_blocks(model)
-        stage_blocks = _group_blocks(model, blocks, parallel, num_stages, block_costs)
+        stage_blocks = group_blocks(model, blocks, parallel.pipeline_split, num_stages, block_costs)
         held = {s: held_names(model, blocks, set(stage_blocks[s])) for s in range(num_stages)}
         modules = {s: stage_module(model, blocks, set(stage_blocks[s])) for s in mine}
     else:
@@ -238,25 +285,6 @@ def split_pipeline(
         ties=ties,
         static_batch=static_batch,
     )
-
-
-def _group_blocks(
-    model: nn.Module,
-    blocks: list[str],
-    parallel: ParallelSection,
-    num_stages: int,
-    block_costs: list[float] | None,
-) -> dict[int, list[str]]:
-    """Each stage's consecutive blocks."""
-    if parallel.pipeline_split:
-        starts = explicit_split(blocks, parallel.pipeline_split, num_stages)
-    else:
-        costs = block_costs or [
-            float(sum(p.numel() for p in model.get_submodule(b).parameters())) for b in blocks
-        ]
-        starts = balance(costs, num_stages)
-    bounds = [*starts, len(blocks)]
-    return {s: blocks[bounds[s] : bounds[s + 1]] for s in range(num_stages)}
 
 
 def pp_slices(mesh: DeviceMesh) -> list[list[int]]:

@@ -13,32 +13,42 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from shardwise.config import ConfigError, Derived, JobConfig
-from shardwise.parallel.pipeline import explicit_split, pipeline_blocks
+from shardwise.parallel.pipeline import (
+    example_batch,
+    group_blocks,
+    has_blocks,
+    has_submodule,
+    model_blocks,
+    pipeline_blocks,
+    stage_module,
+)
 from shardwise.parallel.tensor import tensor_parallel_plan
+from shardwise.parallel.traced import trace_split
 
 
 def check_layout(config: JobConfig, derived: Derived) -> None:
     """Check the model against the layout before any process starts (the model is built on the
-    meta device, so this is cheap at any size): enough blocks for the pipeline stages, a
-    tensor-parallel plan whose layers divide by `tp`."""
+    meta device, so this is cheap at any size): blocks to recompute, pipeline stages that can
+    be cut and run, a tensor-parallel plan that fits the model's layers."""
     from shardwise import builders
 
     degrees = derived.degrees
-    if degrees["pp"] == 1 and degrees["tp"] == 1:
+    recompute = config.parallel.activation_checkpoint
+    if degrees["pp"] == 1 and degrees["tp"] == 1 and recompute == "none":
         return
     with torch.device("meta"):
         model = builders.build_model(config)
+    if recompute != "none" and not model_blocks(model):
+        raise ConfigError(
+            f"parallel.activation_checkpoint = '{recompute}' recomputes blocks, but "
+            f"{type(model).__name__} has none (no pipeline_blocks(), not an nn.Sequential, no "
+            "list of repeated layers); give it pipeline_blocks() (see README, 'Bring your own "
+            "model and data') or set parallel.activation_checkpoint = 'none'"
+        )
     if degrees["pp"] > 1:
-        blocks = pipeline_blocks(model)
-        num_stages = degrees["pp"] * derived.stages_per_rank
-        if num_stages > len(blocks):
-            raise ConfigError(
-                f"parallel.pp = {degrees['pp']} × stages_per_rank {derived.stages_per_rank} = "
-                f"{num_stages} pipeline stages, but the model has only {len(blocks)} blocks "
-                f"({blocks[0]} … {blocks[-1]}); lower parallel.pp or stages_per_rank, or add layers"
-            )
-        if config.parallel.pipeline_split:
-            explicit_split(blocks, config.parallel.pipeline_split, num_stages)
+        train_set, _ = builders.build_datasets(config)
+        example = example_batch(train_set[0], derived.micro_batch, torch.device("meta"))
+        _check_pipeline(config, derived, model, example)
     if degrees["tp"] > 1:
         tp = degrees["tp"]
         plan_fn = (
@@ -50,6 +60,83 @@ def check_layout(config: JobConfig, derived: Derived) -> None:
             model, plan_fn, tp=tp, sequence_parallel=config.parallel.sequence_parallel
         )
         _check_tp_plan(model, plan, tp)
+
+
+def _check_pipeline(config: JobConfig, derived: Derived, model: nn.Module, example: Any) -> None:
+    parallel, degrees = config.parallel, derived.degrees
+    num_stages = degrees["pp"] * derived.stages_per_rank
+    name = type(model).__name__
+    if not has_blocks(model):
+        if degrees["tp"] > 1:
+            raise ConfigError(
+                f"tensor parallelism cannot split a traced pipeline stage: {name} is not a "
+                "sequence of blocks, so the pipeline traces its forward into graphs, where the "
+                "plan's layers are no longer layers; give the model pipeline_blocks() (see "
+                "README, 'Pipeline parallelism') or set parallel.tp = 1"
+            )
+        if parallel.pipeline_balance == "cost":
+            raise ConfigError(
+                "parallel.pipeline_balance = 'cost' times each block on its own, which needs a "
+                f"model that is a sequence of blocks; {name} is traced instead: use 'params' "
+                "or name the split with parallel.pipeline_split"
+            )
+        trace_split(model, example, num_stages=num_stages, split=parallel.pipeline_split)
+        return
+    blocks = pipeline_blocks(model)
+    for block in blocks:
+        if not has_submodule(model, block):
+            raise ConfigError(
+                f"pipeline_blocks() names '{block}', which {name} does not have; it must name "
+                "the model's own modules in the order data flows through them (see README, "
+                "'Pipeline parallelism')"
+            )
+    if num_stages > len(blocks):
+        raise ConfigError(
+            f"parallel.pp = {degrees['pp']} × stages_per_rank {derived.stages_per_rank} = "
+            f"{num_stages} pipeline stages, but the model has only {len(blocks)} blocks "
+            f"({blocks[0]} … {blocks[-1]}); lower parallel.pp or stages_per_rank, or add layers"
+        )
+    stage_blocks = group_blocks(model, blocks, parallel.pipeline_split, num_stages)
+    _check_stages_run(model, blocks, stage_blocks, example)
+
+
+def _check_stages_run(
+    model: nn.Module, blocks: list[str], stage_blocks: dict[int, list[str]], example: Any
+) -> None:
+    """Run every stage (a copy of the model without the other stages' blocks) on the meta
+    device, on what its first block receives in the whole model: a forward that calls blocks
+    it does not skip when they are missing fails here, not in every rank after launch."""
+    firsts = {names[0] for names in stage_blocks.values()}
+    received: dict[str, tuple[Any, ...]] = {}
+    hooks = [
+        model.get_submodule(b).register_forward_pre_hook(
+            lambda _m, args, b=b: received.setdefault(b, args)
+        )
+        for b in firsts
+    ]
+    try:
+        with torch.no_grad():
+            model(example)
+    except Exception:
+        return  # the whole model does not run on the meta device: nothing to compare with
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for index, names in sorted(stage_blocks.items()):
+        stage = stage_module(model, blocks, set(names))
+        args = (example,) if index == 0 else received[names[0]]
+        try:
+            with torch.no_grad():
+                stage(*args)
+        except Exception as e:
+            raise ConfigError(
+                f"{type(model).__name__}.forward calls a block this stage does not hold "
+                f"({type(e).__name__}: {e}): a pipeline stage is a copy of the model with the "
+                "other stages' blocks set to None, so forward must skip blocks that are None "
+                "(if self.embed is not None: h = self.embed(h)); or remove pipeline_blocks() "
+                "and the pipeline traces the forward instead (see README, 'Pipeline "
+                "parallelism')"
+            ) from None
 
 
 def _check_tp_plan(model: nn.Module, plan: dict[str, Any], tp: int) -> None:
@@ -67,6 +154,7 @@ def _check_tp_plan(model: nn.Module, plan: dict[str, Any], tp: int) -> None:
             raise ConfigError(
                 f"the tensor-parallel plan names '{name}', which the model does not have"
             ) from None
+        _check_style_fits(name, module, style)
         dim = {ColwiseParallel: 0, RowwiseParallel: 1}.get(type(style))
         weight = getattr(module, "weight", None)
         if dim is None or weight is None or weight.dim() < 2:
@@ -80,3 +168,28 @@ def _check_tp_plan(model: nn.Module, plan: dict[str, Any], tp: int) -> None:
                 f"{'output' if dim == 0 else 'input'} features; pick a tp that divides the "
                 "model's widths"
             )
+
+
+# The layer types torch's row- and column-wise styles split (their `_apply` raises otherwise).
+_LINEAR_STYLES = (ColwiseParallel, RowwiseParallel)
+_SPLITS = (nn.Linear, nn.Embedding)
+
+
+def _check_style_fits(name: str, module: nn.Module, style: Any) -> None:
+    """A row- or column-wise style on a layer type it cannot split fails in every rank after
+    launch with torch's NotImplementedError; here it is one line. A style of its own names the
+    types it splits in `layer_types`."""
+    if not isinstance(style, _LINEAR_STYLES):
+        return
+    types = getattr(style, "layer_types", _SPLITS)
+    if isinstance(module, types):
+        return
+    kind = type(style).__name__
+    names = " and ".join(
+        f"nn.{t.__name__}" if t.__module__.startswith("torch.nn") else t.__name__ for t in types
+    )
+    raise ConfigError(
+        f"the tensor-parallel plan applies {kind} to '{name}', a {type(module).__name__}; "
+        f"{kind} splits {names} only: leave '{name}' out of the plan or give it a style for "
+        "its type"
+    )

@@ -147,6 +147,26 @@ def explicit_split(blocks: list[str], split: list[str], num_stages: int) -> list
     return starts
 
 
+def group_blocks(
+    model: nn.Module,
+    blocks: list[str],
+    split: list[str],
+    num_stages: int,
+    costs: list[float] | None = None,
+) -> dict[int, list[str]]:
+    """Each stage's consecutive blocks: from `split` (the first block of every stage after the
+    first), else balanced by `costs` (default: parameter counts)."""
+    if split:
+        starts = explicit_split(blocks, split, num_stages)
+    else:
+        costs = costs or [
+            float(sum(p.numel() for p in model.get_submodule(b).parameters())) for b in blocks
+        ]
+        starts = balance(costs, num_stages)
+    bounds = [*starts, len(blocks)]
+    return {s: blocks[bounds[s] : bounds[s + 1]] for s in range(num_stages)}
+
+
 def stage_module(model: nn.Module, blocks: list[str], keep: set[str]) -> nn.Module:
     """A deep copy of `model` holding only the blocks in `keep`."""
     stage = copy.deepcopy(model)

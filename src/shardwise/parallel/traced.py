@@ -176,7 +176,8 @@ def _rewrite(graph: fx.Graph) -> bool:
     first = next((n for n in graph.nodes if n.op != "placeholder"), None)
     if first is None:
         return False
-    with graph.inserting_before(first):
+    with graph.inserting_before(first), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no underlying reference": a flag, not a tensor
         training = graph.get_attr("training")
     changed = False
     for node in list(graph.nodes):

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from shardwise.config import Derived, JobConfig, flatten
-from shardwise.parallel.apply import Layout
+from shardwise.parallel.apply import Layout, span
 from shardwise.tracking.metrics import JsonlTracker, Tracker, Trackers
 from shardwise.tracking.mlflow import MlflowTracker
 from shardwise.tracking.progress import ProgressDisplay
@@ -109,6 +109,8 @@ def start(run: Run, start: int, *, resumed: bool) -> tuple[Tracker | None, Progr
     console.print(f"resolved config (saved to {cfg.run_dir / 'config.toml'}):", highlight=False)
     console.print(config_toml, highlight=False, markup=False, soft_wrap=True)
     console.print(derived_line(derived, run.tokens_per_sample), highlight=False, soft_wrap=True)
+    for line in run.layout.applied:
+        console.print(f"layout: {line}", highlight=False, soft_wrap=True)
     pipe = run.layout.pipeline
     if pipe is not None:
         stages = ", ".join(
@@ -137,10 +139,6 @@ def holds(layout: Layout) -> str:
     if pipe is None:
         return "the whole model"
     return "; ".join(f"stage {s}: {span(pipe.block_names[s])}" for s in sorted(pipe.modules))
-
-
-def span(names: list[str]) -> str:
-    return names[0] if len(names) == 1 else f"{names[0]} … {names[-1]}"
 
 
 def terminal() -> Console:
@@ -203,6 +201,8 @@ def dry_run_table(
     console = terminal()
     console.print(derived_line(derived, tokens), highlight=False)
     console.print(f"data-parallel wrapper: {layout.wrapper}", highlight=False)
+    for line in layout.applied:
+        console.print(f"layout: {line}", highlight=False, soft_wrap=True)
     table = Table(title="dry run: what each rank holds (nothing was allocated)")
     for column in ("rank", "mesh", "blocks", "params", "grads", "optimizer"):
         left = column in ("mesh", "blocks")
