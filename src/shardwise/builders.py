@@ -5,7 +5,9 @@ User contracts (also in the README):
 - model builder: `build_model(**model.args) -> torch.nn.Module`; `forward(inputs) -> outputs`.
 - data builder: `build_datasets(**data.args) -> (train, held_out)`, map-style datasets whose items
   are `(inputs, target)`; `held_out` may be None.
-- loss: `loss(outputs, target) -> scalar tensor`, the mean over the batch's target elements.
+- loss: `loss(outputs, target) -> scalar tensor`, the mean over the batch's target elements;
+  `outputs` is what the model's forward returned (a Hugging Face `ModelOutput`, say), which the
+  built-in losses read with `model_output`.
 
 `check` validates names and arguments before any process starts, so a typo fails in a second with
 one line instead of N tracebacks. This module must not build anything at import time.
@@ -29,19 +31,41 @@ from shardwise.config import ConfigError, JobConfig
 from shardwise.datasets.digits import build_digits
 from shardwise.datasets.text import build_text
 from shardwise.imports import import_object
+from shardwise.models import hf
 from shardwise.models.gpt import build_gpt
 from shardwise.models.vision import build_cnn, build_mlp
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
-def cross_entropy(outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def model_output(outputs: Any) -> torch.Tensor:
+    """The tensor a model's forward returned: itself; the `logits` of a Hugging Face
+    `ModelOutput` (or of a dict); or the first tensor of a tuple (or of a dict)."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    logits = getattr(outputs, "logits", None)
+    if isinstance(outputs, dict):
+        logits = outputs.get("logits", logits)
+        outputs = list(outputs.values())
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(outputs, tuple | list):
+        first = next((o for o in outputs if isinstance(o, torch.Tensor)), None)
+        if first is not None:
+            return first
+    raise TypeError(
+        f"the model's forward returned {type(outputs).__name__}, which holds no tensor to "
+        "compute a loss on; return a tensor, a tuple of tensors or a ModelOutput with logits"
+    )
+
+
+def cross_entropy(outputs: Any, target: torch.Tensor) -> torch.Tensor:
     """Cross-entropy over the last dimension; works for (batch, classes) and (batch, seq, vocab)."""
-    return F.cross_entropy(outputs.flatten(0, -2).float(), target.flatten())
+    return F.cross_entropy(model_output(outputs).flatten(0, -2).float(), target.flatten())
 
 
-def mse(outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(outputs.float().reshape(target.shape), target.float())
+def mse(outputs: Any, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(model_output(outputs).float().reshape(target.shape), target.float())
 
 
 MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": build_mlp, "cnn": build_cnn, "gpt": build_gpt}
@@ -73,6 +97,7 @@ def build_model(config: JobConfig) -> nn.Module:
             f"model builder {config.model.name} returned {type(model).__name__}; "
             "it must return a torch.nn.Module"
         )
+    hf.prepare(model)
     return model
 
 

@@ -9,6 +9,7 @@ losses agree to 1e-5 relative, parameters and buffers to 2e-5 absolute.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -44,6 +45,24 @@ TRACEABLE = {**BN_CNN, "eval": {"max_samples": 62, "batch": 8}}
 MP_CNN = {**TRACEABLE, "model": {"name": "tests.zoo:model_parallel_cnn", "args": {}}}
 MARKED_CNN = {**TRACEABLE, "model": {"name": "tests.zoo:marked_cnn", "args": {}}}
 RESIDUAL = {**TRACEABLE, "model": {"name": "tests.zoo:residual_mlp", "args": {}}}
+# a stock Hugging Face GPT-2 (examples/hf_gpt2.py), without dropout so layouts compare exactly
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+NO_TRANSFORMERS = "transformers is not installed (pip install 'shardwise[hf]'; make test does)"
+GPT2_ARGS = {"n_layer": 2, "n_embd": 32, "n_head": 4, "n_positions": 16}
+GPT2_ARGS |= {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+HF_GPT2 = {
+    **TIED,
+    "model": {"name": "examples.hf_gpt2:build_model", "args": GPT2_ARGS},
+    "checkpoint": {"every_steps": 4},
+}
+HF_LAYOUTS = {
+    "hf-ddp": {},
+    "hf-fsdp": {"dp_shard": 2},
+    "hf-tp": {"tp": 2},
+    "hf-pp": {"pp": 2},
+    "hf-fsdp-recompute": {"dp_shard": 2, "activation_checkpoint": "full"},
+}
+HF_FOUR = {"hf-fsdp2-tp2": {"dp_shard": 2, "tp": 2}, "hf-dp2-pp2": {"dp_replicate": 2, "pp": 2}}
 ONE_PROCESS = {
     "bn-cnn": (BN_CNN, {}),
     "tied": (TIED, {}),
@@ -83,8 +102,18 @@ TRACED = {
 }
 TWO_RANKS |= TRACED
 TWO_RANKS["residual-fsdp"] = (RESIDUAL, {"dp_shard": 2})
+if HAS_TRANSFORMERS:
+    ONE_PROCESS["hf"] = (HF_GPT2, {})
+    TWO_RANKS |= {name: (HF_GPT2, parallel) for name, parallel in HF_LAYOUTS.items()}
 RESUMED = {"gpt-dropout-pp-resumed": (GPT_DROPOUT, {"pp": 2}, "gpt-dropout-pp")}
 FOUR_RANKS = {"bn-cnn-dp2-pp2": (BN_CNN, {"dp_replicate": 2, "pp": 2})}
+if HAS_TRANSFORMERS:
+    FOUR_RANKS |= {name: (HF_GPT2, parallel) for name, parallel in HF_FOUR.items()}
+    RESUMED["hf-tp-resumed-on-one-process"] = (HF_GPT2, {}, "hf-tp")
+
+
+def _world(parallel: dict[str, Any]) -> int:
+    return math.prod(parallel.get(axis, 1) for axis in ("pp", "dp_replicate", "dp_shard", "tp"))
 
 
 def job(run_dir: Path, sections: dict[str, Any], parallel: dict[str, Any]) -> dict[str, Any]:
@@ -99,12 +128,15 @@ def runs(tmp_path_factory) -> dict[str, Any]:
     failures: dict[str, str] = {}
     for world, jobs in ((1, ONE_PROCESS), (2, TWO_RANKS), (4, FOUR_RANKS)):
         todo = [(n, job(root / n, s, p), None) for n, (s, p) in jobs.items()]
-        if world == 2:  # after the runs they resume from
-            todo += [
-                (n, job(root / n, s, p), str(root / source / "checkpoints/step_00000004"))
-                for n, (s, p, source) in RESUMED.items()
-            ]
         failures |= train_in_workers(world, todo)
+    for world in (1, 2):  # after the runs they resume from
+        todo = [
+            (n, job(root / n, s, p), str(root / source / "checkpoints/step_00000004"))
+            for n, (s, p, source) in RESUMED.items()
+            if _world(p) == world
+        ]
+        if todo:
+            failures |= train_in_workers(world, todo)
     return {"root": root, "failures": failures}
 
 
@@ -216,3 +248,51 @@ def test_a_model_that_is_not_a_sequence_of_blocks_pipelines_by_tracing(runs, nam
 
 def test_repeated_layers_are_found_for_fsdp(runs):
     assert_same_training(outcome(runs, "residual-fsdp"), outcome(runs, "residual"))
+
+
+hf = pytest.mark.skipif(not HAS_TRANSFORMERS, reason=NO_TRANSFORMERS)
+
+
+@hf
+@pytest.mark.parametrize("name", [*HF_LAYOUTS, *HF_FOUR])
+def test_a_stock_hugging_face_model_trains_under_every_layout(runs, name):
+    """GPT2LMHeadModel as transformers builds it: DDP, FSDP per GPT2Block (found in the
+    model), tensor parallel (Conv1D layers, fused query/key/value), a traced pipeline, and
+    hybrids; one process's losses and parameters, the tied embeddings tied."""
+    got = outcome(runs, name)
+    assert_same_training(got, outcome(runs, "hf"))
+    assert torch.equal(got[1]["transformer.wte.weight"], got[1]["lm_head.weight"])
+
+
+@hf
+def test_a_hugging_face_checkpoint_resumes_on_another_layout(runs):
+    """Tensor parallel's fused query/key/value (a strided shard) is stored whole, so the
+    checkpoint loads on one process and the curve continues."""
+    want_losses, want_state = outcome(runs, "hf")
+    got_losses, got_state = outcome(runs, "hf-tp-resumed-on-one-process")
+    steps = range(5, STEPS + 1)
+    assert [got_losses[s] for s in steps] == pytest.approx(
+        [want_losses[s] for s in steps], rel=LOSS_RTOL
+    )
+    for name, value in want_state.items():
+        torch.testing.assert_close(got_state[name], value, rtol=0, atol=PARAM_ATOL, msg=name)
+
+
+@hf
+@pytest.mark.parametrize("name", ["hf-tp", "hf-pp", "hf-fsdp2-tp2"])
+def test_a_hugging_face_export_loads_into_the_stock_model(runs, repo_cwd, name):
+    from transformers import GPT2LMHeadModel
+
+    from shardwise.imports import import_object
+
+    build_model = import_object("examples.hf_gpt2:build_model", "model.name")
+
+    exported = runs["root"] / name / "model.safetensors"
+    export_safetensors(runs["root"] / name / "checkpoints" / f"step_{STEPS:08d}", exported)
+    model = build_model(**GPT2_ARGS)
+    assert isinstance(model, GPT2LMHeadModel)
+    model.load_state_dict(load_exported(exported))  # strict: every name and shape
+    reference = build_model(**GPT2_ARGS)
+    reference.load_state_dict(outcome(runs, "hf")[1])
+    tokens = torch.randint(0, 256, (2, 16))
+    torch.testing.assert_close(model(tokens).logits, reference(tokens).logits, rtol=0, atol=1e-4)

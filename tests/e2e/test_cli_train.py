@@ -3,6 +3,7 @@ MLflow store."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -181,8 +182,17 @@ SHORT_GPT = ["--set", "data.args.max_bytes=200000", "--set", "eval.max_samples=3
             ["--set", "train.steps=40", "--set", "parallel.tp=2", "--set", USER_PLAN],
         ),
         ("examples/tabular.toml", 2, ["--set", "train.steps=40", "--set", "parallel.pp=2"]),
+        pytest.param(
+            "examples/hf-gpt2.toml",
+            2,
+            ["--set", "train.steps=4", "--set", "eval.max_samples=32", "--set", "parallel.tp=2"],
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("transformers") is None,
+                reason="transformers is not installed (pip install 'shardwise[hf]'; make does)",
+            ),
+        ),
     ],
-    ids=["text-gpt", "gpt-hybrid", "tabular", "tabular-tp", "tabular-pp"],
+    ids=["text-gpt", "gpt-hybrid", "tabular", "tabular-tp", "tabular-pp", "hf-gpt2-tp"],
 )
 def test_examples_run_as_written(tmp_path, job, nproc, extra):
     done = shardwise(

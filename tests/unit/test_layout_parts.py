@@ -4,6 +4,7 @@ stages, placing stages on ranks, meta-device initialisation, and the checks made
 from __future__ import annotations
 
 import copy
+import importlib.util
 import itertools
 
 import pytest
@@ -171,6 +172,9 @@ def test_pipeline_micro_batches_derive_from_either_key(tmp_path):
     assert derive(looped, 2).stages_per_rank == 2
 
 
+CONV_PLAN = "tests.zoo:conv_tp_plan"  # ColwiseParallel on a Conv2d
+
+
 def zoo_job(tmp_path, model: str, **parallel):
     """A digits job with a model from tests/zoo.py (data builders run: checks trace the model
     on one micro-batch)."""
@@ -228,13 +232,13 @@ def zoo_job(tmp_path, model: str, **parallel):
         (
             "model_parallel_cnn",
             4,
-            {"pp": 2, "tp": 2, "pipeline_split": ["classifier"], "tp_plan": "tests.zoo:conv_tp_plan"},
+            {"pp": 2, "tp": 2, "pipeline_split": ["classifier"], "tp_plan": CONV_PLAN},
             r"tensor parallelism cannot split a traced pipeline stage",
         ),
         (
             "bn_cnn",
             2,
-            {"tp": 2, "tp_plan": "tests.zoo:conv_tp_plan"},
+            {"tp": 2, "tp_plan": CONV_PLAN},
             r"the tensor-parallel plan applies ColwiseParallel to '0', a Conv2d; ColwiseParallel "
             r"splits nn\.Linear and nn\.Embedding",
         ),
@@ -316,3 +320,47 @@ def test_the_layout_says_what_it_applied_to_what(tmp_path, repo_cwd, model, para
         built, model_blocks(built), degrees, config.parallel, data_parallel_wrapper(degrees)
     )
     assert any(line in printed for printed in lines), lines
+
+
+needs_transformers = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None,
+    reason="transformers is not installed (pip install 'shardwise[hf]'; make test does)",
+)
+
+
+@needs_transformers
+def test_a_hugging_face_model_initialises_on_the_meta_device_with_its_own_scheme(repo_cwd):
+    """`model.init = "auto"` picks meta initialisation for a Hugging Face model (it crashed
+    calling init_weights(module)): every module by Hugging Face's `_init_weights`, then its
+    parents' (GPT-2's scaled residual projections), tied embeddings tied."""
+    from shardwise import builders
+    from shardwise.parallel.init import initializer
+
+    args = {"n_layer": 4, "n_embd": 256, "n_head": 4}
+    config = gpt_job(
+        repo_cwd / "runs", model={"name": "examples.hf_gpt2:build_model", "args": args}
+    )
+    with torch.device("meta"):
+        model = builders.build_model(config)
+    assert initializer(model) is not None and supports_meta_init(model)
+    template = copy.deepcopy(model)
+    materialize([model], template, seed=0, device=torch.device("cpu"))
+    block = model.transformer.h[0]
+    assert block.attn.c_attn.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    scaled = 0.02 / (2 * args["n_layer"]) ** 0.5  # by the parent GPT2Attention's init
+    assert block.attn.c_proj.weight.std().item() == pytest.approx(scaled, rel=0.05)
+    assert block.mlp.c_proj.weight.std().item() == pytest.approx(scaled, rel=0.05)
+    assert torch.all(block.attn.c_attn.bias == 0) and torch.all(block.ln_1.weight == 1)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert model.config.use_cache is False  # no generation cache while training
+
+
+@needs_transformers
+def test_a_hugging_face_model_is_checked_before_launch(tmp_path, repo_cwd):
+    config = gpt_job(
+        tmp_path,
+        model={"name": "examples.hf_gpt2:build_model", "args": {"n_embd": 32, "n_head": 4}},
+        parallel={"tp": 3},
+    )
+    with pytest.raises(ConfigError, match="does not divide the 4 attention heads"):
+        check_layout(config, derive(config, 3))

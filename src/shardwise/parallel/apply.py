@@ -96,7 +96,7 @@ def parallelize(
     all_blocks = model_blocks(model)
     # 1. Pipeline split.
     pipe = (
-        split_pipeline(model, mesh, derived, parallel, block_costs, example)
+        split_pipeline(model, mesh, derived, parallel, block_costs, example, device)
         if degrees["pp"] > 1
         else None
     )
@@ -154,7 +154,12 @@ def describe(
     name = type(model).__name__
     lines = []
     if degrees["tp"] > 1:
-        plan = "parallel.tp_plan" if parallel.tp_plan else f"{name}.tp_plan()"
+        if parallel.tp_plan:
+            plan = "parallel.tp_plan"
+        elif callable(getattr(model, "tp_plan", None)):
+            plan = f"{name}.tp_plan()"
+        else:
+            plan = "shardwise's plan for Hugging Face GPT-2 models"
         lines.append(f"tensor parallel splits the layers {plan} names over {degrees['tp']} ranks")
     if parallel.activation_checkpoint != "none":
         lines.append(
@@ -246,6 +251,7 @@ def split_pipeline(
     parallel: ParallelSection,
     block_costs: list[float] | None,
     example: Any,
+    device: torch.device,
 ) -> Pipeline:
     """This rank's stages: pp × stages_per_rank stages placed by the schedule. A sequence of
     blocks is split into consecutive groups of blocks (explicitly, or balanced by parameter
@@ -268,7 +274,9 @@ def split_pipeline(
         held = {s: held_names(model, blocks, set(stage_blocks[s])) for s in range(num_stages)}
         modules = {s: stage_module(model, blocks, set(stage_blocks[s])) for s in mine}
     else:
-        traced = trace_split(model, example, num_stages=num_stages, split=parallel.pipeline_split)
+        traced = trace_split(
+            model, example, num_stages=num_stages, split=parallel.pipeline_split, device=device
+        )
         stage_blocks, held = traced.blocks, traced.held
         modules = {s: traced.modules[s] for s in mine}
         static_batch = derived.micro_batch

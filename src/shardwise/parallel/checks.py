@@ -141,7 +141,7 @@ def _check_stages_run(
 
 def _check_tp_plan(model: nn.Module, plan: dict[str, Any], tp: int) -> None:
     for module in model.modules():
-        heads = getattr(module, "heads", None)
+        heads = getattr(module, "heads", getattr(module, "num_heads", None))
         if isinstance(heads, int) and heads % tp:
             raise ConfigError(
                 f"parallel.tp = {tp} does not divide the {heads} attention heads: each rank must "
@@ -155,13 +155,15 @@ def _check_tp_plan(model: nn.Module, plan: dict[str, Any], tp: int) -> None:
                 f"the tensor-parallel plan names '{name}', which the model does not have"
             ) from None
         _check_style_fits(name, module, style)
-        dim = {ColwiseParallel: 0, RowwiseParallel: 1}.get(type(style))
+        dim = getattr(
+            style, "weight_dim", {ColwiseParallel: 0, RowwiseParallel: 1}.get(type(style))
+        )
         weight = getattr(module, "weight", None)
         if dim is None or weight is None or weight.dim() < 2:
             continue
         if isinstance(module, nn.Embedding):
             dim = 0 if isinstance(style, RowwiseParallel) else 1
-        size = weight.shape[dim]
+        size = weight.shape[dim] // getattr(style, "fused", 1)
         if size % tp:
             raise ConfigError(
                 f"parallel.tp = {tp} does not divide {name}'s {size} "

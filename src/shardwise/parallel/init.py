@@ -8,21 +8,24 @@ its slice. So FSDP on 8 ranks, TP × PP on 4 and a single process start from bit
 weights, and peak memory is this rank's shard plus the largest single module.
 
 A module is initialised by its own `reset_parameters()` (every torch layer has one) and then, if
-the model defines `init_weights(module)`, by that (the built-in GPT does: GPT-2's init).
+the model defines `init_weights(module)`, by that (the built-in GPT does: GPT-2's init); a
+Hugging Face model by its own `_init_weights` (models/hf.py).
 This module must not decide the layout; it fills in whatever layout `parallelize` produced.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor import DTensor, distribute_tensor
 
+from shardwise.models.hf import initializer as hf_initializer
 from shardwise.parallel.ties import aliases, clean_name, retie, tied_groups
 
 
@@ -31,12 +34,33 @@ def module_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") % 2**63
 
 
+def initializer(model: nn.Module) -> Callable[[str, nn.Module], None] | None:
+    """How to initialise one module of `model` (by its name) after its `reset_parameters()`:
+    the model's `init_weights(module)` (shardwise's contract; the built-in GPT has one), or a
+    Hugging Face model's own scheme; None when the model brings neither."""
+    own = getattr(model, "init_weights", None)
+    if callable(own) and _takes_one_argument(own):
+        return lambda _name, module: own(module)
+    hf = hf_initializer(model)
+    if hf is not None:
+        return lambda name, _module: hf(name)
+    return None
+
+
 def supports_meta_init(model: nn.Module) -> bool:
-    """True when every parameter belongs to a module that can re-initialise it, or the model
-    provides `init_weights(module)`."""
-    if callable(getattr(model, "init_weights", None)):
+    """True when the model brings an initializer (see `initializer`), or every parameter
+    belongs to a module that can re-initialise it (`reset_parameters()`)."""
+    if initializer(model) is not None:
         return True
     return all(callable(getattr(m, "reset_parameters", None)) for _, m in _owning_modules(model))
+
+
+def _takes_one_argument(fn: Callable[..., Any]) -> bool:
+    try:
+        inspect.signature(fn).bind(None)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def materialize(
@@ -57,7 +81,7 @@ def materialize(
             targets[clean_name(name)] = [tensor]
     for group in groups:  # the first name's value goes to every name of the group held here
         targets[group[0]] = [t for name in group for t in targets.get(name, [])]
-    init_weights = getattr(template, "init_weights", None)
+    init_module = initializer(template)
     scratch = _Scratch()
     for prefix, module in _owning_modules(template):
         own = [(n, t) for n, t in _own_tensors(module, prefix) if tied.get(n, (n,))[0] == n]
@@ -69,8 +93,8 @@ def materialize(
             reset = getattr(module, "reset_parameters", None)
             if callable(reset):
                 reset()
-            if callable(init_weights):
-                init_weights(module)
+            if init_module is not None:
+                init_module(prefix, module)
         with torch.no_grad():
             for name, full in _own_tensors(module, prefix):
                 if tied.get(name, (name,))[0] == name:
@@ -117,14 +141,10 @@ class _Scratch:
 
 def copy_slice(full: torch.Tensor, target: torch.Tensor) -> None:
     """Copy into `target` its part of `full`: all of it for a plain tensor, this rank's shard for
-    a DTensor (a slice at the shard's offset: no communication, every rank holds the same
-    `full`)."""
+    a DTensor (sliced locally, no communication: every rank holds the same `full`)."""
     if isinstance(target, DTensor):
-        shape, offset = compute_local_shape_and_global_offset(
-            full.shape, target.device_mesh, target.placements
-        )
-        index = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
-        target.to_local().copy_(full[index])
+        mine = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
+        target.to_local().copy_(mine.to_local())
     else:
         target.copy_(full)
 

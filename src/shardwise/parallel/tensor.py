@@ -4,7 +4,8 @@
 A tensor-parallel plan maps module names to torch's parallel styles (ColwiseParallel,
 RowwiseParallel, SequenceParallel, PrepareModuleInput, …). It comes from `parallel.tp_plan`
 (`package.module:function`, called as `function(model, sequence_parallel=...)`) or, when that is
-empty, from the model's own `tp_plan(sequence_parallel=...)` method (the built-in GPT has one).
+empty, from the model's own `tp_plan(sequence_parallel=...)` method (the built-in GPT has one),
+or for a GPT-2-style Hugging Face model from shardwise's plan for it (models/hf.py).
 A plan names only modules present in the model it is given, so it works on a pipeline stage.
 """
 
@@ -22,6 +23,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from shardwise.config import ConfigError
+from shardwise.models import hf
 
 PlanFn = Callable[..., dict[str, ParallelStyle]]
 
@@ -33,6 +35,9 @@ def tensor_parallel_plan(
     if plan_fn is not None:
         return plan_fn(model, sequence_parallel=sequence_parallel)
     own = getattr(model, "tp_plan", None)
+    hf_plan = hf.default_tp_plan(model)
+    if hf_plan is not None and not callable(own):
+        return hf_plan(model, sequence_parallel=sequence_parallel)
     if not callable(own):
         raise ConfigError(
             f"parallel.tp = {tp} needs a tensor-parallel plan: {type(model).__name__} has no "

@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import difflib
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,10 +61,15 @@ class TracedSplit:
 
 
 def trace_split(
-    model: nn.Module, example: Any, *, num_stages: int, split: list[str]
+    model: nn.Module,
+    example: Any,
+    *,
+    num_stages: int,
+    split: list[str],
+    device: torch.device | None = None,
 ) -> TracedSplit:
     """Trace `model` on `example` (one micro-batch of inputs, on the model's device: meta is
-    fine) and cut it into `num_stages` stages."""
+    fine) and cut it into `num_stages` stages, to run on `device`."""
     model = copy.deepcopy(model)  # split points patch the modules' forward
     model.train()
     if not split:
@@ -75,10 +81,10 @@ def trace_split(
                     f"which make {marked.num_stages} stages, but parallel.pp × stages_per_rank "
                     f"= {num_stages}; change one to match the other"
                 )
-            return _stages(marked, model, [])
+            return _stages(marked, model, [], device)
         split = auto_split(model, num_stages)
     _check_split(model, split, num_stages)
-    return _stages(_pipeline(model, example, split), model, split)
+    return _stages(_pipeline(model, example, split), model, split, device)
 
 
 def auto_split(model: nn.Module, num_stages: int) -> list[str]:
@@ -127,12 +133,16 @@ def _pipeline(model: nn.Module, example: Any, split: list[str] | None) -> Any:
         ) from e
 
 
-def _stages(pipe: Any, model: nn.Module, split: list[str]) -> TracedSplit:
+def _stages(
+    pipe: Any, model: nn.Module, split: list[str], device: torch.device | None
+) -> TracedSplit:
     layers = repeated_layers(model)
     modules, held, blocks = {}, {}, {}
     for index in range(pipe.num_stages):
         module = pipe.get_stage_module(index)
         follow_training_mode(module)
+        if device is not None:
+            retarget(module, device)
         modules[index] = module
         held[index] = {n for n, _ in module.named_parameters(remove_duplicate=False)}
         present = [n for n in layers if has_submodule(module, n)]
@@ -163,11 +173,38 @@ def _dropout_p_if_training(p: float, training: bool) -> float:
 def follow_training_mode(stage: nn.Module) -> None:
     """Make every graph in `stage` run dropout, BatchNorm and attention dropout as its module's
     `training` flag says, not as they ran while tracing."""
+    _each_graph(stage, _rewrite)
+
+
+def retarget(stage: nn.Module, device: torch.device) -> None:
+    """Make every graph in `stage` run on `device`: tracing (on the meta device) recorded the
+    device of the tensors it creates and checks of each tensor's device and dtype. The checks
+    go (mixed precision changes dtypes, and they only check), created tensors move."""
+
+    def rewrite(graph: fx.Graph) -> bool:
+        changed = False
+        for node in list(graph.nodes):
+            if node.op != "call_function":
+                continue
+            if node.target is torch.ops.aten._assert_tensor_metadata.default and not node.users:
+                graph.erase_node(node)
+                changed = True
+            elif "device" in node.kwargs and node.kwargs["device"] != device:
+                node.update_kwarg("device", device)
+                changed = True
+        return changed
+
+    _each_graph(stage, rewrite)
+
+
+def _each_graph(stage: nn.Module, rewrite: Callable[[fx.Graph], bool]) -> None:
+    """Apply `rewrite` to the graph of `stage` and of every module in it, and regenerate the
+    code of those it changed."""
     for module in stage.modules():
-        if isinstance(module, InterpreterModule) and _rewrite(module.graph):
+        if isinstance(module, InterpreterModule) and rewrite(module.graph):
             module.graph.lint()
-            module.finalize()  # regenerate its code from the graph
-        elif isinstance(module, fx.GraphModule) and _rewrite(module.graph):
+            module.finalize()
+        elif isinstance(module, fx.GraphModule) and rewrite(module.graph):
             module.graph.lint()
             module.recompile()
 

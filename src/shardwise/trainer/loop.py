@@ -27,7 +27,7 @@ from shardwise.fault.health import Health, RankHealth
 from shardwise.fault.inject import FaultPlan
 from shardwise.fault.watchdog import Watchdog
 from shardwise.parallel.apply import Layout, parallelize
-from shardwise.parallel.init import materialize, supports_meta_init
+from shardwise.parallel.init import initializer, materialize, supports_meta_init
 from shardwise.parallel.mesh import build_mesh, dp_group, dp_position, pp_group
 from shardwise.parallel.pipeline import example_batch, measure_block_costs
 from shardwise.tracking.metrics import Tracker
@@ -171,7 +171,7 @@ def build_layout(
     with torch.device("meta"):
         model = builders.build_model(config)
     use_meta = config.model.init == "meta" or (
-        config.model.init == "auto" and callable(getattr(model, "init_weights", None))
+        config.model.init == "auto" and initializer(model) is not None
     )
     if use_meta and not supports_meta_init(model):
         raise ConfigError(

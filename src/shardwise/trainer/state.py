@@ -30,6 +30,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardwise.trainer.data import StepLoader
 
@@ -49,8 +51,8 @@ def capture(
     model_state: dict[str, Any] = {}
     optim_state: dict[str, Any] = {}
     for part, optimizer in zip(parts, optimizers, strict=True):
-        model_state.update(get_model_state_dict(part))
-        optim_state.update(get_optimizer_state_dict(part, optimizer, options=_FLAT))
+        model_state.update(_whole(get_model_state_dict(part)))
+        optim_state.update(_whole(get_optimizer_state_dict(part, optimizer, options=_FLAT)))
     return {
         "model": model_state,
         "optim": optim_state,
@@ -75,9 +77,11 @@ def apply(
 ) -> int:
     """Put a loaded state dict back into the run's objects; returns the step it was taken at."""
     for part, optimizer in zip(parts, optimizers, strict=True):
-        own = get_model_state_dict(part).keys()
-        set_model_state_dict(part, {k: state["model"][k] for k in own})
-        set_optimizer_state_dict(part, optimizer, state["optim"], options=_FLAT)
+        live = get_model_state_dict(part)
+        set_model_state_dict(part, {k: _like(state["model"][k], v) for k, v in live.items()})
+        live_optim: dict[str, Any] = get_optimizer_state_dict(part, optimizer, options=_FLAT)
+        optim = {k: _like(v, live_optim.get(k)) for k, v in state["optim"].items()}
+        set_optimizer_state_dict(part, optimizer, optim, options=_FLAT)
     train = state["train"]
     for scheduler in schedulers:
         scheduler.load_state_dict(train["scheduler"])
@@ -88,6 +92,33 @@ def apply(
         (blob,) = state["rng"].values()
         _set_rng_states(pickle.loads(blob.getvalue()))
     return int(train["step"])
+
+
+def _whole(state: dict[str, Any]) -> dict[str, Any]:
+    """The state with every tensor DCP cannot store as one block per rank gathered whole: a
+    strided shard that is not split again (GPT-2's fused query/key/value under tensor
+    parallelism holds a slice of each of its three parts). Every rank of its mesh gathers it;
+    DCP then writes it once, as it does any replicated tensor."""
+    return {k: v.full_tensor() if _scattered(v) else v for k, v in state.items()}
+
+
+def _scattered(value: Any) -> bool:
+    if not isinstance(value, DTensor):
+        return False
+    placements = list(value.placements)
+    return any(
+        isinstance(p, _StridedShard)
+        and not any(type(q) is Shard and q.dim == p.dim for q in placements[i + 1 :])
+        for i, p in enumerate(placements)
+    )
+
+
+def _like(loaded: Any, live: Any) -> Any:
+    """A tensor loaded whole, split again as this run holds it."""
+    whole = isinstance(loaded, torch.Tensor) and not isinstance(loaded, DTensor)
+    if isinstance(live, DTensor) and whole:
+        return distribute_tensor(loaded, live.device_mesh, live.placements, src_data_rank=None)
+    return loaded
 
 
 def without_rng(state: dict[str, Any]) -> dict[str, Any]:

@@ -204,8 +204,9 @@ def evaluate(run: Run) -> dict[str, float]:
         count = target.numel()
         sums[0] += run.loss_fn(outputs, target).double() * count
         sums[2] += count
-        if outputs.dim() == target.dim() + 1 and not target.is_floating_point():
-            sums[1] += (outputs.argmax(-1) == target).sum()
+        logits = builders.model_output(outputs)
+        if logits.dim() == target.dim() + 1 and not target.is_floating_point():
+            sums[1] += (logits.argmax(-1) == target).sum()
             sums[3] += count
     if run.pp_group is not None:
         dist.all_reduce(sums, group=run.pp_group)  # only the last stage's ranks counted
@@ -218,12 +219,11 @@ def evaluate(run: Run) -> dict[str, float]:
     return result
 
 
-def _forward(run: Run, inputs: Any) -> torch.Tensor | None:
+def _forward(run: Run, inputs: Any) -> Any:
     if run.layout.pipeline is not None:
         return pipeline_forward(run.layout.pipeline, inputs)
     (model,) = run.parts
-    out: torch.Tensor = model(inputs)
-    return out
+    return model(inputs)
 
 
 def mean_loss(run: Run, losses: list[torch.Tensor]) -> float:

@@ -1,0 +1,200 @@
+"""Hugging Face models (`transformers.PreTrainedModel`, built from a config: no download) under
+every layout. transformers is an optional extra (`pip install shardwise[hf]`); nothing here
+imports it unless the model in hand is a Hugging Face one, which means it is imported already.
+
+What a stock model needs, and gets:
+- initialisation on the meta device with Hugging Face's own scheme: `_init_weights(module)` for
+  a module, then for each module above it (Hugging Face initialises children before parents,
+  and a parent may initialise a child again: GPT-2 scales its residual projections by
+  1/sqrt(2·layers));
+- no generation cache while training (`config.use_cache = False`: it only holds memory);
+- the loss and evaluation read the `.logits` of the `ModelOutput` its forward returns
+  (`builders.model_output`);
+- tensor parallelism for GPT-2-style models, whose layers are `Conv1D` (a linear layer with its
+  weight stored transposed, (in, out)) and whose query, key and value are one fused projection:
+  `gpt2_tp_plan`, chosen automatically when the job names no plan.
+
+FSDP finds the decoder layers itself (parallel.pipeline.repeated_layers), and pipelines trace
+the model (parallel/traced.py); tied input and output embeddings stay tied (parallel/ties.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+)
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from shardwise.config import ConfigError
+
+
+def is_hf(model: nn.Module) -> bool:
+    """Whether `model` is a Hugging Face `PreTrainedModel`."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+
+def prepare(model: nn.Module) -> None:
+    """Training settings a stock model needs: no generation cache."""
+    config: Any = getattr(model, "config", None)
+    if is_hf(model) and getattr(config, "use_cache", False):
+        config.use_cache = False
+
+
+def initializer(model: nn.Module) -> Callable[[str], None] | None:
+    """Hugging Face's initialisation of the module named `name`: its `_init_weights` on that
+    module, then on every module above it, nearest first (None for other models). On a model
+    built on the meta device only the module being initialised has storage, so the parents'
+    calls touch nothing else."""
+    if not is_hf(model):
+        return None
+    init_weights: Callable[[nn.Module], None] = getattr(model, "_init_weights")  # noqa: B009
+
+    def init(name: str) -> None:
+        parts = name.split(".") if name else []
+        for depth in range(len(parts), -1, -1):
+            init_weights(model.get_submodule(".".join(parts[:depth])))
+
+    return init
+
+
+class Conv1DColwise(ColwiseParallel):
+    """ColwiseParallel for a `Conv1D`: its weight is (in, out), so the output columns are dim
+    1, and the bias is split with them. `fused` projections (GPT-2's query, key and value in one
+    layer) are split part by part, so each rank holds its heads of every part: a strided
+    placement (stored whole in checkpoints, see trainer/state.py); their bias stays whole."""
+
+    layer_types: tuple[type[nn.Module], ...] = ()  # (Conv1D,) once made: transformers is loaded
+    weight_dim = 1  # the weight's dimension it splits (checked against tp before launch)
+
+    def __init__(self, *, fused: int = 1) -> None:
+        super().__init__()
+        self.fused = fused
+        self.layer_types = (_conv1d(),)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        weight: Placement = (
+            _StridedShard(1, split_factor=self.fused) if self.fused > 1 else Shard(1)
+        )
+        # A fused bias stays whole (each rank slices it in the add): split strided on the dim
+        # FSDP also shards, it would come back wrong from FSDP's gather.
+        bias: Placement = Replicate() if self.fused > 1 else Shard(0)
+        _distribute(module, device_mesh, {"weight": weight, "bias": bias})
+        module.register_forward_pre_hook(
+            partial(_replicated_input, device_mesh=device_mesh), prepend=True
+        )
+        module.register_forward_hook(_local_output)
+        return module
+
+
+class Conv1DRowwise(RowwiseParallel):
+    """RowwiseParallel for a `Conv1D`: its input rows are dim 0 of the weight; the bias stays
+    whole and is added once, after the partial sums are reduced."""
+
+    layer_types: tuple[type[nn.Module], ...] = ()
+    weight_dim = 0
+
+    def __init__(self) -> None:
+        super().__init__(output_layouts=Replicate())
+        self.layer_types = (_conv1d(),)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _distribute(module, device_mesh, {"weight": Shard(0), "bias": Replicate()})
+        module.register_forward_pre_hook(
+            partial(_sharded_input, device_mesh=device_mesh), prepend=True
+        )
+        module.register_forward_hook(_replicated_output)
+        return module
+
+
+class LocalHeads(ParallelStyle):
+    """GPT-2's attention splits its fused projection by `split_size`, the width of one part:
+    under tensor parallelism a rank holds 1/tp of every part, so its own width (and its head
+    count) is 1/tp of the model's."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp = device_mesh.size()
+        for name in ("split_size", "num_heads", "embed_dim"):
+            setattr(module, name, int(getattr(module, name)) // tp)
+        return module
+
+
+def gpt2_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """Megatron-LM's split of a GPT-2-style model (`GPT2LMHeadModel`, `GPT2Model`): the token
+    embedding and the (tied) output layer by vocabulary rows, each block's fused query/key/value
+    and first MLP layer by output columns (by heads), its attention output and second MLP layer
+    by input rows, one all-reduce after each; position embeddings and norms stay whole."""
+    if sequence_parallel:
+        raise ConfigError(
+            "parallel.sequence_parallel is not available for GPT-2-style Hugging Face models "
+            "(shardwise's plan splits them Megatron-style only); set it to false"
+        )
+    names = {name for name, _ in model.named_modules()}
+    plan: dict[str, ParallelStyle] = {}
+    for name, module in model.named_modules():
+        if name.endswith(".attn") and hasattr(module, "c_attn") and hasattr(module, "split_size"):
+            plan[f"{name}.c_attn"] = Conv1DColwise(fused=3)
+            plan[f"{name}.c_proj"] = Conv1DRowwise()
+            plan[name] = LocalHeads()
+        elif name.endswith(".mlp") and hasattr(module, "c_fc"):
+            plan[f"{name}.c_fc"] = Conv1DColwise()
+            plan[f"{name}.c_proj"] = Conv1DRowwise()
+        elif name.endswith("wte") and isinstance(module, nn.Embedding):
+            plan[name] = RowwiseParallel(input_layouts=Replicate())
+    if "lm_head" in names:
+        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    return plan
+
+
+def default_tp_plan(model: nn.Module) -> Callable[..., dict[str, ParallelStyle]] | None:
+    """shardwise's plan for a Hugging Face model that has no plan torch can use: GPT-2-style
+    models (Conv1D layers, fused attention projections)."""
+    if is_hf(model) and any(type(m) is _conv1d() for m in model.modules()):
+        return gpt2_tp_plan
+    return None
+
+
+def _conv1d() -> type[nn.Module]:
+    from transformers.pytorch_utils import Conv1D
+
+    return Conv1D
+
+
+def _distribute(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement]) -> None:
+    for name, param in list(module.named_parameters(recurse=False)):
+        split = distribute_tensor(param, mesh, [placements[name]], src_data_rank=None)
+        module.register_parameter(name, nn.Parameter(split, requires_grad=param.requires_grad))
+
+
+def _replicated_input(module: nn.Module, inputs: Any, *, device_mesh: DeviceMesh) -> Any:
+    x = inputs[0]
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+    return (x, *inputs[1:])
+
+
+def _sharded_input(module: nn.Module, inputs: Any, *, device_mesh: DeviceMesh) -> Any:
+    x = inputs[0]
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, device_mesh, [Shard(-1)], run_check=False)
+    return (x, *inputs[1:])
+
+
+def _local_output(module: nn.Module, inputs: Any, output: Any) -> Any:
+    return output.to_local() if isinstance(output, DTensor) else output
+
+
+def _replicated_output(module: nn.Module, inputs: Any, output: Any) -> Any:
+    if isinstance(output, DTensor):
+        return output.redistribute(placements=[Replicate()]).to_local()
+    return output
