@@ -1,10 +1,10 @@
 """A stock Hugging Face GPT-2 (`transformers.GPT2LMHeadModel`), built from a config: nothing is
 downloaded. shardwise trains it as it is, under every layout:
 
-    shardwise train examples/hf-gpt2.toml --nproc 2                              # DDP
-    shardwise train examples/hf-gpt2.toml --nproc 2 --set parallel.dp_shard=2    # FSDP per GPT2Block
-    shardwise train examples/hf-gpt2.toml --nproc 2 --set parallel.tp=2          # tensor parallel
-    shardwise train examples/hf-gpt2.toml --nproc 2 --set parallel.pp=2          # pipeline (traced)
+    shardwise train examples/hf-gpt2.toml --nproc 2                            # DDP
+    shardwise train examples/hf-gpt2.toml --nproc 2 --set parallel.dp_shard=2  # FSDP per block
+    shardwise train examples/hf-gpt2.toml --nproc 2 --set parallel.tp=2        # tensor parallel
+    shardwise train examples/hf-gpt2.toml --nproc 2 --set parallel.pp=2        # traced pipeline
 
 Its checkpoints export to a file the same stock model loads:
 
