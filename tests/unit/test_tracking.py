@@ -76,3 +76,19 @@ def test_mlflow_bad_uri_warns():
         )
         tracker.close("FINISHED")
     assert any("training continues" in str(w.message) for w in caught)
+
+
+def test_an_uneven_pipeline_is_told_how_to_balance():
+    from shardwise.trainer.report import bubble_advice
+
+    def ranks(*bubbles):
+        return [{"rank": r, "bubble": b, "bubble_theory": 0.2} for r, b in enumerate(bubbles)]
+
+    advice = bubble_advice(ranks(0.55, 0.21), fix="use cost")
+    assert advice == (
+        "pipeline: ranks idled up to 55% of each step where the schedule needs 20%: the stages' "
+        "work is uneven; use cost"
+    )
+    assert bubble_advice(ranks(0.3, 0.25), fix="use cost") is None  # near the theory
+    assert bubble_advice(ranks(0.55, 0.5), fix=None) is None  # nothing to suggest
+    assert bubble_advice([{"rank": 0}], fix="use cost") is None  # not a pipeline

@@ -46,6 +46,9 @@ def memory(
         return []
     if display is not None:
         display.print_table(memory_table(ranks, title=f"per rank after step {step}"))
+        advice = bubble_advice(ranks, fix=_balance_fix(run))
+        if advice:
+            display.print(advice)
     if tracker is not None:
         flat = {
             f"memory/rank{r['rank']}/{k}": float(v)
@@ -55,6 +58,36 @@ def memory(
         }
         tracker.log_metrics(flat, step)
     return ranks
+
+
+def bubble_advice(ranks: list[dict[str, Any]], *, fix: str | None) -> str | None:
+    """A line for a pipeline whose ranks idled far longer than its schedule needs them to (the
+    stages' work is uneven), saying how to even it out (`fix`); None otherwise."""
+    measured = [r["bubble"] for r in ranks if "bubble" in r]
+    if not measured or fix is None:
+        return None
+    worst, theory = max(measured), float(ranks[0]["bubble_theory"])
+    if worst < max(1.5 * theory, theory + 0.15):
+        return None
+    return (
+        f"pipeline: ranks idled up to {worst:.0%} of each step where the schedule needs "
+        f"{theory:.0%}: the stages' work is uneven; {fix}"
+    )
+
+
+def _balance_fix(run: Run) -> str | None:
+    """How this run's pipeline split could be evened out, if it can."""
+    parallel, pipe = run.config.parallel, run.layout.pipeline
+    if pipe is None or parallel.pipeline_balance == "cost":
+        return None
+    if parallel.pipeline_split:
+        return "move the stage boundaries in parallel.pipeline_split"
+    if pipe.static_batch is not None:
+        return "name where stages begin with parallel.pipeline_split (this model is traced)"
+    return (
+        "parallel.pipeline_balance = 'cost' splits the blocks by their measured time instead "
+        "of their parameter count"
+    )
 
 
 def restarted(
