@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardwise.models.hf import initializer as hf_initializer
 from shardwise.parallel.ties import aliases, clean_name, retie, tied_groups
@@ -142,11 +144,18 @@ class _Scratch:
 def copy_slice(full: torch.Tensor, target: torch.Tensor) -> None:
     """Copy into `target` its part of `full`: all of it for a plain tensor, this rank's shard for
     a DTensor (sliced locally, no communication: every rank holds the same `full`)."""
-    if isinstance(target, DTensor):
+    if not isinstance(target, DTensor):
+        target.copy_(full)
+    elif any(isinstance(p, _StridedShard) for p in target.placements):
+        # a strided shard is several pieces of `full`: let DTensor cut them
         mine = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
         target.to_local().copy_(mine.to_local())
-    else:
-        target.copy_(full)
+    else:  # one block: a view of `full`, nothing allocated
+        shape, offset = compute_local_shape_and_global_offset(
+            full.shape, target.device_mesh, target.placements
+        )
+        index = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+        target.to_local().copy_(full[index])
 
 
 def _owning_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
