@@ -160,7 +160,7 @@ def describe(
             plan = f"{name}.tp_plan()"
         else:
             plan = "shardwise's plan for Hugging Face GPT-2 models"
-        lines.append(f"tensor parallel splits the layers {plan} names over {degrees['tp']} ranks")
+        lines.append(f"tensor parallel over {degrees['tp']} ranks splits the layers of {plan}")
     if parallel.activation_checkpoint != "none":
         lines.append(
             f"activation checkpointing ({parallel.activation_checkpoint}) recomputes {units}"
