@@ -86,6 +86,40 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
 
 
+def outcome(runs: dict[str, Any], name: str, step: int) -> tuple[dict[int, float], dict]:
+    """A run of a shared-worker fixture (`{"root": dir, "failures": {name: traceback}}`): its
+    losses by step and the model state of its checkpoint at `step`; fails the test with the
+    run's traceback if it failed."""
+    import pytest
+
+    if name in runs["failures"]:
+        pytest.fail(f"{name} failed:\n{runs['failures'][name]}")
+    run_dir = runs["root"] / name
+    return losses(run_dir), load_params(run_dir / "checkpoints" / f"step_{step:08d}")
+
+
+def assert_same_training(
+    got: tuple[dict[int, float], dict],
+    want: tuple[dict[int, float], dict],
+    steps: range,
+    *,
+    loss_rtol: float = 1e-5,
+    param_atol: float = 2e-5,
+) -> None:
+    """The same losses at `steps` (relative tolerance) and the same parameters and buffers
+    (absolute): layouts add in different orders, so fp32 results differ in the last bits."""
+    import pytest
+
+    got_losses, got_state = got
+    want_losses, want_state = want
+    assert [got_losses[s] for s in steps] == pytest.approx(
+        [want_losses[s] for s in steps], rel=loss_rtol
+    )
+    assert got_state.keys() == want_state.keys()
+    for name, value in want_state.items():
+        torch.testing.assert_close(got_state[name], value, rtol=0, atol=param_atol, msg=name)
+
+
 def free_port() -> int:
     """A port that was free a moment ago (for launchers that need one up front, like srun)."""
     with socket.socket() as s:

@@ -18,12 +18,13 @@ from typing import Any
 import pytest
 import torch
 
-from helpers import gpt_job, load_params, losses, train_in_workers
+from helpers import assert_same_training, gpt_job, outcome, train_in_workers
 from shardwise.checkpoint.export import export_safetensors, load_exported
 
 pytestmark = pytest.mark.slow
 LOSS_RTOL, PARAM_ATOL = 1e-5, 2e-5
 STEPS = 8
+ALL = range(1, STEPS + 1)
 
 BN_CNN = {
     "model": {"name": "tests.zoo:bn_cnn", "args": {}},
@@ -140,37 +141,18 @@ def runs(tmp_path_factory) -> dict[str, Any]:
     return {"root": root, "failures": failures}
 
 
-def outcome(runs: dict[str, Any], name: str) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
-    if name in runs["failures"]:
-        pytest.fail(f"{name} failed:\n{runs['failures'][name]}")
-    run_dir = runs["root"] / name
-    return losses(run_dir), load_params(run_dir / "checkpoints" / f"step_{STEPS:08d}")
-
-
 def evaluation(runs: dict[str, Any], name: str) -> dict[str, float]:
     summary = json.loads((runs["root"] / name / "summary.json").read_text())
     return {k: v for k, v in summary["metrics"].items() if k.startswith("eval/")}
-
-
-def assert_same_training(got, want) -> None:
-    got_losses, got_state = got
-    want_losses, want_state = want
-    steps = range(1, STEPS + 1)
-    assert [got_losses[s] for s in steps] == pytest.approx(
-        [want_losses[s] for s in steps], rel=LOSS_RTOL
-    )
-    assert got_state.keys() == want_state.keys()
-    for name, value in want_state.items():
-        torch.testing.assert_close(got_state[name], value, rtol=0, atol=PARAM_ATOL, msg=name)
 
 
 @pytest.mark.parametrize("name", ["bn-cnn-pp-GPipe", "bn-cnn-pp-1F1B"])
 def test_batchnorm_statistics_under_a_pipeline_match_one_process(runs, name):
     """Parameters and running statistics (mean, variance, batches tracked) as one process has
     them: the pipeline's shape inference never touches a buffer."""
-    reference = outcome(runs, "bn-cnn")
+    reference = outcome(runs, "bn-cnn", STEPS)
     assert reference[1]["1.num_batches_tracked"] == STEPS * 4  # one per micro-batch
-    assert_same_training(outcome(runs, name), reference)
+    assert_same_training(outcome(runs, name, STEPS), reference, ALL)
     # evaluation normalises with those statistics
     assert evaluation(runs, name)["eval/loss"] == pytest.approx(
         evaluation(runs, "bn-cnn")["eval/loss"], rel=LOSS_RTOL
@@ -181,8 +163,8 @@ def test_batchnorm_under_data_and_pipeline_parallelism_evaluates(runs):
     """DP 2 × PP 2 (where a ResNet evaluated to nan): the parameters are one process's; each
     replica's running statistics come from its own half of the batch (as under DDP and FSDP), so
     they are not one process's, but real: finite, and counted once per micro-batch it ran."""
-    reference = outcome(runs, "bn-cnn")
-    got_losses, got_state = outcome(runs, "bn-cnn-dp2-pp2")
+    reference = outcome(runs, "bn-cnn", STEPS)
+    got_losses, got_state = outcome(runs, "bn-cnn-dp2-pp2", STEPS)
     assert got_losses == pytest.approx(reference[0], rel=LOSS_RTOL)
     for name, value in reference[1].items():
         if "running" in name or "num_batches" in name:
@@ -199,8 +181,8 @@ def test_a_resumed_pipeline_draws_the_same_dropout_masks(runs):
     """Shape inference runs before the first step of every process, the resumed one included;
     it must leave no trace (buffers, random streams), or the resumed run is not the one that
     never stopped (bitwise, on the same layout)."""
-    want_losses, want_state = outcome(runs, "gpt-dropout-pp")
-    got_losses, got_state = outcome(runs, "gpt-dropout-pp-resumed")
+    want_losses, want_state = outcome(runs, "gpt-dropout-pp", STEPS)
+    got_losses, got_state = outcome(runs, "gpt-dropout-pp-resumed", STEPS)
     assert [got_losses[s] for s in range(5, STEPS + 1)] == [
         want_losses[s] for s in range(5, STEPS + 1)
     ]
@@ -212,26 +194,26 @@ def assert_tied(state: dict[str, torch.Tensor]) -> None:
 
 
 def test_tied_weights_stay_tied_on_one_process(runs):
-    assert_tied(outcome(runs, "tied")[1])
-    assert_tied(outcome(runs, "tied-meta")[1])  # initialised on the meta device
+    assert_tied(outcome(runs, "tied", STEPS)[1])
+    assert_tied(outcome(runs, "tied-meta", STEPS)[1])  # initialised on the meta device
 
 
 @pytest.mark.parametrize("name", TIED_LAYOUTS)
 def test_tied_weights_stay_tied_under_every_layout(runs, name):
     """One process's training, both ends of the tie equal: under a pipeline the stages that
     hold a copy add their gradients (Megatron's embedding group), on one rank or across ranks."""
-    got = outcome(runs, name)
+    got = outcome(runs, name, STEPS)
     assert_tied(got[1])
-    assert_same_training(got, outcome(runs, "tied"))
+    assert_same_training(got, outcome(runs, "tied", STEPS), ALL)
     exported = runs["root"] / name / "model.safetensors"
     export_safetensors(runs["root"] / name / "checkpoints" / f"step_{STEPS:08d}", exported)
     assert_tied(load_exported(exported))
 
 
 def test_tied_weights_initialised_on_the_meta_device_under_fsdp(runs):
-    got = outcome(runs, "tied-meta-fsdp")
+    got = outcome(runs, "tied-meta-fsdp", STEPS)
     assert_tied(got[1])
-    assert_same_training(got, outcome(runs, "tied-meta"))
+    assert_same_training(got, outcome(runs, "tied-meta", STEPS), ALL)
 
 
 @pytest.mark.parametrize("name", TRACED)
@@ -240,14 +222,16 @@ def test_a_model_that_is_not_a_sequence_of_blocks_pipelines_by_tracing(runs, nam
     one process's losses, parameters and BatchNorm statistics; evaluation (the last batch padded
     to the traced size) with BatchNorm's statistics and without dropout, as in one process."""
     reference = "mp-cnn" if "cnn" in name else "residual"
-    assert_same_training(outcome(runs, name), outcome(runs, reference))
+    assert_same_training(outcome(runs, name, STEPS), outcome(runs, reference, STEPS), ALL)
     assert evaluation(runs, name)["eval/loss"] == pytest.approx(
         evaluation(runs, reference)["eval/loss"], rel=LOSS_RTOL
     )
 
 
 def test_repeated_layers_are_found_for_fsdp(runs):
-    assert_same_training(outcome(runs, "residual-fsdp"), outcome(runs, "residual"))
+    assert_same_training(
+        outcome(runs, "residual-fsdp", STEPS), outcome(runs, "residual", STEPS), ALL
+    )
 
 
 hf = pytest.mark.skipif(not HAS_TRANSFORMERS, reason=NO_TRANSFORMERS)
@@ -259,8 +243,8 @@ def test_a_stock_hugging_face_model_trains_under_every_layout(runs, name):
     """GPT2LMHeadModel as transformers builds it: DDP, FSDP per GPT2Block (found in the
     model), tensor parallel (Conv1D layers, fused query/key/value), a traced pipeline, and
     hybrids; one process's losses and parameters, the tied embeddings tied."""
-    got = outcome(runs, name)
-    assert_same_training(got, outcome(runs, "hf"))
+    got = outcome(runs, name, STEPS)
+    assert_same_training(got, outcome(runs, "hf", STEPS), ALL)
     assert torch.equal(got[1]["transformer.wte.weight"], got[1]["lm_head.weight"])
 
 
@@ -268,14 +252,8 @@ def test_a_stock_hugging_face_model_trains_under_every_layout(runs, name):
 def test_a_hugging_face_checkpoint_resumes_on_another_layout(runs):
     """Tensor parallel's fused query/key/value (a strided shard) is stored whole, so the
     checkpoint loads on one process and the curve continues."""
-    want_losses, want_state = outcome(runs, "hf")
-    got_losses, got_state = outcome(runs, "hf-tp-resumed-on-one-process")
-    steps = range(5, STEPS + 1)
-    assert [got_losses[s] for s in steps] == pytest.approx(
-        [want_losses[s] for s in steps], rel=LOSS_RTOL
-    )
-    for name, value in want_state.items():
-        torch.testing.assert_close(got_state[name], value, rtol=0, atol=PARAM_ATOL, msg=name)
+    resumed = outcome(runs, "hf-tp-resumed-on-one-process", STEPS)
+    assert_same_training(resumed, outcome(runs, "hf", STEPS), range(5, STEPS + 1))
 
 
 @hf
@@ -293,6 +271,6 @@ def test_a_hugging_face_export_loads_into_the_stock_model(runs, repo_cwd, name):
     assert isinstance(model, GPT2LMHeadModel)
     model.load_state_dict(load_exported(exported))  # strict: every name and shape
     reference = build_model(**GPT2_ARGS)
-    reference.load_state_dict(outcome(runs, "hf")[1])
+    reference.load_state_dict(outcome(runs, "hf", STEPS)[1])
     tokens = torch.randint(0, 256, (2, 16))
     torch.testing.assert_close(model(tokens).logits, reference(tokens).logits, rtol=0, atol=1e-4)

@@ -21,11 +21,17 @@ from typing import Any
 import pytest
 import torch
 
-from helpers import gpt_job, load_params, losses, run_distributed, train_in_workers
+from helpers import (
+    assert_same_training,
+    gpt_job,
+    outcome,
+    run_distributed,
+    train_in_workers,
+)
 
 pytestmark = pytest.mark.slow
-LOSS_RTOL, PARAM_ATOL = 1e-5, 2e-5
 STEPS = 10
+ALL = range(1, STEPS + 1)
 
 MODEL = {"layers": 4, "heads": 4, "hidden": 32, "seq_len": 16, "mlp_ratio": 2, "dropout": 0.0}
 BASE = {
@@ -121,40 +127,22 @@ def runs(tmp_path_factory) -> dict[str, Any]:
     return {"root": root, "failures": failures}
 
 
-def outcome(runs: dict[str, Any], name: str) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
-    if name in runs["failures"]:
-        pytest.fail(f"{name} failed:\n{runs['failures'][name]}")
-    run_dir = runs["root"] / name
-    return losses(run_dir), load_params(run_dir / "checkpoints" / f"step_{STEPS:08d}")
-
-
 def summary(runs: dict[str, Any], name: str) -> dict[str, Any]:
     return json.loads((runs["root"] / name / "summary.json").read_text())
 
 
-def assert_same_training(got, want, steps=range(1, STEPS + 1)) -> None:
-    got_losses, got_params = got
-    want_losses, want_params = want
-    assert [got_losses[s] for s in steps] == pytest.approx(
-        [want_losses[s] for s in steps], rel=LOSS_RTOL
-    )
-    assert got_params.keys() == want_params.keys()
-    for name, value in want_params.items():
-        torch.testing.assert_close(got_params[name], value, rtol=0, atol=PARAM_ATOL)
-
-
 @pytest.mark.parametrize("name", [*TWO_RANKS, *FOUR_RANKS])
 def test_layout_matches_one_process(runs, name):
-    reference = outcome(runs, "reference")
+    reference = outcome(runs, "reference", STEPS)
     assert reference[0][STEPS] < reference[0][1] - 0.3  # it trains: equality is not trivial
-    assert_same_training(outcome(runs, name), reference)
+    assert_same_training(outcome(runs, name, STEPS), reference, ALL)
 
 
 @pytest.mark.parametrize("name", USER_LAYOUTS)
 def test_user_model_layout_matches_one_process(runs, name):
-    reference = outcome(runs, "user-reference")
+    reference = outcome(runs, "user-reference", STEPS)
     assert reference[0][STEPS] < reference[0][1] - 0.1
-    assert_same_training(outcome(runs, name), reference)
+    assert_same_training(outcome(runs, name, STEPS), reference, ALL)
 
 
 @pytest.mark.parametrize(("name", "source", "layout", "world"), RESUMES)
@@ -162,7 +150,9 @@ def test_checkpoint_resumes_under_another_layout(runs, name, source, layout, wor
     """Model, optimizer and data position carry over: the resumed run reads the samples the
     first run would have read next and follows the uninterrupted curve."""
     assert summary(runs, name)["resumed_from"] == 5
-    assert_same_training(outcome(runs, name), outcome(runs, "reference"), range(6, STEPS + 1))
+    assert_same_training(
+        outcome(runs, name, STEPS), outcome(runs, "reference", STEPS), range(6, STEPS + 1)
+    )
 
 
 def test_fsdp_holds_half_of_the_state_per_rank(runs):
