@@ -165,32 +165,30 @@ def opaque(inner):
     return Opaque()
 
 
-def test_a_model_without_blocks_has_its_repeated_layers_found(tmp_path):
+def traced_gpt(tmp_path, layers: int, *, wrap: bool, traced_layers: int):
+    """The activation trace of a built-in GPT with `layers` layers, bare or inside a model
+    without pipeline_blocks()."""
     import torch
 
     from helpers import gpt_job
     from shardwise import builders
     from shardwise.plan.job import trace_activations
 
-    config = gpt_job(tmp_path, model={"args": {"layers": 3, "heads": 4, "hidden": 64}})
+    config = gpt_job(tmp_path, model={"args": {"layers": layers, "heads": 4, "hidden": 64}})
     with torch.device("meta"):
         gpt = builders.build_model(config)
-    blocks = trace_activations(config, gpt, layers=3, fused_attention=False)
-    found = trace_activations(config, opaque(gpt), layers=3, fused_attention=False)
+    model = opaque(gpt) if wrap else gpt
+    return trace_activations(config, model, layers=traced_layers, fused_attention=False)
+
+
+def test_a_model_without_blocks_has_its_repeated_layers_found(tmp_path):
+    blocks = traced_gpt(tmp_path, 3, wrap=False, traced_layers=3)
+    found = traced_gpt(tmp_path, 3, wrap=True, traced_layers=3)
     assert found == blocks  # inner.layers.0 … 2: the repeated layers, found without the contract
 
 
 def test_a_model_without_blocks_or_repeated_layers_is_traced_whole_over_its_layers(tmp_path):
-    import torch
-
-    from helpers import gpt_job
-    from shardwise import builders
-    from shardwise.plan.job import trace_activations
-
-    config = gpt_job(tmp_path, model={"args": {"layers": 1, "heads": 4, "hidden": 64}})
-    with torch.device("meta"):
-        gpt = builders.build_model(config)
-    blocks = trace_activations(config, gpt, layers=1, fused_attention=False)
-    whole = trace_activations(config, opaque(gpt), layers=3, fused_attention=False)
+    blocks = traced_gpt(tmp_path, 1, wrap=False, traced_layers=1)
+    whole = traced_gpt(tmp_path, 1, wrap=True, traced_layers=3)
     assert whole.before == whole.after == 0
     assert 3 * whole.layer == blocks.layer + blocks.before + blocks.after
