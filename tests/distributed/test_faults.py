@@ -343,3 +343,27 @@ def test_a_failing_final_evaluation_keeps_the_final_checkpoint(tmp_path):
     final = tmp_path / "checkpoints" / "step_00000006"
     assert problem(str(final)) is None
     assert load_params(final).keys() == {"body.1.weight", "body.1.bias"}
+
+
+def test_retention_keeps_the_newest_good_checkpoint_when_a_newer_one_is_corrupt(
+    tmp_path, uninterrupted
+):
+    """The audit's loss: step 16's bytes flipped at the same size, `--resume auto` with
+    keep_last = 1 resumes from 12 and saves 14. Retention must keep 14 (the newest good one) and
+    never count 16; it deleted everything but the corrupt 16."""
+    _, _, straight = uninterrupted
+    for step in (8, 12, 16):
+        name = f"step_{step:08d}"
+        shutil.copytree(straight / "checkpoints" / name, tmp_path / "checkpoints" / name)
+    target = tmp_path / "checkpoints" / "step_00000016" / "__0_0.distcp"
+    data = target.read_bytes()
+    target.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
+    sections = {**SECTIONS, "checkpoint": {"every_steps": 4, "keep_last": 1}}
+    with pytest.warns(UserWarning, match="skipping checkpoint step_00000016"):
+        summary = shardwise.train(
+            gpt_job(tmp_path, train={"steps": 14}, **sections), nproc=2, resume="auto"
+        )
+    assert summary is not None and summary.resumed_from == 12
+    left = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert left == ["step_00000014", "step_00000016"]
+    assert summary.checkpoint is not None and problem(summary.checkpoint) is None

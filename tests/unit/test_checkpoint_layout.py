@@ -101,3 +101,17 @@ def test_probe_names_what_cannot_take_a_checkpoint(tmp_path):
     blocker.write_text("")
     assert "cannot write there" in probe_writable(blocker / "checkpoints")
     assert "Protocol not known: nosuch" in probe_writable("nosuch://bucket/prefix")
+
+
+def test_retention_never_counts_a_checkpoint_corrupted_at_its_size(root):
+    """The audit's case: steps 10–40 saved, step 40's bytes flipped at the same size, a run
+    resumed from 30 saves 35 with keep_last = 1. Only checksums tell 40 is bad: it is neither
+    counted nor deleted, and 35, the newest good checkpoint, stays."""
+    for step in (10, 20, 30, 35, 40):
+        fake_checkpoint(root, step)
+    write(join(root, "step_00000040/__0_0.distcp"), b"y" * 100)
+    assert sorted(name_of(p) for p in retention_victims(root, 1)) == [
+        "step_00000010",
+        "step_00000020",
+        "step_00000030",
+    ]

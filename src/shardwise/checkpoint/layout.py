@@ -112,16 +112,39 @@ def problem(location: Location, *, checksums: bool = True) -> str | None:
 
 
 def retention_victims(directory: Location, keep_last: int) -> list[str]:
-    """Checkpoints `keep_last` retention deletes: those older than the newest `keep_last` whose
-    files are all there at full size. A damaged checkpoint does not count as kept, so retention
-    never deletes the last good one."""
+    """Checkpoints `keep_last` retention deletes: those older than the newest `keep_last` that
+    verify (every file listed, at its size, with its checksum). One that fails is neither
+    counted nor deleted (`--resume auto` skips it, and it is evidence), so retention never
+    deletes the newest good checkpoint, however a bad one was damaged."""
     kept, victims = 0, []
     for location in reversed(complete_checkpoints(directory)):
         if kept >= keep_last:
             victims.append(location)
-        elif problem(location, checksums=False) is None:
+        elif verified(location):
             kept += 1
     return victims
+
+
+_VERIFIED: dict[tuple[str, bytes, tuple[tuple[str, int], ...]], bool] = {}
+
+
+def verified(location: Location) -> bool:
+    """Whether the checkpoint passes `problem` with checksums. A save runs retention over the
+    same checkpoints again and again, so the answer is remembered for the manifest and the file
+    sizes it saw: each checkpoint is hashed once per process, not once per save."""
+    try:
+        fs, path = storage(location)
+        listing = fs.find(path, detail=True)
+        key = (
+            os.fspath(location),
+            fs.cat_file(f"{path}/{MANIFEST}"),
+            tuple(sorted((name_of(p), int(info["size"])) for p, info in listing.items())),
+        )
+    except (OSError, ValueError):
+        return False
+    if key not in _VERIFIED:
+        _VERIFIED[key] = problem(location) is None
+    return _VERIFIED[key]
 
 
 def newest_good(directory: Location) -> tuple[str | None, list[str]]:
