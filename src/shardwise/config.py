@@ -72,6 +72,11 @@ class ModelSection(Section):
     same values under every layout (the model must define `init_weights(module)` or rely on its
     modules' `reset_parameters()`); `full`: every rank builds the whole model as the builder
     initialises it, then keeps its shard; `auto`: `meta` when the model defines `init_weights`."""
+    init_from: str = ""
+    """A `.safetensors` file of the model's weights (what `shardwise export` writes) to start
+    from, after initialisation: the weights only, with a fresh optimizer, schedule and data
+    position. safetensors holds tensors and nothing else, so this is how to start from weights
+    someone else trained without trusting their checkpoint directory."""
 
 
 class DataSection(Section):

@@ -8,6 +8,7 @@ metadata names the step and the model builder and its arguments, so the weights 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import warnings
@@ -15,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-from shardwise.checkpoint.layout import is_complete, read_manifest
+from shardwise.checkpoint import safe
+from shardwise.checkpoint.layout import is_complete, problem, read_manifest
 from shardwise.config import ConfigError
 
 
@@ -33,10 +36,14 @@ def export_safetensors(checkpoint: str | Path, output: Path) -> dict[str, Any]:
         )
     if output.suffix != ".safetensors":
         raise ConfigError(f"{output}: the output file must end in .safetensors")
+    wrong = problem(checkpoint)
+    if wrong is not None:
+        raise ConfigError(f"{checkpoint}: {wrong}; export a good checkpoint")
+    safe.check_metadata(checkpoint)
     manifest = read_manifest(checkpoint)
     with warnings.catch_warnings():  # "no process group: loading in a single process", as meant
         warnings.simplefilter("ignore", UserWarning)
-        state = _load_state_dict_from_keys(keys={"model"}, checkpoint_id=str(checkpoint))
+        state = _load_state_dict_from_keys(keys={"model"}, storage_reader=safe.reader(checkpoint))
     tensors = {name: t.detach().contiguous() for name, t in sorted(state["model"].items())}
     metadata = {
         "format": "pt",
@@ -63,3 +70,47 @@ def load_exported(path: Path) -> dict[str, torch.Tensor]:
 
     loaded: dict[str, torch.Tensor] = load_file(str(path))
     return loaded
+
+
+def check_weights(path: str, model: nn.Module) -> None:
+    """Refuse, before launch, a `model.init_from` file that is not the model's weights: not a
+    safetensors file, a name missing or left over, a shape that differs."""
+    from safetensors import SafetensorError, safe_open
+
+    where = f"model.init_from = {path!r}"
+    if not os.path.isfile(path):
+        raise ConfigError(f"{where}: no such file; give the .safetensors file `export` wrote")
+    try:
+        with safe_open(path, framework="pt") as f:
+            shapes = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError) as e:
+        raise ConfigError(f"{where}: not a safetensors file ({e})") from None
+    wanted = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
+    missing, extra = sorted(wanted.keys() - shapes.keys()), sorted(shapes.keys() - wanted.keys())
+    if missing or extra:
+        what = f"lacks {missing[0]}" if missing else f"holds {extra[0]}, which the model has not"
+        count = len(missing) + len(extra)
+        raise ConfigError(
+            f"{where} {what} ({count} name(s) differ): it is not this model's weights"
+        )
+    for name, shape in wanted.items():
+        if shapes[name] != shape:
+            raise ConfigError(
+                f"{where}: {name} is {list(shapes[name])} in the file, {list(shape)} in the model"
+            )
+
+
+def load_weights(parts: list[nn.Module], path: str) -> None:
+    """Copy the weights in the safetensors file at `path` into this rank's share of the model
+    (its shard of every DTensor), by the user's names whatever the wrapper."""
+    from safetensors import safe_open
+
+    from shardwise.parallel.init import copy_slice
+    from shardwise.parallel.ties import clean_name
+
+    with safe_open(path, framework="pt") as f, torch.no_grad():
+        saved = set(f.keys())
+        for part in parts:
+            for name, target in itertools.chain(part.named_parameters(), part.named_buffers()):
+                if clean_name(name) in saved:  # not the buffers a model keeps out of its state
+                    copy_slice(f.get_tensor(clean_name(name)).to(target.dtype), target)

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from shardwise.checkpoint import safe
 from shardwise.checkpoint.layout import (
     MANIFEST,
     Location,
@@ -175,8 +175,9 @@ class CheckpointManager:
         return {name: d for part in gathered for name, d in part.items()}
 
     def load(self, location: str, state: dict[str, Any]) -> dict[str, Any]:
-        """Fill `state` in place from the checkpoint at `location`; returns its manifest."""
-        dcp_load(state, checkpoint_id=_dcp_id(location))
+        """Fill `state` in place from the checkpoint at `location`, read as data (safe.py);
+        returns its manifest."""
+        safe.load(state, location)
         return read_manifest(location)
 
 

@@ -31,6 +31,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from shardwise import builders
+from shardwise.checkpoint.export import check_weights
 from shardwise.checkpoint.layout import (
     MANIFEST,
     complete_checkpoints,
@@ -40,6 +41,7 @@ from shardwise.checkpoint.layout import (
     probe_writable,
     problem,
 )
+from shardwise.checkpoint.safe import check_metadata
 from shardwise.config import ConfigError, JobConfig, apply_override, derive, load_config, validate
 from shardwise.fault.watchdog import describe as describe_hang
 from shardwise.launch.env import detect, visible_cpus
@@ -200,6 +202,9 @@ def train(
     derived = derive(config, world_size)
     builders.check(config)
     check_layout(config, derived)
+    if config.model.init_from:
+        with torch.device("meta"):
+            check_weights(config.model.init_from, builders.build_model(config))
     pick_device(config.job.device, local_rank=0)
     if worker is not None:
         # Every rank runs this; the ranks decide where to start together, once joined.
@@ -271,6 +276,7 @@ def resume_point(config: JobConfig, resume: str) -> str | None:
         raise ConfigError(
             f"--resume {resume}: {wrong}; use --resume auto to pick the newest good checkpoint"
         )
+    check_metadata(path)
     return path
 
 
@@ -281,6 +287,8 @@ def _newest_good(config: JobConfig) -> str | None:
         warnings.warn(
             f"{message}; resuming from {name_of(path) if path else 'the start'}", stacklevel=3
         )
+    if path is not None:
+        check_metadata(path)
     return path
 
 

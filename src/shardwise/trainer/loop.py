@@ -11,6 +11,7 @@ import copy
 import hashlib
 import json
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -20,6 +21,8 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from shardwise import builders
+from shardwise.checkpoint import safe
+from shardwise.checkpoint.export import load_weights
 from shardwise.checkpoint.layout import name_of, read_manifest
 from shardwise.checkpoint.manager import CheckpointManager, WriteFailed
 from shardwise.config import ConfigError, Derived, JobConfig, derive, resolved
@@ -189,6 +192,8 @@ def build_layout(
         else:
             for part in parts:
                 part.to(device)
+        if config.model.init_from:
+            load_weights(parts, config.model.init_from)
 
     costs = None
     if derived.degrees["pp"] > 1 and config.parallel.pipeline_balance == "cost":
@@ -412,8 +417,8 @@ def restore(run: Run, path: str) -> int:
     """Load the checkpoint at `path` into the run; returns the step to continue after.
 
     Model, optimizer, schedule and data position load under any layout (DCP reshards). Random
-    states come back only when the layout is the same; otherwise each rank reseeds from
-    (seed, step, data-parallel rank).
+    states come back only when the layout is the same (and the checkpoint holds them as
+    tensors); otherwise each rank reseeds from (seed, step, data-parallel rank).
     """
     manifest = read_manifest(path)
     state = train_state.capture(
@@ -425,8 +430,17 @@ def restore(run: Run, path: str) -> int:
         step=0,
         rank=run.rank,
     )
-    same_layout = manifest.get("degrees") == run.derived.degrees
-    if not same_layout:
+    same_layout, saved_rng = manifest.get("degrees") == run.derived.degrees, False
+    if same_layout:
+        state, saved_rng = train_state.with_saved_rng(state, safe.keys(path))
+        if not saved_rng and run.rank == 0:
+            warnings.warn(
+                f"{name_of(path)} holds no random-number states shardwise can load (an older "
+                "version pickled them, and a pickle could run code): each rank reseeds from "
+                "(seed, step, rank), so the resumed run is exact but not bitwise",
+                stacklevel=2,
+            )
+    else:
         state = train_state.without_rng(state)
     run.checkpoints.load(path, state)
     step = train_state.apply(
@@ -437,7 +451,7 @@ def restore(run: Run, path: str) -> int:
         scaler=run.scaler,
         loader=run.loader,
     )
-    if not same_layout:
+    if not saved_rng:
         train_state.reseed(run.config.job.seed, step, dp_position(run.mesh)[0])
     return step
 

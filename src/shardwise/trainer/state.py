@@ -6,7 +6,10 @@ A checkpoint is one DCP state dict:
   the user's module names whatever the wrapper, sharding or pipeline split, so they load under
   any layout (DCP reshards on load);
 - `train`: step, data position, LR scheduler, gradient scaler (small, written once by rank 0);
-- `rng`: each rank's random-number generator states under its own key `rank<N>`.
+- `rng`: each rank's random-number generator states, as tensors, under its own key `rank<N>`.
+
+Everything is tensors or plain numbers, lists and dicts: a checkpoint is data, and it is loaded
+as data (checkpoint/safe.py).
 
 Resuming on the same layout restores every generator, so the continued run is bitwise the run
 that never stopped. On another layout the old ranks' generators mean nothing; each rank then
@@ -15,8 +18,6 @@ reseeds from (seed, step, data-parallel rank), which is deterministic but a diff
 
 from __future__ import annotations
 
-import io
-import pickle
 import random
 from typing import Any
 
@@ -62,7 +63,7 @@ def capture(
             "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict() if scaler.is_enabled() else {},
         },
-        "rng": {f"rank{rank}": io.BytesIO(pickle.dumps(_rng_states()))},
+        "rng": {f"rank{rank}": rng_tensors()},
     }
 
 
@@ -89,8 +90,8 @@ def apply(
         scaler.load_state_dict(train["scaler"])
     loader.load_state_dict(train["data"])
     if "rng" in state:
-        (blob,) = state["rng"].values()
-        _set_rng_states(pickle.loads(blob.getvalue()))
+        (states,) = state["rng"].values()
+        _set_rng_tensors(states)
     return int(train["step"])
 
 
@@ -121,6 +122,17 @@ def _like(loaded: Any, live: Any) -> Any:
     return loaded
 
 
+def with_saved_rng(state: dict[str, Any], saved: set[str]) -> tuple[dict[str, Any], bool]:
+    """The state to request from a checkpoint that holds the names `saved`, and whether it
+    brings this rank's random-number states back: only those it holds as tensors (an older
+    shardwise pickled them, and a pickle is not loaded: it could run code)."""
+    ((rank, mine),) = state["rng"].items()
+    present = {k: v for k, v in mine.items() if f"rng.{rank}.{k}" in saved}
+    if "torch" not in present:
+        return without_rng(state), False
+    return {**state, "rng": {rank: present}}, True
+
+
 def without_rng(state: dict[str, Any]) -> dict[str, Any]:
     """The state to request when the checkpoint came from another layout."""
     return {k: v for k, v in state.items() if k != "rng"}
@@ -134,20 +146,32 @@ def reseed(seed: int, step: int, rank: int) -> None:
     np.random.seed(value % 2**32)
 
 
-def _rng_states() -> dict[str, Any]:
-    states: dict[str, Any] = {
+def rng_tensors() -> dict[str, torch.Tensor]:
+    """This process's random-number states as tensors (a checkpoint holds data, not pickles):
+    torch's (and CUDA's) as the bytes torch gives, Python's and NumPy's Mersenne Twisters as
+    their words and position."""
+    version, words, gauss = random.getstate()
+    _, keys, position, has_gauss, cached = np.random.get_state(legacy=True)
+    assert isinstance(keys, np.ndarray)
+    states = {
         "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": torch.tensor([version, *words], dtype=torch.int64),
+        "python_gauss": torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64),
+        "numpy": torch.from_numpy(keys.astype(np.int64)),
+        "numpy_rest": torch.tensor([position, has_gauss, cached], dtype=torch.float64),
     }
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state()
     return states
 
 
-def _set_rng_states(states: dict[str, Any]) -> None:
+def _set_rng_tensors(states: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(states["torch"])
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
+    version, *words = (int(w) for w in states["python"].tolist())
+    has_gauss, gauss = states["python_gauss"].tolist()
+    random.setstate((version, tuple(words), gauss if has_gauss else None))
+    position, has_cached, cached = states["numpy_rest"].tolist()
+    keys = states["numpy"].numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", keys, int(position), int(has_cached), cached))
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state(states["cuda"])
