@@ -13,9 +13,16 @@ import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+)
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 """Named device-mesh axes, outermost first; their degrees multiply to the world size."""
@@ -37,6 +44,19 @@ Schedule = Literal[
 ]
 
 
+def _not_only_dots(name: str) -> str:
+    if set(name) == {"."}:
+        raise ValueError("a name of dots only would point outside runs/; use letters or digits")
+    return name
+
+
+RunName = Annotated[
+    str, StringConstraints(pattern=r"^[A-Za-z0-9._-]+$"), AfterValidator(_not_only_dots)
+]
+"""A name that is also a directory under `runs/`: letters, digits, `.`, `_` and `-`, no path
+separators, and not `.` or `..`."""
+
+
 class ConfigError(ValueError):
     """A mistake the user can fix in the job file, the command line or the inputs.
 
@@ -53,7 +73,8 @@ class Section(BaseModel):
 
 
 class JobSection(Section):
-    name: str = Field("run", pattern=r"^[A-Za-z0-9._-]+$")
+    name: RunName = "run"
+    """Names the run (`runs/<name>`): letters, digits, `.`, `_` and `-`, not only dots."""
     seed: int = 0
     run_dir: str = ""
     """Where config, metrics, tracking store and checkpoints go; "" means `runs/<name>`."""

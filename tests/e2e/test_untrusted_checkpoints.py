@@ -107,3 +107,31 @@ def test_weights_start_a_run_from_a_safetensors_file(tmp_path, checkpoint):
     missing = digits_job(tmp_path / "missing", model={"init_from": str(tmp_path / "nope")})
     with pytest.raises(shardwise.ConfigError, match="no such file"):
         shardwise.train(missing, nproc=1)
+
+
+@pytest.mark.parametrize(
+    ("output", "message"),
+    [
+        ("a-dir", "is a directory"),
+        ("a-file/out.safetensors", "is not a directory"),
+        ("/proc/shardwise-out.safetensors", "cannot write"),
+    ],
+    ids=["directory", "under-a-file", "unwritable"],
+)
+def test_export_to_where_it_cannot_write_is_one_line_and_leaves_nothing(
+    tmp_path, checkpoint, output, message
+):
+    (tmp_path / "a-dir").mkdir()
+    (tmp_path / "a-file").write_text("not a directory")
+    out = Path(output) if output.startswith("/") else tmp_path / output
+    done = subprocess.run(
+        [str(BIN / "shardwise"), "export", str(checkpoint), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not out.with_name(out.name + ".partial").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-dir", "a-file"]

@@ -115,3 +115,17 @@ def test_retention_never_counts_a_checkpoint_corrupted_at_its_size(root):
         "step_00000020",
         "step_00000030",
     ]
+
+
+def test_removing_a_symlinked_checkpoint_never_reaches_through_it(tmp_path):
+    """A step directory that is a symlink to elsewhere: retention removes the link, and
+    nothing behind it (it deleted the target's manifest)."""
+    elsewhere = tmp_path / "elsewhere"
+    target = fake_checkpoint(str(elsewhere), 4)
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    (root / "step_00000004").symlink_to(target, target_is_directory=True)
+    fake_checkpoint(str(root), 8)
+    remove(str(root / "step_00000004"))
+    assert not (root / "step_00000004").exists()
+    assert problem(target) is None  # the linked checkpoint is untouched

@@ -151,3 +151,9 @@ def test_checkpoint_async_key_round_trips(tmp_path):
     assert config.checkpoint.async_save is True
     dumped = tomllib.loads(tomli_w.dumps(config.model_dump(mode="json", exclude_none=True)))
     assert dumped["checkpoint"]["async"] is True
+
+
+@pytest.mark.parametrize("name", ["..", ".", "..."])
+def test_a_job_name_cannot_point_outside_the_runs_directory(job_file, name):
+    with pytest.raises(ConfigError, match="job.name"):
+        load_config(job_file, [f"job.name='{name}'"])

@@ -27,6 +27,7 @@ from shardwise.config import ConfigError
 def export_safetensors(checkpoint: str | Path, output: Path) -> dict[str, Any]:
     """Write the model of `checkpoint` (a path or an fsspec URL) to `output`; returns what was
     written (tensors, bytes, step)."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     if not is_complete(checkpoint):
@@ -34,8 +35,7 @@ def export_safetensors(checkpoint: str | Path, output: Path) -> dict[str, Any]:
             f"{checkpoint} is not a complete shardwise checkpoint (a step_NNNNNNNN directory "
             "with shardwise.json and .metadata)"
         )
-    if output.suffix != ".safetensors":
-        raise ConfigError(f"{output}: the output file must end in .safetensors")
+    _check_output(output)
     wrong = problem(checkpoint)
     if wrong is not None:
         raise ConfigError(f"{checkpoint}: {wrong}; export a good checkpoint")
@@ -51,10 +51,18 @@ def export_safetensors(checkpoint: str | Path, output: Path) -> dict[str, Any]:
         "model": json.dumps(manifest.get("model", {})),
         "source": str(checkpoint),
     }
-    output.parent.mkdir(parents=True, exist_ok=True)
     partial = output.with_name(output.name + ".partial")
-    save_file(tensors, str(partial), metadata=metadata)
-    os.replace(partial, output)  # never a half-written file under the final name
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(partial), metadata=metadata)
+        os.replace(partial, output)  # never a half-written file under the final name
+    except (OSError, SafetensorError) as e:
+        reason = (
+            e.strerror if isinstance(e, OSError) and e.strerror else str(e).split(" at path")[0]
+        )
+        raise ConfigError(f"{output}: cannot write it ({reason})") from None
+    finally:
+        partial.unlink(missing_ok=True)
     return {
         "tensors": len(tensors),
         "parameters": sum(t.numel() for t in tensors.values()),
@@ -62,6 +70,17 @@ def export_safetensors(checkpoint: str | Path, output: Path) -> dict[str, Any]:
         "step": manifest["step"],
         "dtype": str(next(iter(tensors.values())).dtype).removeprefix("torch.") if tensors else "",
     }
+
+
+def _check_output(output: Path) -> None:
+    """Where the export goes: a new or replaced `.safetensors` file in a directory."""
+    if output.is_dir():
+        raise ConfigError(f"{output} is a directory; give a file name ending in .safetensors")
+    if output.suffix != ".safetensors":
+        raise ConfigError(f"{output}: the output file must end in .safetensors")
+    parent = next((p for p in output.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ConfigError(f"{output}: {parent} is not a directory")
 
 
 def load_exported(path: Path) -> dict[str, torch.Tensor]:

@@ -160,8 +160,12 @@ def newest_good(directory: Location) -> tuple[str | None, list[str]]:
 
 def remove(location: Location) -> None:
     """Delete a checkpoint, its manifest first: a half-deleted checkpoint never looks complete
-    (deleting a prefix from an object store is many requests, not one)."""
+    (deleting a prefix from an object store is many requests, not one). A local checkpoint that
+    is a symlink is unlinked, never deleted through: what it points to is not ours."""
     fs, path = storage(location)
+    if isinstance(fs, LocalFileSystem) and os.path.islink(path):
+        os.unlink(path)
+        return
     if fs.exists(f"{path}/{MANIFEST}"):
         fs.rm_file(f"{path}/{MANIFEST}")
     if fs.exists(path):

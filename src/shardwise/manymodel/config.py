@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from shardwise.config import ConfigError, Section, load_job_file
+from shardwise.config import ConfigError, RunName, Section, load_job_file
 
 BUILTIN_SOURCES = ("us_employment", "retail_synthetic")
 BUILTIN_MODELS = ("seasonal_naive", "ridge", "lightgbm", "mlp")
@@ -25,7 +25,7 @@ CalendarPart = Literal[
 
 
 class JobSection(Section):
-    name: str = Field("many-models", pattern=r"^[A-Za-z0-9._-]+$")
+    name: RunName = "many-models"
     seed: int = 0
     run_dir: str = ""
     """Where the chunk results, output tables and tracking store go; "" means `runs/<name>`."""
