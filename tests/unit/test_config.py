@@ -155,5 +155,5 @@ def test_checkpoint_async_key_round_trips(tmp_path):
 
 @pytest.mark.parametrize("name", ["..", ".", "..."])
 def test_a_job_name_cannot_point_outside_the_runs_directory(job_file, name):
-    with pytest.raises(ConfigError, match="job.name"):
+    with pytest.raises(ConfigError, match=r"job\.name"):
         load_config(job_file, [f"job.name='{name}'"])
