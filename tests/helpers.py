@@ -37,6 +37,55 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it, from /proc."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parents[int(entry)] = int(stat[1])
+    found, frontier = [pid], [pid]
+    while frontier:
+        frontier = [child for child, parent in parents.items() if parent in frontier]
+        found += frontier
+    return found
+
+
+def listening_sockets(pid: int) -> list[tuple[str, int, int]]:
+    """(address, port, pid) of every TCP socket listening in `pid` and the processes below it,
+    read from /proc (what `ss -ltnp` shows)."""
+    owners: dict[str, int] = {}
+    for proc in descendants(pid):
+        try:
+            for fd in os.listdir(f"/proc/{proc}/fd"):
+                link = os.readlink(f"/proc/{proc}/fd/{fd}")
+                if link.startswith("socket:["):
+                    owners[link[8:-1]] = proc
+        except OSError:
+            continue
+    found = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and inode in owners:  # 0A: LISTEN
+                address, port = local.split(":")
+                found.append((_address(address, width), int(port, 16), owners[inode]))
+    return found
+
+
+def _address(hexed: str, width: int) -> str:
+    """An address as /proc/net/tcp{,6} writes it (little-endian words)."""
+    import ipaddress
+
+    raw = bytes.fromhex(hexed)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return str(ipaddress.ip_address(words if width == 32 else raw[::-1]))
+
+
 def digits_job(run_dir: Path, **sections: dict[str, Any]) -> JobConfig:
     """A small, fast digits job (MLP, no MLflow) writing into `run_dir`; sections override."""
     raw: dict[str, Any] = {

@@ -8,6 +8,7 @@ The path from the command line to `loss.backward()`: `cli.main` → `train` (her
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -44,7 +45,14 @@ from shardwise.checkpoint.layout import (
 from shardwise.checkpoint.safe import check_metadata
 from shardwise.config import ConfigError, JobConfig, apply_override, derive, load_config, validate
 from shardwise.fault.watchdog import describe as describe_hang
-from shardwise.launch.env import detect, visible_cpus
+from shardwise.launch.env import WorkerEnv, detect, visible_cpus
+from shardwise.launch.stores import (
+    LOOPBACK,
+    RENDEZVOUS,
+    loopback_collectives,
+    register_rendezvous,
+    worker_store,
+)
 from shardwise.parallel.checks import check_layout
 
 if TYPE_CHECKING:
@@ -108,9 +116,10 @@ def launch(
         max_nodes=nodes.count if nodes else 1,
         nproc_per_node=nproc,
         run_id=(nodes and nodes.run_id) or f"shardwise-{uuid.uuid4().hex[:8]}",
-        # c10d rendezvous; on one machine on port 0: the agent's store takes a free port.
-        rdzv_backend="c10d",
-        rdzv_endpoint=nodes.endpoint if nodes else "127.0.0.1:0",
+        # torch's c10d rendezvous over a store bound to the endpoint's address (stores.py);
+        # on one machine loopback, on port 0: the agent's store takes a free port.
+        rdzv_backend=RENDEZVOUS,
+        rdzv_endpoint=nodes.endpoint if nodes else f"{LOOPBACK}:0",
         rdzv_configs=nodes.rendezvous_options() if nodes else {},
         local_addr=nodes.local_addr if nodes else None,
         max_restarts=max_restarts,
@@ -119,8 +128,10 @@ def launch(
     # shardwise reports failures itself (WorkerFailed); the agent's own log would repeat them.
     for name in ("torch.distributed.elastic", "torchelastic-events-null"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    register_rendezvous()
+    listen = contextlib.nullcontext() if nodes else loopback_collectives()
     try:
-        with _fresh_worker_store():
+        with _fresh_worker_store(), listen:
             results: dict[int, Any] = elastic_launch(config, entry)(*args)
         return results
     except ChildFailedError as e:
@@ -210,7 +221,8 @@ def train(
         # Every rank runs this; the ranks decide where to start together, once joined.
         return run_worker(config.model_dump(mode="json"), resume, dry_run, decided=False)
     checkpoint = None if dry_run else resume_point(config, resume)
-    args = (config.model_dump(mode="json"), checkpoint, dry_run)
+    store_host = LOOPBACK if nodes is None else ""
+    args = (config.model_dump(mode="json"), checkpoint, dry_run, True, store_host)
     started = time.time()
     try:
         summary: TrainSummary | None = launch(
@@ -293,11 +305,17 @@ def _newest_good(config: JobConfig) -> str | None:
 
 
 def run_worker(
-    config_data: dict[str, Any], resume: str | None, dry_run: bool = False, decided: bool = True
+    config_data: dict[str, Any],
+    resume: str | None,
+    dry_run: bool = False,
+    decided: bool = True,
+    store_host: str | None = None,
 ) -> TrainSummary | None:
     """What every rank runs: join the process group on the right device, agree where to start,
     train, leave cleanly. `resume` is the checkpoint the launcher chose (`decided`), or, under
-    torchrun/Slurm, the user's `--resume` request, which rank 0 resolves for everyone."""
+    torchrun/Slurm, the user's `--resume` request, which rank 0 resolves for everyone.
+    `store_host`: shardwise's own launcher has rank 0 host the workers' store on that address
+    only (loopback on one machine; "" for the address the agent gives, across machines)."""
     env = detect()
     assert env is not None, "run_worker runs under torch elastic or Slurm"
     config = JobConfig.model_validate(config_data)
@@ -306,26 +324,7 @@ def run_worker(
     torch.set_num_threads(threads)
     # A backstop: the watchdog names a hang after fault.timeout_s, before gloo/NCCL give up.
     timeout = timedelta(seconds=config.fault.timeout_s + 60)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if env.restart_count and env.agent_store:
-        # Under torchrun, after a restart the agent's store still holds the previous attempt's
-        # addresses and gloo would dial the dead workers: give every attempt its own key space.
-        # (shardwise's own launcher gives every attempt a new store: see _fresh_worker_store.)
-        store = PrefixStore(
-            f"shardwise/attempt_{env.restart_count}/",
-            TCPStore(env.master_addr, env.master_port, env.world_size, False, timeout=timeout),
-        )
-        dist.init_process_group(
-            backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
-        )
-    else:
-        dist.init_process_group(
-            backend,
-            init_method=env.init_method,
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=timeout,
-        )
+    _join(env, "nccl" if device.type == "cuda" else "gloo", timeout, store_host=store_host)
     from shardwise.trainer import loop  # here: the launching process never needs the trainer
 
     try:
@@ -342,6 +341,38 @@ def run_worker(
         # would run holding the GIL while its worker thread waits for the GIL (pytorch#56297).
         gc.collect()
         dist.destroy_process_group()
+
+
+def _join(env: WorkerEnv, backend: str, timeout: timedelta, *, store_host: str | None) -> None:
+    """Join the job's process group."""
+    if env.restart_count and env.agent_store:
+        # Under torchrun, after a restart the agent's store still holds the previous attempt's
+        # addresses and gloo would dial the dead workers: give every attempt its own key space.
+        # (shardwise's own launcher gives every attempt a new store: see _fresh_worker_store.)
+        store: Store = PrefixStore(
+            f"shardwise/attempt_{env.restart_count}/",
+            TCPStore(env.master_addr, env.master_port, env.world_size, False, timeout=timeout),
+        )
+    elif store_host is not None:  # shardwise's launcher: rank 0's store, on that address only
+        store = worker_store(
+            rank=env.rank,
+            world_size=env.world_size,
+            host=store_host or env.master_addr,
+            port=env.master_port,
+            timeout=timeout,
+        )
+    else:  # torchrun, srun: as they set it up
+        dist.init_process_group(
+            backend,
+            init_method=env.init_method,
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timeout,
+        )
+        return
+    dist.init_process_group(
+        backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
+    )
 
 
 def _agreed_restarts(mine: int) -> int:

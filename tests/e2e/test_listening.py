@@ -1,0 +1,76 @@
+"""A run on one machine listens on loopback only: the rendezvous store, rank 0's store, gloo
+and many-models' local Ray, measured from /proc while the job runs (what `ss -ltnp` shows)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import listening_sockets
+
+pytestmark = pytest.mark.slow
+BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[2]
+LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+
+
+def sockets_while_running(command: list[str], ready: str, expect: int) -> list:
+    """Start `command`, wait for a line containing `ready` and then for at least `expect`
+    listening sockets, and return them; the job is stopped."""
+    proc = subprocess.Popen(
+        command,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if ready in line:
+                break
+        deadline = time.monotonic() + 30
+        found = listening_sockets(proc.pid)
+        while len(found) < expect and time.monotonic() < deadline:
+            time.sleep(0.5)
+            found = listening_sockets(proc.pid)
+        return found
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_a_training_run_listens_on_loopback_only(tmp_path):
+    found = sockets_while_running(
+        [
+            str(BIN / "shardwise"),
+            "train",
+            "examples/digits.toml",
+            "--nproc",
+            "2",
+            "--set",
+            f"job.run_dir={tmp_path}",
+            "--set",
+            "train.steps=1000000",
+            "--set",
+            "tracking.log_every=10",
+            "--set",
+            "tracking.mlflow=false",
+        ],
+        ready="step ",
+        expect=3,  # at least the rendezvous store, rank 0's store and gloo
+    )
+    assert len(found) >= 3, found
+    assert [s for s in found if s[0] not in LOOPBACK] == []
