@@ -3,6 +3,7 @@ and many-models' local Ray, measured from /proc while the job runs (what `ss -lt
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
 import subprocess
@@ -17,7 +18,17 @@ from helpers import listening_sockets
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[2]
-LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+
+
+def exposed(sockets: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """The sockets listening on an address other than loopback."""
+    found = []
+    for address, port, pid in sockets:
+        ip = ipaddress.ip_address(address)
+        mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+        if not (ip.is_loopback or (mapped is not None and mapped.is_loopback)):
+            found.append((address, port, pid))
+    return found
 
 
 def sockets_while_running(command: list[str], ready: str, expect: int) -> list:
@@ -73,4 +84,26 @@ def test_a_training_run_listens_on_loopback_only(tmp_path):
         expect=3,  # at least the rendezvous store, rank 0's store and gloo
     )
     assert len(found) >= 3, found
-    assert [s for s in found if s[0] not in LOOPBACK] == []
+    assert exposed(found) == []
+
+
+def test_many_models_with_local_ray_and_spark_listens_on_loopback_only(tmp_path):
+    found = sockets_while_running(
+        [
+            str(BIN / "shardwise"),
+            "many-models",
+            "examples/retail-synthetic.toml",
+            "--set",
+            f"job.run_dir={tmp_path}",
+            "--set",
+            "tracking.mlflow=false",
+            "--features-backend",
+            "spark",
+            "--spark-master",
+            "local[1]",
+        ],
+        ready="features (spark)",
+        expect=5,  # at least Ray's GCS, the raylet's two servers, the driver and one worker
+    )
+    assert len(found) >= 5, found
+    assert exposed(found) == []

@@ -11,16 +11,19 @@ import pytest
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    import ray
+    from shardwise.manymodel.runner import loopback_ray
 
     here = os.path.dirname(__file__)  # the test models (bad_models.py), for the workers
-    ray.init(
-        address="local",  # never a cluster another test or user started on this machine
-        num_cpus=2,
-        include_dashboard=False,
-        logging_level="WARNING",
-        runtime_env={"env_vars": {"PYTHONPATH": here, "OMP_NUM_THREADS": "1"}},
-    )
+    with loopback_ray():  # as `shardwise many-models` starts it
+        import ray
+
+        ray.init(
+            address="local",  # never a cluster another test or user started on this machine
+            num_cpus=2,
+            include_dashboard=False,
+            logging_level="WARNING",
+            runtime_env={"env_vars": {"PYTHONPATH": here, "OMP_NUM_THREADS": "1"}},
+        )
     yield ray
     ray.shutdown()
 

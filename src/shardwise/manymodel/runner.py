@@ -9,12 +9,17 @@ MLflow run, summary. `--resume` reuses the chunks already written and runs only 
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import json
 import logging
 import math
 import os
 import shutil
 import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -252,12 +257,13 @@ def task_slots(ray: Any, config: ManyModelsConfig) -> int:
 def start_ray(config: ManyModelsConfig) -> tuple[Any, bool]:
     """Ray, and whether this call started it (and so should stop it). Locally, workers import
     user models from the working directory, as the driver does; on a cluster, the working
-    directory is shipped to the workers (without virtualenvs, runs and VCS data)."""
-    import ray
-
+    directory is shipped to the workers (without virtualenvs, runs and VCS data). A local
+    instance listens on loopback only (`LOCAL_RAY_ENV`)."""
+    address = config.runner.ray_address or None
+    with contextlib.nullcontext() if address else loopback_ray():
+        import ray
     if ray.is_initialized():
         return ray, False
-    address = config.runner.ray_address or None
     cwd = os.getcwd()
     env = dict(THREAD_ENV)
     runtime_env: dict[str, Any] = {"env_vars": env}
@@ -268,14 +274,43 @@ def start_ray(config: ManyModelsConfig) -> tuple[Any, bool]:
         runtime_env["excludes"] = [
             ".venv/", "runs/", ".git/", "**/__pycache__/", ".*_cache/", "*.egg-info/"
         ]  # fmt: skip
-    ray.init(
-        # "local": a fresh instance even when a `ray start` cluster runs on this machine
-        address=address or "local",
-        runtime_env=runtime_env,
-        include_dashboard=False,
-        logging_level=logging.WARNING,
-    )
+    with contextlib.nullcontext() if address else loopback_ray():
+        ray.init(
+            # "local": a fresh instance even when a `ray start` cluster runs on this machine
+            address=address or "local",
+            runtime_env=runtime_env,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+        )
+    node: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+    if not address and not ipaddress.ip_address(node).is_loopback:
+        warnings.warn(
+            f"the local Ray instance listens on {node}, not only on loopback: ray was "
+            "imported before shardwise started it",
+            stacklevel=2,
+        )
     return ray, True
+
+
+@contextmanager
+def loopback_ray() -> Iterator[None]:
+    """A local Ray started inside listens on loopback only. This is Ray's single-machine mode
+    (its default on macOS and Windows): the node's address is 127.0.0.1, and the GCS, raylet and
+    workers bind to it instead of the machine's external address. The driver reads the switch
+    when `ray` is first imported and the processes Ray starts read it from their environment:
+    import ray inside, and start it inside."""
+    previous = os.environ.get(_RAY_SINGLE_MACHINE)
+    os.environ[_RAY_SINGLE_MACHINE] = "0"
+    try:  # only inside: with it set, `ray start` refuses to join a cluster
+        yield
+    finally:
+        if previous is None:
+            del os.environ[_RAY_SINGLE_MACHINE]
+        else:
+            os.environ[_RAY_SINGLE_MACHINE] = previous
+
+
+_RAY_SINGLE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def _run_chunks(
