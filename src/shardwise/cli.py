@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from shardwise import __version__
 from shardwise.config import ConfigError
+from shardwise.redact import redacting_output
 
 if TYPE_CHECKING:
     from shardwise.launch.local import Nodes
@@ -122,7 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    with redacting_output():  # credentials in URIs never reach the console (redact.py)
+        return _run(build_parser().parse_args(argv))
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         commands = {
             "train": _train,

@@ -24,6 +24,8 @@ from pydantic import (
     ValidationError,
 )
 
+from shardwise.redact import redacted
+
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 """Named device-mesh axes, outermost first; their degrees multiply to the world size."""
 
@@ -496,7 +498,8 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
 
 
 def flatten(config: BaseModel) -> dict[str, str]:
-    """The resolved config as dotted keys and string values (for tracking params)."""
+    """The resolved config as dotted keys and string values (for tracking params), credentials
+    redacted."""
     out: dict[str, str] = {}
 
     def walk(prefix: str, value: Any) -> None:
@@ -506,8 +509,14 @@ def flatten(config: BaseModel) -> dict[str, str]:
         else:
             out[prefix] = str(value)
 
-    walk("", config.model_dump(mode="json"))
+    walk("", shown(config))
     return out
+
+
+def shown(config: BaseModel, *, exclude_none: bool = False) -> dict[str, Any]:
+    """The config as plain data to show or store (files, logs, metadata): credentials in URIs
+    redacted (redact.py). Only the config in memory holds them."""
+    return redacted(config.model_dump(mode="json", exclude_none=exclude_none))
 
 
 def _describe(err: Any, schema: type[BaseModel]) -> str:

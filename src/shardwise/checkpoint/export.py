@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from
 from shardwise.checkpoint import safe
 from shardwise.checkpoint.layout import is_complete, problem, read_manifest
 from shardwise.config import ConfigError
+from shardwise.redact import redact
 
 
 def export_safetensors(checkpoint: str | Path, output: Path) -> dict[str, Any]:
@@ -49,7 +50,7 @@ def export_safetensors(checkpoint: str | Path, output: Path) -> dict[str, Any]:
         "format": "pt",
         "step": str(manifest["step"]),
         "model": json.dumps(manifest.get("model", {})),
-        "source": str(checkpoint),
+        "source": redact(str(checkpoint)),
     }
     partial = output.with_name(output.name + ".partial")
     try:

@@ -54,6 +54,7 @@ from shardwise.launch.stores import (
     worker_store,
 )
 from shardwise.parallel.checks import check_layout
+from shardwise.redact import redacting_output
 
 if TYPE_CHECKING:
     from shardwise.trainer.loop import TrainSummary
@@ -316,31 +317,33 @@ def run_worker(
     torchrun/Slurm, the user's `--resume` request, which rank 0 resolves for everyone.
     `store_host`: shardwise's own launcher has rank 0 host the workers' store on that address
     only (loopback on one machine; "" for the address the agent gives, across machines)."""
-    env = detect()
-    assert env is not None, "run_worker runs under torch elastic or Slurm"
-    config = JobConfig.model_validate(config_data)
-    device = pick_device(config.job.device, local_rank=env.local_rank)
-    threads = config.job.threads_per_rank or max(1, visible_cpus() // env.local_world_size)
-    torch.set_num_threads(threads)
-    # A backstop: the watchdog names a hang after fault.timeout_s, before gloo/NCCL give up.
-    timeout = timedelta(seconds=config.fault.timeout_s + 60)
-    _join(env, "nccl" if device.type == "cuda" else "gloo", timeout, store_host=store_host)
-    from shardwise.trainer import loop  # here: the launching process never needs the trainer
+    with redacting_output():  # what this rank prints, as the CLI does (redact.py)
+        env = detect()
+        assert env is not None, "run_worker runs under torch elastic or Slurm"
+        config = JobConfig.model_validate(config_data)
+        device = pick_device(config.job.device, local_rank=env.local_rank)
+        threads = config.job.threads_per_rank or max(1, visible_cpus() // env.local_world_size)
+        torch.set_num_threads(threads)
+        # A backstop: the watchdog names a hang after fault.timeout_s, before gloo/NCCL give up.
+        timeout = timedelta(seconds=config.fault.timeout_s + 60)
+        _join(env, "nccl" if device.type == "cuda" else "gloo", timeout, store_host=store_host)
+        from shardwise.trainer import loop  # here: the launching process never needs the trainer
 
-    try:
-        if dry_run:
-            loop.dry_run(config, device)
-            return None
-        restarts = _agreed_restarts(env.restart_count)
-        if restarts or not decided:
-            resume = _decided_by_rank_0(lambda: _start_point(config, resume, restarts, decided))
-        return loop.train(config, device=device, resume=resume, restarts=restarts)
-    finally:
-        # Free DDP's reducer (which holds the process group) while the group is still registered:
-        # if the group's last reference died inside the reducer's destructor, gloo's destructor
-        # would run holding the GIL while its worker thread waits for the GIL (pytorch#56297).
-        gc.collect()
-        dist.destroy_process_group()
+        try:
+            if dry_run:
+                loop.dry_run(config, device)
+                return None
+            restarts = _agreed_restarts(env.restart_count)
+            if restarts or not decided:
+                resume = _decided_by_rank_0(lambda: _start_point(config, resume, restarts, decided))
+            return loop.train(config, device=device, resume=resume, restarts=restarts)
+        finally:
+            # Free DDP's reducer (which holds the process group) while the group is still
+            # registered: if the group's last reference died inside the reducer's destructor,
+            # gloo's destructor would run holding the GIL while its worker thread waits for the
+            # GIL (pytorch#56297).
+            gc.collect()
+            dist.destroy_process_group()
 
 
 def _join(env: WorkerEnv, backend: str, timeout: timedelta, *, store_host: str | None) -> None:

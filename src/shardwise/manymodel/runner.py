@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from shardwise.config import ConfigError, flatten
+from shardwise.config import ConfigError, flatten, shown
 from shardwise.manymodel.backtest import TARGET, ChunkResult, Plan, run_chunk
 from shardwise.manymodel.config import BUILTIN_MODELS, ManyModelsConfig, model_label
 from shardwise.manymodel.data import FUTURE, SERIES, SeriesTable, load_series
@@ -204,7 +204,7 @@ def _start_run_dir(run_dir: Path, config: ManyModelsConfig) -> None:
     chunk_dir.mkdir(parents=True, exist_ok=True)
     for stale in chunk_dir.glob("*.partial*"):  # a chunk being written when a run died
         shutil.rmtree(stale, ignore_errors=True)
-    (run_dir / "job.toml").write_text(tomli_w.dumps(config.model_dump(mode="json")))
+    (run_dir / "job.toml").write_text(tomli_w.dumps(shown(config)))
 
 
 def _chunk_size(

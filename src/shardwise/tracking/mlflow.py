@@ -23,6 +23,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from shardwise.redact import redacting_output
+
 _FLUSH_SECONDS = 1.0
 _BATCH_LIMIT = 1000  # MLflow's log_batch accepts at most 1000 metrics per call
 _CLOSE_TIMEOUT = 120.0
@@ -107,19 +109,20 @@ def _serve(requests: Any, replies: Any, settings: tuple[Any, ...]) -> None:
     the run. After a failure, keep reading (and dropping) until then."""
     uri, experiment, run_name, artifact_dir, run_id, id_file, parent = settings
     os.nice(_NICENESS)
-    try:
-        client, run_id = _open(uri, experiment, run_name, artifact_dir, run_id, id_file)
-        replies.put(("run_id", run_id))
-        _record(client, run_id, requests, parent)
-    except Exception as e:  # any failure of the store must not reach training
-        replies.put(
-            (
-                "warning",
-                f"MLflow tracking stopped ({type(e).__name__}: {e}); training continues and "
-                "metrics.jsonl keeps every metric",
+    with redacting_output():  # MLflow prints the tracking URI ("View run at …")
+        try:
+            client, run_id = _open(uri, experiment, run_name, artifact_dir, run_id, id_file)
+            replies.put(("run_id", run_id))
+            _record(client, run_id, requests, parent)
+        except Exception as e:  # any failure of the store must not reach training
+            replies.put(
+                (
+                    "warning",
+                    f"MLflow tracking stopped ({type(e).__name__}: {e}); training continues "
+                    "and metrics.jsonl keeps every metric",
+                )
             )
-        )
-        _drain(requests, parent)
+            _drain(requests, parent)
 
 
 def _record(client: Any, run_id: str, requests: Any, parent: int) -> None:

@@ -25,7 +25,7 @@ from shardwise.checkpoint import safe
 from shardwise.checkpoint.export import load_weights
 from shardwise.checkpoint.layout import name_of, read_manifest
 from shardwise.checkpoint.manager import CheckpointManager, WriteFailed
-from shardwise.config import ConfigError, Derived, JobConfig, derive, resolved
+from shardwise.config import ConfigError, Derived, JobConfig, derive, resolved, shown
 from shardwise.fault.health import Health, RankHealth
 from shardwise.fault.inject import FaultPlan
 from shardwise.fault.watchdog import Watchdog
@@ -503,12 +503,12 @@ def _train_stats(
 
 
 def _manifest(run: Run) -> dict[str, Any]:
-    config_json = _json(run.config.model_dump(mode="json"))
+    config_json = _json(shown(run.config))  # no hash of a password either
     return {
         "world_size": run.derived.world_size,
         "degrees": run.derived.degrees,
         "global_batch": run.derived.global_batch,
-        "model": run.config.model.model_dump(mode="json"),
+        "model": shown(run.config.model),
         "config_sha256": hashlib.sha256(config_json.encode()).hexdigest(),
     }
 

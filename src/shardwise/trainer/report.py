@@ -14,7 +14,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from shardwise.config import Derived, JobConfig, flatten
+from shardwise.config import Derived, JobConfig, flatten, shown
 from shardwise.parallel.apply import Layout, span
 from shardwise.tracking.metrics import JsonlTracker, Tracker, Trackers
 from shardwise.tracking.mlflow import MlflowTracker
@@ -136,7 +136,7 @@ def start(run: Run, start: int, *, resumed: bool) -> tuple[Tracker | None, Progr
         return None, None
     cfg, derived = run.config, run.derived
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    config_toml = tomli_w.dumps(cfg.model_dump(mode="json", exclude_none=True))
+    config_toml = tomli_w.dumps(shown(cfg, exclude_none=True))
     (cfg.run_dir / "config.toml").write_text(config_toml)
     console = terminal()
     console.print(f"resolved config (saved to {cfg.run_dir / 'config.toml'}):", highlight=False)
