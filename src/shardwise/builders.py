@@ -27,7 +27,7 @@ from pydantic import TypeAdapter, ValidationError
 from torch import nn
 from torch.utils.data import Dataset
 
-from shardwise.config import ConfigError, JobConfig
+from shardwise.config import ConfigError, JobConfig, accepts_bool
 from shardwise.datasets.digits import build_digits
 from shardwise.datasets.text import build_text
 from shardwise.imports import import_object
@@ -131,7 +131,9 @@ def resolve(name: str, builtins: dict[str, Any], key: str) -> Any:
     return import_object(name, key)
 
 
-def _check_args(section: str, builder: Callable[..., Any], args: dict[str, Any]) -> None:
+def _check_args(section: str, builder: Callable[..., Any], args: dict[str, Any]) -> dict[str, Any]:
+    """The builder's arguments, checked against its signature and annotations (constraints
+    such as `PositiveInt` included) and converted to the annotated types."""
     signature = inspect.signature(builder)
     params = signature.parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
@@ -154,20 +156,26 @@ def _check_args(section: str, builder: Callable[..., Any], args: dict[str, Any])
     if missing:
         raise ConfigError(f"missing key '{section}.args.{missing[0]}' (the builder requires it)")
     try:
-        hints = typing.get_type_hints(builder)
+        hints = typing.get_type_hints(builder, include_extras=True)
     except (NameError, TypeError):
-        return  # annotations we cannot resolve: the builder checks its own arguments
+        return args  # annotations we cannot resolve: the builder checks its own arguments
+    checked = dict(args)
     for key, value in args.items():
         if key in hints:
-            try:
-                TypeAdapter(hints[key]).validate_python(value, strict=False)
+            if isinstance(value, bool) and not accepts_bool(hints[key]):
+                raise ConfigError(
+                    f"{section}.args.{key}: expected a number, not {str(value).lower()}"
+                )
+            try:  # the builder gets the value as annotated (12.0 for an int: 12)
+                checked[key] = TypeAdapter(hints[key]).validate_python(value, strict=False)
             except ValidationError as e:
                 reason = e.errors()[0]["msg"].lower()
                 raise ConfigError(f"{section}.args.{key}: {reason} (got {value!r})") from None
+    return checked
 
 
 def _call(section: str, builder: Callable[..., Any], args: dict[str, Any]) -> Any:
-    _check_args(section, builder, args)
+    args = _check_args(section, builder, args)
     try:
         return builder(**args)
     except ValueError as e:  # builders raise ValueError for bad arguments (see the style guide)

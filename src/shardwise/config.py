@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import math
 import tomllib
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -22,6 +23,8 @@ from pydantic import (
     Field,
     StringConstraints,
     ValidationError,
+    ValidationInfo,
+    field_validator,
 )
 
 from shardwise.redact import redacted
@@ -66,22 +69,53 @@ class ConfigError(ValueError):
     """
 
 
+Beta = Annotated[float, Field(ge=0, lt=1)]
+
+
 class Section(BaseModel):
-    """A job-file section: unknown keys are errors, assignments are validated."""
+    """A job-file section: unknown keys are errors, assignments are validated, numbers are finite
+    and never `true`/`false` (pydantic would read `steps = true` as 1)."""
 
     model_config = ConfigDict(
-        extra="forbid", validate_assignment=True, populate_by_name=True, serialize_by_alias=True
+        extra="forbid",
+        validate_assignment=True,
+        populate_by_name=True,
+        serialize_by_alias=True,
+        allow_inf_nan=False,
     )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(value, bool) and field is not None and not accepts_bool(field.annotation):
+            raise ValueError(f"expected {_kind(field.annotation)}, not {str(value).lower()}")
+        return value
+
+
+def accepts_bool(annotation: Any) -> bool:
+    """Whether a field or argument annotated so takes `true`/`false`."""
+    if annotation in (bool, Any, object) or annotation is None:
+        return annotation is not None
+    if typing.get_origin(annotation) is Literal:
+        return any(isinstance(a, bool) for a in typing.get_args(annotation))
+    return any(accepts_bool(a) for a in typing.get_args(annotation))
+
+
+def _kind(annotation: Any) -> str:
+    found = {a for a in (annotation, *typing.get_args(annotation)) if a in (int, float)}
+    return "an integer" if found == {int} else "a number" if found else "a value of its type"
 
 
 class JobSection(Section):
     name: RunName = "run"
     """Names the run (`runs/<name>`): letters, digits, `.`, `_` and `-`, not only dots."""
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)
+    """Seeds weights, data order and dropout (with the step and rank): 0 to 2**32 - 1."""
     run_dir: str = ""
     """Where config, metrics, tracking store and checkpoints go; "" means `runs/<name>`."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    threads_per_rank: int = Field(0, ge=0)
+    threads_per_rank: int = Field(0, ge=0, le=4096)
     """torch intra-op threads per rank; 0 shares this machine's cores evenly between local ranks."""
 
 
@@ -119,7 +153,8 @@ class TrainSection(Section):
     lr: float = Field(1e-3, gt=0)
     optimizer: Literal["adamw", "sgd"] = "adamw"
     weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[Beta, Beta] = (0.9, 0.999)
+    """AdamW's decay rates of the gradient's mean and square, each in [0, 1)."""
     momentum: float = Field(0.9, ge=0)
     warmup_steps: int = Field(0, ge=0)
     decay: Literal["cosine", "linear", "constant"] = "cosine"
@@ -241,7 +276,7 @@ class TrackingSection(Section):
 
 
 class FaultSection(Section):
-    timeout_s: float = Field(600.0, gt=0)
+    timeout_s: float = Field(600.0, gt=0, le=86_400)
     """A rank that makes no progress for this long (a hung collective, a stalled rank): every
     rank writes where it is, and the run ends naming the stuck ranks (or restarts, with
     max_restarts)."""
@@ -452,16 +487,37 @@ def load_job_file(
     """Read any shardwise job file (training, many-models) into its schema, with overrides."""
     path = Path(path)
     try:
-        raw = tomllib.loads(path.read_text())
+        data = path.read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"job file {path} does not exist; check the path") from None
     except IsADirectoryError:
         raise ConfigError(f"{path} is a directory; pass the job's .toml file") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path} is not valid TOML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read job file {path}: {e.strerror or e}") from None
+    raw = read_toml(data, str(path))
     for item in overrides:
         apply_override(raw, item)
     return validate_as(schema, raw, source=str(path))
+
+
+def read_toml(data: bytes, source: str) -> dict[str, Any]:
+    """A TOML document (a job or hardware file) as a dict, or one line saying what is wrong."""
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise ConfigError(f"{source} is UTF-16 text; TOML files are UTF-8: save it as UTF-8")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{source} is not UTF-8 text (byte {data[e.start]:#04x} on line {line}); TOML files "
+            "are UTF-8: save it as UTF-8"
+        ) from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{source} is not valid TOML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{source} nests arrays or tables too deeply to read") from None
 
 
 def validate(raw: dict[str, Any], *, source: str = "config") -> JobConfig:
@@ -488,6 +544,8 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         value = text  # a bare word such as `gpt` or a path: keep it as a string
+    except RecursionError:
+        raise ConfigError(f"--set {key.strip()}=…: the value nests too deeply to read") from None
     node = raw
     for part in parts[:-1]:
         child = node.setdefault(part, {})
@@ -527,7 +585,10 @@ def _describe(err: Any, schema: type[BaseModel]) -> str:
     if kind == "missing":
         return f"missing key '{loc}'"
     got = err.get("input")
-    return f"{loc}: {err['msg'].lower()} (got {got!r})"
+    message = err["msg"].lower().removeprefix("value error, ")
+    if isinstance(got, bool | float | int | str) and len(repr(got)) > 60:
+        got = f"{repr(got)[:40]}…"  # one line, not a page of digits
+    return f"{loc}: {message} (got {got!r})"
 
 
 def _did_you_mean(loc: tuple[Any, ...], schema: type[BaseModel]) -> str:

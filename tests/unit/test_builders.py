@@ -51,11 +51,40 @@ def test_user_builders_by_import_path(tmp_path, repo_cwd):
             },
             "longer than model.args.seq_len",
         ),
+        (
+            {"model": {"name": "cnn", "args": {"channels": -3}}},
+            "model.args.channels: input should be greater than 0",
+        ),
+        (
+            {"model": {"name": "cnn", "args": {"channels": 0}}},
+            "model.args.channels: input should be greater than 0",
+        ),
+        (
+            {"model": {"name": "cnn", "args": {"channels": True}}},
+            "model.args.channels: expected a number, not true",
+        ),
+        (
+            {"model": {"name": "gpt", "args": {"dropout": 1.5}}},
+            "model.args.dropout: input should be less than 1",
+        ),
+        (
+            {"data": {"name": "text", "args": {"seq_len": 12.5}}},
+            "data.args.seq_len: input should be a valid integer",
+        ),
     ],
 )
 def test_bad_names_and_arguments(tmp_path, sections, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("?", r"\?")):
         check(digits_job(tmp_path, **sections))
+
+
+def test_builders_get_arguments_as_annotated(tmp_path):
+    """`seq_len = 16.0` in a job file reaches the builder as the int it is annotated with."""
+    config = digits_job(
+        tmp_path, data={"name": "text", "args": {"seq_len": 16.0, "max_bytes": 4096}}
+    )
+    train, _ = build_datasets(config)
+    assert train[0][0].shape == (16,)
 
 
 def test_builder_value_errors_become_config_errors(tmp_path):

@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -63,12 +64,42 @@ def test_override_values_are_read_as_toml():
         ("train.precision=fp8", "train.precision: input should be 'fp32', 'bf16' or 'fp16'"),
         ("train.lr=-1", "train.lr: input should be greater than 0"),
         ("train", "expected section.key=value"),
+        # numbers that pydantic would take: true as 1, inf, and sizes no code can use
+        ("train.steps=true", "train.steps: expected an integer, not true"),
+        ("train.lr=inf", "train.lr: input should be a finite number"),
+        ("train.lr=nan", "train.lr: input should be a finite number"),
+        ("train.betas=[2, 3]", "train.betas.0: input should be less than 1"),
+        ("train.betas=[0.9, 1.0]", "train.betas.1: input should be less than 1"),
+        ("fault.timeout_s=inf", "fault.timeout_s: input should be a finite number"),
+        ("fault.timeout_s=1e300", "fault.timeout_s: input should be less than or equal to 86400"),
+        ("job.threads_per_rank=2e40", "job.threads_per_rank: unable to parse"),
+        ("job.threads_per_rank=" + "9" * 40, "job.threads_per_rank: input should be less than"),
+        ("job.seed=18446744073709551616", "job.seed: input should be less than 4294967296"),
+        ("job.seed=" + "1" * 500, "(got '11111111"),  # a number shown short, on one line
+        ("a.b=" + "[" * 5000 + "]" * 5000, "the value nests too deeply to read"),
     ],
 )
 def test_bad_values_give_one_line(job_file, override, message):
     with pytest.raises(ConfigError) as caught:
         load_config(job_file, [override])
     assert message in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("[job]\nname = 'x'\n".encode("utf-16"), "is UTF-16 text; TOML files are UTF-8"),
+        (b"[job]\nname = 'caf\xe9'\n", "is not UTF-8 text (byte 0xe9 on line 2)"),
+        (b"a = " + b"[" * 100_000 + b"]" * 100_000, "nests arrays or tables too deeply"),
+        (b"x = " + b"{a=" * 5000 + b"1" + b"}" * 5000, "nests arrays or tables too deeply"),
+    ],
+)
+def test_job_files_that_are_not_utf8_toml_give_one_line(tmp_path, content, message):
+    path = tmp_path / "job.toml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=re.escape(message)) as caught:
+        load_config(path)
     assert "\n" not in str(caught.value)
 
 

@@ -7,6 +7,7 @@ import sysconfig
 from pathlib import Path
 
 import torch
+from pydantic import PositiveInt
 from torch.utils.data import Dataset
 
 
@@ -44,9 +45,9 @@ def stdlib_corpus(max_bytes: int | None = None) -> bytes:
 
 def build_text(
     *,
-    seq_len: int = 128,
+    seq_len: PositiveInt = 128,
     eval_fraction: float = 0.05,
-    max_bytes: int | None = None,
+    max_bytes: PositiveInt | None = None,
     path: str | None = None,
 ) -> tuple[ByteWindows, ByteWindows]:
     """Train and held-out windows of a byte corpus: a file at `path`, or the stdlib sources.

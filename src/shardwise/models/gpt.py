@@ -12,9 +12,11 @@
 from __future__ import annotations
 
 import math
+from typing import Annotated
 
 import torch
 import torch.nn.functional as F  # noqa: N812 (the conventional name)
+from pydantic import Field, PositiveInt
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -223,13 +225,13 @@ def _gather_sequence() -> PrepareModuleInput:
 
 def build_gpt(
     *,
-    layers: int = 4,
-    heads: int = 4,
-    hidden: int = 128,
-    seq_len: int = 128,
-    vocab: int = 256,
-    mlp_ratio: int = 4,
-    dropout: float = 0.0,
+    layers: PositiveInt = 4,
+    heads: PositiveInt = 4,
+    hidden: PositiveInt = 128,
+    seq_len: PositiveInt = 128,
+    vocab: PositiveInt = 256,
+    mlp_ratio: PositiveInt = 4,
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0,
 ) -> GPT:
     """A byte-level GPT; `vocab = 256` covers every byte."""
     if hidden % heads:

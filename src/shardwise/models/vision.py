@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from pydantic import PositiveInt
 from torch import nn
 
 
 def build_mlp(
-    *, image_size: int = 8, hidden: int = 128, depth: int = 2, classes: int = 10
+    *,
+    image_size: PositiveInt = 8,
+    hidden: PositiveInt = 128,
+    depth: PositiveInt = 2,
+    classes: PositiveInt = 10,
 ) -> nn.Module:
     """A multi-layer perceptron on flattened images."""
     layers: list[nn.Module] = [nn.Flatten()]
@@ -18,7 +23,9 @@ def build_mlp(
     return nn.Sequential(*layers)
 
 
-def build_cnn(*, image_size: int = 8, channels: int = 32, classes: int = 10) -> nn.Module:
+def build_cnn(
+    *, image_size: PositiveInt = 8, channels: PositiveInt = 32, classes: PositiveInt = 10
+) -> nn.Module:
     """Two 3×3 convolutions, one 2×2 pooling and a linear head."""
     pooled = image_size // 2
     return nn.Sequential(
