@@ -81,6 +81,20 @@ def test_resume_refuses_metadata_that_would_run_code(tmp_path, checkpoint):
     assert not marker.exists()
 
 
+def test_resume_refuses_a_checkpoint_of_another_model_in_one_line(tmp_path, checkpoint):
+    """Named before launch, instead of DCP failing in every rank on a name it cannot find; a
+    default written out is the same model."""
+    other = digits_job(tmp_path, model={"name": "cnn", "args": {"channels": 4}}, train={"steps": 4})
+    with pytest.raises(shardwise.ConfigError) as caught:
+        shardwise.train(other, nproc=1, resume=str(checkpoint))
+    assert "checkpoint is for model mlp(" in str(caught.value)
+    assert "this job builds cnn(channels=4, classes=10, image_size=8)" in str(caught.value)
+    same = digits_job(tmp_path / "same", train={"steps": 3})
+    same.model.args = {**same.model.args, "classes": 10}
+    summary = shardwise.train(same, nproc=1, resume=str(checkpoint))
+    assert summary is not None and summary.step == 3
+
+
 def test_weights_start_a_run_from_a_safetensors_file(tmp_path, checkpoint):
     """The safe path: `export` the weights (tensors only), start a new run from them with
     `model.init_from` (here sharded by FSDP over 2 ranks); a wrong file is one line before

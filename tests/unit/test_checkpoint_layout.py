@@ -129,3 +129,28 @@ def test_removing_a_symlinked_checkpoint_never_reaches_through_it(tmp_path):
     remove(str(root / "step_00000004"))
     assert not (root / "step_00000004").exists()
     assert problem(target) is None  # the linked checkpoint is untouched
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (lambda m: [m], "it is a JSON list, not an object"),
+        (lambda m: {**m, "files": None}, "it lists no files, or not DCP's .metadata"),
+        (lambda m: {**m, "files": {**m["files"], "": m["files"][".metadata"]}}, "named ''"),
+        (lambda m: {**m, "files": {**m["files"], "../x": m["files"][".metadata"]}}, "'../x'"),
+        (lambda m: {**m, "files": {**m["files"], "__0_0.distcp": {}}}, "has no size"),
+        (lambda m: {**m, "files": {**m["files"], "__0_0.distcp": {"bytes": -1}}}, "has no size"),
+        (lambda m: {**m, "files": {".metadata": {"bytes": 4, "sha256": "zz"}}}, "no SHA-256"),
+        (lambda m: {**m, "step": "two"}, "its step is 'two', not a whole number"),
+        (lambda m: {**m, "model": None}, "its model is None, not an object"),
+    ],
+)
+def test_a_malformed_manifest_is_named_never_a_crash(root, change, reason):
+    path = fake_checkpoint(root, 4)
+    fs, manifest_path = fsspec.core.url_to_fs(join(path, MANIFEST))
+    manifest = json.loads(fs.cat_file(manifest_path))
+    write(join(path, MANIFEST), json.dumps(change(manifest)).encode())
+    found = problem(path)
+    assert found is not None and found.startswith("its manifest cannot be read (")
+    assert reason in found
+    assert retention_victims(root, 1) == [] and newest_good(root)[0] is None

@@ -64,6 +64,11 @@ def test_cli_flags_are_pinned():
         (["--rdzv-endpoint", "10.0.0.1:29400"], "--rdzv-endpoint is for jobs across machines"),
         (["--nnodes", "0"], "--nnodes 0: need at least 1 node"),
         (
+            ["--nnodes", "2", "--rdzv-endpoint", "no-such-host.invalid:29400"],
+            "--rdzv-endpoint no-such-host.invalid: the host name does not resolve",
+        ),
+        (["--nnodes", "2", "--rdzv-endpoint", "10.0.0.1:70000"], "a port from 1 to 65535"),
+        (
             ["--set", 'checkpoint.dir="nosuch://bucket/run"'],
             "checkpoint.dir = 'nosuch://bucket/run': cannot write there (ValueError: Protocol "
             "not known: nosuch)",

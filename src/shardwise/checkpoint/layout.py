@@ -68,9 +68,44 @@ def _is_step_dir(name: str) -> bool:
 
 
 def read_manifest(location: Location) -> dict[str, Any]:
+    """A checkpoint's manifest; ValueError when it is not JSON or not shaped as shardwise writes
+    it (an object with the step, the model and every file's size and checksum)."""
     fs, path = storage(join(location, MANIFEST))
-    manifest: dict[str, Any] = json.loads(fs.cat_file(path))
-    return manifest
+    manifest = json.loads(fs.cat_file(path))
+    wrong = _manifest_problem(manifest)
+    if wrong is not None:
+        raise ValueError(wrong)
+    return manifest  # type: ignore[no-any-return]
+
+
+def _manifest_problem(manifest: Any) -> str | None:
+    if not isinstance(manifest, dict):
+        return f"it is a JSON {type(manifest).__name__}, not an object"
+    step = manifest.get("step")
+    if not _count(step):
+        return f"its step is {step!r}, not a whole number"
+    for key in ("model", "degrees"):
+        if not isinstance(manifest.get(key, {}), dict):
+            return f"its {key} is {manifest[key]!r}, not an object"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or ".metadata" not in files:
+        return "it lists no files, or not DCP's .metadata"
+    for name, entry in files.items():
+        if not name or "/" in name or "\\" in name or name in (".", ".."):
+            return f"it lists a file named {name!r}, which is not a file of the checkpoint"
+        if not isinstance(entry, dict) or not _count(entry.get("bytes")):
+            return f"its entry for {name} has no size"
+        digest = entry.get("sha256")
+        if not (isinstance(digest, str) and len(digest) == 64 and set(digest) <= _HEX):
+            return f"its entry for {name} has no SHA-256 checksum"
+    return None
+
+
+_HEX = set("0123456789abcdef")
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def is_complete(location: Location) -> bool:
@@ -95,7 +130,7 @@ def problem(location: Location, *, checksums: bool = True) -> str | None:
     if not is_complete(location):
         return "it has no manifest or no DCP metadata (an interrupted save)"
     try:
-        files: dict[str, dict[str, Any]] = read_manifest(location).get("files", {})
+        files: dict[str, dict[str, Any]] = read_manifest(location)["files"]
     except (OSError, ValueError) as e:
         return f"its manifest cannot be read ({e})"
     fs, path = storage(location)

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import json
 import logging
 import os
 import signal
+import socket
 import time
 import uuid
 import warnings
@@ -26,9 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
+from torch.distributed import DistNetworkError, PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from shardwise import builders
@@ -41,9 +44,18 @@ from shardwise.checkpoint.layout import (
     newest_good,
     probe_writable,
     problem,
+    read_manifest,
 )
 from shardwise.checkpoint.safe import check_metadata
-from shardwise.config import ConfigError, JobConfig, apply_override, derive, load_config, validate
+from shardwise.config import (
+    ConfigError,
+    JobConfig,
+    apply_override,
+    derive,
+    load_config,
+    shown,
+    validate,
+)
 from shardwise.fault.watchdog import describe as describe_hang
 from shardwise.launch.env import WorkerEnv, detect, visible_cpus
 from shardwise.launch.stores import (
@@ -94,6 +106,26 @@ class Nodes:
     local_addr: str | None = None
     """This node's address as the others reach it (default: resolved from the host name)."""
 
+    def check(self) -> None:
+        """Refuse, in one line and at once, an endpoint or address the agents could only wait
+        on: a port out of range, a host name that does not resolve."""
+        host, _, port = self.endpoint.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(
+                f"--rdzv-endpoint {self.endpoint!r}: expected HOST:PORT with a port from 1 to "
+                "65535 (one node's address and a free port on it; every node passes the same)"
+            )
+        for flag, name in (("--rdzv-endpoint", host), ("--local-addr", self.local_addr)):
+            if name:
+                try:
+                    socket.getaddrinfo(name.strip("[]"), None)
+                except (socket.gaierror, UnicodeError) as e:
+                    raise ConfigError(
+                        f"{flag} {name}: the host name does not resolve "
+                        f"({getattr(e, 'strerror', None) or e}); give an address, or a name "
+                        "every node resolves"
+                    ) from None
+
     def rendezvous_options(self) -> dict[str, Any]:
         host = self.endpoint.rsplit(":", 1)[0]
         if self.local_addr is None:
@@ -137,6 +169,14 @@ def launch(
         return results
     except ChildFailedError as e:
         raise _first_failure(e) from None
+    except (DistNetworkError, RendezvousError) as e:  # only across machines: ours is local
+        assert nodes is not None
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"the nodes could not meet at --rdzv-endpoint {nodes.endpoint} ({reason}); start "
+            "shardwise train on the node at that address too, with the same --nnodes, and "
+            "check that this node reaches it (address, port, firewall)"
+        ) from None
     except SignalException as e:  # the agent has already stopped the workers
         raise Interrupted(e.sigval) from None
 
@@ -221,6 +261,8 @@ def train(
     if worker is not None:
         # Every rank runs this; the ranks decide where to start together, once joined.
         return run_worker(config.model_dump(mode="json"), resume, dry_run, decided=False)
+    if nodes is not None:
+        nodes.check()
     checkpoint = None if dry_run else resume_point(config, resume)
     store_host = LOOPBACK if nodes is None else ""
     args = (config.model_dump(mode="json"), checkpoint, dry_run, True, store_host)
@@ -277,7 +319,10 @@ def resume_point(config: JobConfig, resume: str) -> str | None:
             )
         return None
     if resume == "auto":
-        return _newest_good(config)
+        newest = _newest_good(config)
+        if newest is not None:
+            check_model(newest, config)
+        return newest
     path = resume
     if not is_complete(path):
         raise ConfigError(
@@ -290,7 +335,37 @@ def resume_point(config: JobConfig, resume: str) -> str | None:
             f"--resume {resume}: {wrong}; use --resume auto to pick the newest good checkpoint"
         )
     check_metadata(path)
+    check_model(path, config)
     return path
+
+
+def check_model(path: str, config: JobConfig) -> None:
+    """Refuse a checkpoint of another model (another builder, or other arguments) in one line,
+    before DCP fails in every rank on the first name it cannot find."""
+    saved = read_manifest(path).get("model")
+    if not saved:
+        return  # an older manifest: DCP's own check remains
+    theirs, ours = _model_label(saved), _model_label(shown(config.model))
+    if theirs != ours:
+        raise ConfigError(
+            f"{name_of(path)}: checkpoint is for model {theirs}, this job builds {ours}; resume "
+            "with the job that wrote it, or start the new model from its weights "
+            "(shardwise export, then model.init_from)"
+        )
+
+
+def _model_label(model: dict[str, Any]) -> str:
+    """`cnn(channels=16)`: the builder and its arguments, defaults filled in where the builder
+    can be found, so a default written out and one left out are the same model."""
+    name, args = str(model.get("name")), dict(model.get("args") or {})
+    try:
+        builder = builders.resolve(name, builders.MODELS, "model.name")
+        bound = inspect.signature(builder).bind_partial(**args)
+        bound.apply_defaults()
+        args = {k: v for k, v in bound.arguments.items() if not k.startswith("_")}
+    except (ConfigError, TypeError, ValueError):
+        pass  # compare as written
+    return f"{name}({', '.join(f'{k}={v!r}' for k, v in sorted(args.items()))})"
 
 
 def _newest_good(config: JobConfig) -> str | None:
