@@ -10,7 +10,7 @@ import argparse
 import signal
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from shardwise import __version__
 from shardwise.config import ConfigError
@@ -20,10 +20,16 @@ if TYPE_CHECKING:
     from shardwise.launch.local import Nodes
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with a mistake on the command line said in one line like every other (exit 2),
+    instead of the usage block and the error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"shardwise: error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="shardwise", description="Distributed training for PyTorch."
-    )
+    parser = Parser(prog="shardwise", description="Distributed training for PyTorch.")
     parser.add_argument("--version", action="version", version=f"shardwise {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train = commands.add_parser("train", help="train a model from a job file")

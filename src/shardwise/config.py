@@ -518,6 +518,8 @@ def read_toml(data: bytes, source: str) -> dict[str, Any]:
         raise ConfigError(f"{source} is not valid TOML: {e}") from None
     except RecursionError:
         raise ConfigError(f"{source} nests arrays or tables too deeply to read") from None
+    except ValueError as e:  # a number Python will not read (over 4300 digits)
+        raise ConfigError(f"{source}: {str(e).split(';')[0]}") from None
 
 
 def validate(raw: dict[str, Any], *, source: str = "config") -> JobConfig:
@@ -546,6 +548,8 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         value = text  # a bare word such as `gpt` or a path: keep it as a string
     except RecursionError:
         raise ConfigError(f"--set {key.strip()}=…: the value nests too deeply to read") from None
+    except ValueError as e:  # a number Python will not read (over 4300 digits)
+        raise ConfigError(f"--set {key.strip()}=…: {str(e).split(';')[0]}") from None
     node = raw
     for part in parts[:-1]:
         child = node.setdefault(part, {})
