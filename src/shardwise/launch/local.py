@@ -163,6 +163,7 @@ def launch(
         logging.getLogger(name).setLevel(logging.CRITICAL)
     register_rendezvous()
     listen = contextlib.nullcontext() if nodes else loopback_collectives()
+    started = time.monotonic()
     try:
         with _fresh_worker_store(), listen:
             results: dict[int, Any] = elastic_launch(config, entry)(*args)
@@ -173,7 +174,8 @@ def launch(
         assert nodes is not None
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(
-            f"the nodes could not meet at --rdzv-endpoint {nodes.endpoint} ({reason}); start "
+            f"the nodes could not meet at --rdzv-endpoint {nodes.endpoint} within "
+            f"{time.monotonic() - started:.0f} s ({reason}); start "
             "shardwise train on the node at that address too, with the same --nnodes, and "
             "check that this node reaches it (address, port, firewall)"
         ) from None
