@@ -13,6 +13,7 @@ from shardwise.plan.layout import PRECISIONS, Layout
 from shardwise.plan.memory import estimate, layer_activations, model_states
 from shardwise.plan.model import (
     Transformer,
+    divisors,
     megatron_flops_per_iteration,
     megatron_params,
     megatron_training_days,
@@ -290,3 +291,12 @@ def test_a_model_that_fits_nowhere_says_so_and_what_would_help():
     first, nearest = explain(plan)
     assert first.startswith("nothing fits: the smallest layout")
     assert "would work" in nearest and math.isfinite(len(nearest))
+
+
+@pytest.mark.timeout(10)
+def test_divisors_are_found_in_square_root_steps():
+    """The search enumerates divisors of the device count and the batch: 1 … n took minutes
+    for n = 10^10 (`--hidden 10000000001`)."""
+    assert divisors(720720) == [d for d in range(1, 720721) if 720720 % d == 0]
+    assert divisors(1) == [1] and divisors(49) == [1, 7, 49] and divisors(13) == [1, 13]
+    assert divisors(2**40) == [2**k for k in range(41)]  # a million steps, not a trillion

@@ -7,13 +7,14 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, replace
-from pathlib import Path
 from typing import Any
 
 from shardwise.config import ConfigError
 from shardwise.plan import hardware as hw
+from shardwise.plan.bounds import Bound, one_of
+from shardwise.plan.chart import chart_path
 from shardwise.plan.layout import OPTIMIZERS, PRECISIONS, RECOMPUTE
-from shardwise.plan.model import Transformer, describe, shape_for
+from shardwise.plan.model import Transformer, describe, divisors, shape_for
 from shardwise.plan.search import (
     Candidate,
     Constraints,
@@ -25,53 +26,144 @@ from shardwise.plan.search import (
     seconds,
 )
 
+DEVICES = 2**20
+"""The most devices (and any one parallel degree) planned for: past the largest clusters built,
+and small enough that the search, which enumerates divisors of the device count, takes seconds."""
+
+NUMBERS: dict[str, Bound] = {
+    "layers": Bound(1, 10_000, whole=True),
+    "hidden": Bound(1, 2**20, whole=True),
+    "heads": Bound(1, 2**20, whole=True),
+    "vocab": Bound(1, 10**8, whole=True),
+    "seq": Bound(1, 10**8, whole=True, means="tokens per sequence"),
+    "ffn": Bound(1, 2**24, whole=True, means="the MLP's inner size; leave it out for 4 × hidden"),
+    "params": Bound(1, 1e15, means="a parameter count, e.g. 7e9"),
+    "gpus": Bound(1, DEVICES, whole=True),
+    "nproc": Bound(1, DEVICES, whole=True),
+    "gpus_per_node": hw.FIELDS["gpus_per_node"],
+    "memory_gib": Bound(0, 2**20, above=True, means="GiB per device"),
+    "peak_tflops": Bound(0, 1e6, above=True, means="dense 16-bit TFLOP/s per device"),
+    "utilisation": hw.FIELDS["utilisation"],
+    "intra_gbs": Bound(0, 1e6, above=True, means="GB/s per device"),
+    "inter_gbs": Bound(0, 1e6, above=True, means="GB/s per device"),
+    "global_batch": Bound(1, 10**8, whole=True, means="sequences per step"),
+    "tokens": Bound(1, 1e18, means="tokens to train on, e.g. 300e9"),
+    "dp": Bound(1, DEVICES, whole=True),
+    "tp": Bound(1, DEVICES, whole=True),
+    "pp": Bound(1, DEVICES, whole=True),
+    "zero": Bound(0, 3, whole=True, means="the ZeRO stage"),
+    "micro_batch": Bound(1, 10**8, whole=True),
+    "top": Bound(1, 1_000, whole=True, means="layouts to list"),
+}
+"""Every numeric flag and its range. argparse keeps them as typed; `check_arguments` turns each
+into its number, so that a bad one (text, NaN, out of range) is a `ConfigError` naming the flag
+and what it allows, as every other mistake in a plan is."""
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model": ("gpt",),
+    "precision": tuple(sorted(PRECISIONS)),
+    "optimizer": OPTIMIZERS,
+    "attention": ("fused", "unfused"),
+    "recompute": RECOMPUTE,
+}
+"""Every flag that names one of a few options (checked by `check_arguments`, likewise)."""
+
+MODEL_FLAGS = (
+    *("model", "layers", "hidden", "heads", "vocab", "seq", "ffn", "params"),
+    *("attention", "no_dropout", "gpus"),
+)
+"""What describes the model and its devices without a job file (a job file has its own)."""
+
 
 def add_arguments(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("job", nargs="?", help="a job file: plan its own model (and layout)")
     model = plan.add_argument_group("model (a transformer shape, a parameter count, or a job)")
-    model.add_argument("--model", choices=["gpt"], help="the model family (decoder-only)")
+    _choice(model, "--model", help="the model (decoder-only)")
     for name in ("layers", "hidden", "heads", "vocab", "seq", "ffn"):
-        model.add_argument(f"--{name}", type=int)
-    model.add_argument("--params", type=float, help="a bare parameter count, e.g. 7e9")
+        _number(model, f"--{name}")
+    _number(model, "--params", help="a bare parameter count, e.g. 7e9")
     where = plan.add_argument_group("devices and hardware")
-    where.add_argument("--gpus", type=int, help="devices in the job")
-    where.add_argument("--nproc", type=int, help="with a job file: its ranks (default 1)")
-    where.add_argument("--gpus-per-node", type=int)
+    _number(where, "--gpus", help="devices in the job")
+    _number(where, "--nproc", help="with a job file: its ranks (default 1)")
+    _number(where, "--gpus-per-node")
     where.add_argument(
         "--hardware",
         help=f"{', '.join(hw.PRESETS)}, {hw.THIS_MACHINE} (calibrated), or a .toml file",
     )
-    where.add_argument("--memory-gib", type=float, help="override: memory per device")
-    where.add_argument("--peak-tflops", type=float, help="override: dense 16-bit peak")
-    where.add_argument("--utilisation", type=float, help="override: fraction of peak achieved")
-    where.add_argument("--intra-gbs", type=float, help="override: GB/s per device in a node")
-    where.add_argument("--inter-gbs", type=float, help="override: GB/s per device across nodes")
+    _number(where, "--memory-gib", help="override: memory per device")
+    _number(where, "--peak-tflops", help="override: dense 16-bit peak")
+    _number(where, "--utilisation", help="override: fraction of peak achieved, in (0, 1]")
+    _number(where, "--intra-gbs", help="override: GB/s per device in a node")
+    _number(where, "--inter-gbs", help="override: GB/s per device across nodes")
     run = plan.add_argument_group("the run")
-    run.add_argument("--global-batch", type=int, help="sequences per step (default 4 per device)")
-    run.add_argument("--tokens", type=float, help="tokens to train on, e.g. 300e9")
-    run.add_argument("--precision", choices=sorted(PRECISIONS), help="default bf16")
-    run.add_argument("--optimizer", choices=OPTIMIZERS, help="default adamw")
-    run.add_argument("--attention", choices=["fused", "unfused"], default="fused")
+    _number(run, "--global-batch", help="sequences per step (default 4 per device)")
+    _number(run, "--tokens", help="tokens to train on, e.g. 300e9")
+    _choice(run, "--precision", help="default bf16")
+    _choice(run, "--optimizer", help="default adamw")
+    _choice(run, "--attention", help="default fused")
     run.add_argument("--no-dropout", action="store_true")
     fixed = plan.add_argument_group("fix part of the layout (the search chooses the rest)")
-    fixed.add_argument("--dp", type=int)
-    fixed.add_argument("--tp", type=int)
-    fixed.add_argument("--pp", type=int)
-    fixed.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
-    fixed.add_argument("--micro-batch", type=int)
-    fixed.add_argument("--recompute", choices=RECOMPUTE)
+    for name in ("dp", "tp", "pp"):
+        _number(fixed, f"--{name}")
+    _number(fixed, "--zero", metavar="{0,1,2,3}")
+    _number(fixed, "--micro-batch")
+    _choice(fixed, "--recompute")
     fixed.add_argument("--offload", action="store_true", help="ZeRO-Offload optimizer states")
     out = plan.add_argument_group("output")
-    out.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
+    _number(out, "--top", default=10, help="layouts to list (default 10)")
     out.add_argument("--json", action="store_true", help="print the plan as JSON")
-    out.add_argument("--chart", metavar="PNG", help="write a chart of time and memory per layout")
+    out.add_argument(
+        "--chart",
+        metavar="PNG",
+        help="write a chart of time and memory per layout, the first 50 at most (.png, .svg, "
+        ".pdf, .jpg)",
+    )
     out.add_argument(
         "--calibrate", action="store_true", help="measure this machine and save its profile"
     )
     out.add_argument("--debug", action="store_true", help="show tracebacks for every error")
 
 
+def _number(group: Any, flag: str, **kwargs: Any) -> None:
+    """A flag of NUMBERS: argparse keeps its text (type=str), `check_arguments` the number."""
+    assert flag[2:].replace("-", "_") in NUMBERS, flag
+    group.add_argument(flag, type=str, **kwargs)
+
+
+def _choice(group: Any, flag: str, **kwargs: Any) -> None:
+    """A flag of CHOICES, its options shown in the usage; `check_arguments` checks it."""
+    options = CHOICES[flag[2:].replace("-", "_")]
+    group.add_argument(flag, metavar="{" + ",".join(options) + "}", **kwargs)
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Each numeric flag given turned into its number, in range, each option one of its choices,
+    and no flag that the rest of the command line would ignore; `ConfigError` naming the flag
+    otherwise."""
+    for dest, bound in NUMBERS.items():
+        value = getattr(args, dest)
+        if isinstance(value, str):
+            setattr(args, dest, bound.parse(value, _flag(dest)))
+    for dest, options in CHOICES.items():
+        if getattr(args, dest) is not None:
+            one_of(getattr(args, dest), options, _flag(dest))
+    if args.job:
+        given = [_flag(dest) for dest in MODEL_FLAGS if getattr(args, dest) not in (None, False)]
+        if given:
+            raise ConfigError(
+                f"{given[0]} is for planning without a job file; {args.job} has its own model "
+                "and devices (give its ranks with --nproc N), or leave out the job file"
+            )
+    elif args.nproc is not None:
+        raise ConfigError("--nproc N is a job file's ranks; without a job file give --gpus N")
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
 def run(args: argparse.Namespace) -> int:
+    check_arguments(args)
     if args.calibrate:
         from shardwise.plan.calibrate import calibrate
 
@@ -79,15 +171,16 @@ def run(args: argparse.Namespace) -> int:
         path = hw.save_profile(profile)
         print(f"saved {path}: {summary_of(profile)}")
         return 0
+    chart = None if args.chart is None else chart_path(args.chart)  # before the plan prints
     plan, own = make_plan(args)
     if args.json:
         print(json.dumps(to_json(plan, own, args.top), indent=2))
     else:
         render(plan, own, args.top)
-    if args.chart:
+    if chart is not None:
         from shardwise.plan.chart import write_chart
 
-        write_chart(plan, Path(args.chart), top=args.top)
+        write_chart(plan, chart, top=args.top)
         print(f"chart: {args.chart}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
@@ -96,7 +189,7 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, Candidate | None]:
     """The plan the arguments ask for, and (for a job file) the job's own layout evaluated."""
     hardware = _hardware(args)
     own_layout = None
-    dropout, fused = not args.no_dropout, args.attention == "fused"
+    dropout, fused = not args.no_dropout, args.attention != "unfused"
     traced = None
     if args.job:
         from shardwise.config import load_config
@@ -113,7 +206,7 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, Candidate | None]:
         model = _model(args)
         precision = PRECISIONS[args.precision or "bf16"]
         optimizer = args.optimizer or "adamw"
-        if not args.gpus or args.gpus < 1:
+        if args.gpus is None:
             raise ConfigError("--gpus N: how many devices to plan for (or give a job file)")
         devices = args.gpus
         global_batch = args.global_batch or 4 * devices
@@ -161,27 +254,28 @@ def _hardware(args: argparse.Namespace) -> hw.Hardware:
             f"--hardware NAME: one of {', '.join(hw.PRESETS)}, {hw.THIS_MACHINE}, or a .toml "
             "file of fields"
         )
-    try:
-        base = hw.lookup(name)
-    except hw.UnknownHardware as e:
-        raise ConfigError(str(e)) from None
     return hw.with_overrides(
-        base,
-        memory=args.memory_gib * hw.GiB if args.memory_gib else None,
-        peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,
+        hw.lookup(name),
+        memory=_times(args.memory_gib, hw.GiB),
+        peak_flops=_times(args.peak_tflops, 1e12),
         utilisation=args.utilisation,
-        intra_bandwidth=args.intra_gbs * 1e9 if args.intra_gbs else None,
-        inter_bandwidth=args.inter_gbs * 1e9 if args.inter_gbs else None,
+        intra_bandwidth=_times(args.intra_gbs, 1e9),
+        inter_bandwidth=_times(args.inter_gbs, 1e9),
         gpus_per_node=args.gpus_per_node,
     )
 
 
+def _times(value: float | None, unit: float) -> float | None:
+    return None if value is None else value * unit
+
+
 def _model(args: argparse.Namespace) -> Transformer:
     shape = [args.layers, args.hidden, args.heads]
-    if args.params and not any(shape):
-        model = shape_for(args.params, seq=args.seq or 2048, vocab=args.vocab or 32_000)
-        return model
-    if not all(shape):
+    if args.params is not None and shape == [None] * 3:
+        if args.ffn is not None:
+            raise ConfigError("--ffn goes with a shape: --layers L --hidden H --heads A --ffn F")
+        return shape_for(args.params, seq=args.seq or 2048, vocab=args.vocab or 32_000)
+    if None in shape:
         raise ConfigError(
             "describe the model: --layers L --hidden H --heads A [--vocab V --seq S], or "
             "--params N, or give a job file"
@@ -199,13 +293,13 @@ def _model(args: argparse.Namespace) -> Transformer:
         seq=args.seq or 2048,
         ffn=args.ffn or 0,
     )
-    if args.params:
+    if args.params is not None:
         model = replace(model, measured_params=int(args.params))
     return model
 
 
 def _nearest_divisor(n: int, near: int) -> int:
-    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - near))
+    return min(divisors(n), key=lambda d: abs(d - near))
 
 
 def summary_of(profile: hw.Hardware) -> str:

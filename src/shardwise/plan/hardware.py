@@ -21,6 +21,9 @@ from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from shardwise.config import ConfigError
+from shardwise.plan.bounds import Bound
+
 GiB = 2**30
 
 
@@ -64,6 +67,29 @@ class Hardware:
     calibrated: bool = False
 
 
+_RATE = Bound(0, 1e18, above=True, means="bytes/s")
+_LATENCY = Bound(0, 60, means="seconds")
+FIELDS: dict[str, Bound] = {
+    "memory": Bound(0, 1e18, above=True, means="bytes per device"),
+    "peak_flops": Bound(0, 1e21, above=True, means="FLOP/s per device"),
+    "memory_bandwidth": _RATE,
+    "intra_bandwidth": _RATE,
+    "intra_latency": _LATENCY,
+    "inter_bandwidth": _RATE,
+    "inter_latency": _LATENCY,
+    "gpus_per_node": Bound(1, 4096, whole=True, means="devices, or calibrated cores, per node"),
+    "utilisation": Bound(0, 1, above=True, means="the fraction of peak a step achieves, e.g. 0.5"),
+    "overlap": Bound(0, 1, means="the fraction of data-parallel traffic that can hide"),
+    "all_gather_latency": _LATENCY,
+    "all_gather_bandwidth": _RATE,
+    "reduce_scatter_latency": _LATENCY,
+    "reduce_scatter_bandwidth": _RATE,
+    "tensor_parallel_efficiency": Bound(0, 1, above=True, means="a fraction"),
+    "runtime_memory": Bound(0, 1e18, means="bytes"),
+}
+"""The range of each numeric field of `Hardware` (a file's, or a calibrated profile's)."""
+
+
 def _gpu(name: str, mib: int, tflops: float, hbm: float, nvlink: float, network: float) -> Hardware:
     return Hardware(
         name=name,
@@ -96,8 +122,8 @@ def profile_path() -> Path:
     return Path(root) / "this-machine.json"
 
 
-class UnknownHardware(ValueError):
-    pass
+class UnknownHardware(ConfigError):
+    """A hardware name, file or profile that cannot be used; the message says why."""
 
 
 def lookup(name: str) -> Hardware:
@@ -112,15 +138,16 @@ def lookup(name: str) -> Hardware:
                 f"--hardware this-machine: no calibrated profile at {path}; run "
                 "`shardwise plan --calibrate` first (about a minute)"
             )
-        return from_mapping(json.loads(path.read_text()), name=THIS_MACHINE)
+        where = f"the calibrated profile {path}"
+        again = "; run `shardwise plan --calibrate` again"
+        return from_mapping(_read(path, where, again), name=THIS_MACHINE, where=where)
     path = Path(name)
-    if path.suffix in (".toml", ".json") and path.exists():
-        data = (
-            tomllib.loads(path.read_text())
-            if path.suffix == ".toml"
-            else json.loads(path.read_text())
-        )
-        return from_mapping(data, name=data.get("name", path.stem))
+    if path.suffix in (".toml", ".json"):
+        where = f"--hardware {name}"
+        if not path.exists():
+            raise UnknownHardware(f"{where}: no such file")
+        data = _read(path, where, "")
+        return from_mapping(data, name=data.get("name", path.stem), where=where)
     nearest = difflib.get_close_matches(key, [*PRESETS, THIS_MACHINE], n=1, cutoff=0)[0]
     raise UnknownHardware(
         f"--hardware {name}: unknown; did you mean '{nearest}'? Known: "
@@ -129,27 +156,50 @@ def lookup(name: str) -> Hardware:
     )
 
 
-def from_mapping(data: dict[str, Any], *, name: str) -> Hardware:
-    """Hardware from fields; `base = "<preset>"` starts from a preset and changes the rest."""
+def _read(path: Path, where: str, again: str) -> dict[str, Any]:
+    """A TOML or JSON file's table of fields; UnknownHardware if it is not one."""
+    kind = "TOML" if path.suffix == ".toml" else "JSON"
+    try:
+        text = path.read_text(encoding="utf-8")
+        data = tomllib.loads(text) if kind == "TOML" else json.loads(text)
+    except OSError as e:
+        raise UnknownHardware(f"{where}: cannot read it ({e.strerror}){again}") from None
+    except (ValueError, RecursionError) as e:  # undecodable bytes, bad TOML or JSON, deep nesting
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UnknownHardware(f"{where}: not a {kind} file ({reason}){again}") from None
+    if not isinstance(data, dict):
+        raise UnknownHardware(f"{where}: must be a table of fields, not {type(data).__name__}")
+    return data
+
+
+def from_mapping(data: dict[str, Any], *, name: object, where: str = "") -> Hardware:
+    """Hardware from fields, each checked against `FIELDS`; `base = "<preset>"` starts from a
+    preset and changes the rest. `where` names the source in messages."""
+    where = where or f"hardware {name}"
+    if not isinstance(name, str) or not name:
+        raise UnknownHardware(f'{where}: name = {name!r} must be a string, e.g. name = "my-gpu"')
     data = dict(data)
-    base_name = str(data.pop("base", ""))
+    base_name = data.pop("base", "")
     data.pop("name", None)
     known = {f.name for f in fields(Hardware)} - {"name"}
-    unknown = sorted(set(data) - known)
+    unknown = sorted(set(data) - known, key=str)
     if unknown:
-        raise UnknownHardware(
-            f"hardware {name}: unknown field {unknown[0]!r}; fields: {sorted(known)}"
-        )
-    if base_name and base_name not in PRESETS:
-        raise UnknownHardware(
-            f"hardware {name}: base {base_name!r} is not one of {', '.join(PRESETS)}"
-        )
+        raise UnknownHardware(f"{where}: unknown field {unknown[0]!r}; fields: {sorted(known)}")
+    if base_name and (not isinstance(base_name, str) or base_name not in PRESETS):
+        raise UnknownHardware(f"{where}: base {base_name!r} is not one of {', '.join(PRESETS)}")
+    optional = {f.name for f in fields(Hardware) if f.default is None}
+    for key, value in data.items():
+        if key == "calibrated":
+            if not isinstance(value, bool):
+                raise UnknownHardware(f"{where}: calibrated = {value!r} must be true or false")
+        elif not (value is None and key in optional):
+            data[key] = FIELDS[key].check(value, f"{where}: {key} =")
     base = asdict(PRESETS[base_name]) if base_name else {}
     values = {**base, **data, "name": name}
-    optional = {f.name for f in fields(Hardware) if f.default is not MISSING}
-    missing = sorted(known - set(values) - optional)
+    defaults = {f.name for f in fields(Hardware) if f.default is not MISSING}
+    missing = sorted(known - set(values) - defaults)
     if missing:
-        raise UnknownHardware(f"hardware {name}: missing {', '.join(missing)} (or set base)")
+        raise UnknownHardware(f"{where}: missing {', '.join(missing)} (or set base)")
     return Hardware(**values)
 
 

@@ -6,6 +6,7 @@ Appendix: l layers, h hidden size, a attention heads, s sequence length, V vocab
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -131,4 +132,6 @@ def describe(model: Transformer) -> str:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of `n` in increasing order, found in √n steps (in pairs d, n/d)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]

@@ -11,6 +11,10 @@ from shardwise.plan.memory import Memory, Traced, estimate
 from shardwise.plan.model import Transformer, divisors
 from shardwise.plan.timing import StepTime, one_device_step, step_time
 
+MAX_LAYOUTS = 20_000
+"""The most layouts one search weighs (a few seconds): real models on real clusters have a few
+thousand; more means degrees with thousands of divisors, and the user fixes some of them."""
+
 HEADROOM = 0.9
 """A layout fits when its estimate is at most 90% of device memory: the rest is left for the
 allocator's fragmentation, the CUDA context and communication libraries' buffers."""
@@ -108,8 +112,9 @@ def layouts(
     """Every layout that can exist: tp divides the heads and stays within a node, pp is at most
     the layer count, dp·tp·pp = devices, the batch splits into whole micro-batches; sequence
     parallelism whenever tp > 1 (it only saves memory); 1F1B, and the interleaved schedule with
-    two stages per rank where the layers allow."""
-    found = []
+    two stages per rank where the layers allow. The search chooses micro-batches up to 64; a
+    fixed one may be larger. NoLayout once there are more than MAX_LAYOUTS."""
+    found: list[Layout] = []
     for tp in divisors(devices):
         if tp > gpus_per_node or model.heads % tp or (fixed.tp and tp != fixed.tp):
             continue
@@ -121,7 +126,9 @@ def layouts(
                 continue
             per_rank = global_batch // dp
             for micro in divisors(per_rank):
-                if micro > 64 or (fixed.micro_batch and micro != fixed.micro_batch):
+                if micro > (fixed.micro_batch or 64) or (
+                    fixed.micro_batch and micro != fixed.micro_batch
+                ):
                     continue
                 microbatches = per_rank // micro
                 if pp > 1 and microbatches < pp:
@@ -148,7 +155,18 @@ def layouts(
                             found.append(
                                 replace(base, schedule="Interleaved1F1B", stages_per_rank=2)
                             )
+                        if len(found) > MAX_LAYOUTS:
+                            raise NoLayout(_too_many(devices, global_batch))
     return found
+
+
+def _too_many(devices: int, global_batch: int) -> str:
+    return (
+        f"{devices} devices and a global batch of {global_batch} make more than "
+        f"{MAX_LAYOUTS:,} layouts to weigh; fix part of the layout (--tp, --pp, --dp, "
+        "--micro-batch, --zero or --recompute), or plan for a device count and batch with "
+        "fewer divisors"
+    )
 
 
 def search(
@@ -207,11 +225,43 @@ def _why_none(
             f"{product}"
         )
     fitting = [d for d in divisors(devices) if global_batch % d == 0]
+    shares = sorted({global_batch // d for d in fitting})
+    if fixed.micro_batch and all(s % fixed.micro_batch for s in shares):
+        return (
+            f"--micro-batch {fixed.micro_batch} divides no data-parallel rank's share of the "
+            f"global batch of {global_batch} (global batch / dp: {_few(shares)}); choose a "
+            "micro-batch that divides one"
+        )
+    given = _given(fixed)
+    if given:
+        return (
+            f"no layout of {devices} devices with a global batch of {global_batch} has {given}: "
+            "tp must divide the heads and stay within a node, a pipeline needs at least as many "
+            "micro-batches per step as stages, ZeRO needs dp > 1; leave one of them to the search"
+        )
     return (
         f"no layout of {devices} devices splits a global batch of {global_batch} into whole "
         f"micro-batches (data-parallel degrees that divide it: {fitting}); choose a global batch "
         f"that is a multiple of {devices}"
     )
+
+
+def _given(fixed: Constraints) -> str:
+    """The constraints the user fixed, as the flags that fixed them."""
+    flags = {
+        "--dp": fixed.dp,
+        "--tp": fixed.tp,
+        "--pp": fixed.pp,
+        "--zero": fixed.zero,
+        "--micro-batch": fixed.micro_batch,
+        "--recompute": fixed.recompute,
+    }
+    given = [f"{flag} {value}" for flag, value in flags.items() if value is not None]
+    return " ".join(given + (["--offload"] if fixed.offload else []))
+
+
+def _few(values: list[int]) -> str:
+    return ", ".join(map(str, values[:8])) + (", …" if len(values) > 8 else "")
 
 
 def explain(plan: Plan) -> list[str]:
@@ -271,7 +321,7 @@ def _nearest_fix(plan: Plan, smallest: Candidate) -> str:
     need = smallest.memory.total / HEADROOM
     factor = need / plan.hardware.memory
     return (
-        f"nearest that would work: about {factor:.1f}x the devices with the same sharding "
+        f"nearest that would work: about {_about(factor)}x the devices with the same sharding "
         f"(ZeRO-3 divides model states by the data-parallel degree), devices with "
         f"{gib(need)} or more, full recomputation, or a smaller micro-batch or sequence"
     )
@@ -287,9 +337,15 @@ def gib(value: float) -> str:
 
 def seconds(value: float) -> str:
     if value >= 86_400:
-        return f"{value / 86_400:.1f} days"
+        return f"{_about(value / 86_400)} days"
     if value >= 3_600:
         return f"{value / 3_600:.1f} h"
     if value >= 1:
         return f"{value:.2f} s"
     return f"{value * 1e3:.1f} ms"
+
+
+def _about(value: float) -> str:
+    """One decimal, or three significant digits once that would print more than a few digits
+    (a device of 1e-300 TFLOP/s takes 1e+283 days, not a number 284 digits long)."""
+    return f"{value:.1f}" if value < 1e6 else f"{value:.3g}"
