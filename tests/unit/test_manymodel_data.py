@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
 from datetime import date
 
 import polars as pl
@@ -147,3 +150,212 @@ def test_reads_parquet_from_an_fsspec_url():
         frame.write_parquet(handle)
     table = load_series(config("memory://bucket/sales.parquet"))
     assert table.num_series == 1 and table.freq == "1d"
+
+
+# Bad input: each is one line (a ConfigError), found in seconds, before any work or Ray starts.
+
+GOOD = "shop,day,units\n" + "".join(f"a,2024-01-{d:02d},{d}.0\n" for d in range(1, 21))
+
+
+def write_text(tmp_path, text: str, name: str = "sales.csv") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", r"sales\.csv' is empty; it needs a header"),
+        ("shop,day,units\n", r"sales\.csv' has column names but no rows"),
+        (GOOD + "a,2024-01-21,21.0,9\n", "could not be read: found more fields than defined"),
+        (
+            GOOD + '"a,2024-01-21,21.0\na,2024-01-22,2\n',
+            r"sales\.csv' could not be read: ",
+        ),
+        (GOOD + ",2024-01-21,1.0\n", r"1 row has no value in column 'shop', e\.g\. row 21 "),
+        (GOOD + "a,,21.0\n", "1 row has no value in column 'day', e.g. row 21 of the table"),
+        (GOOD + "a,2024-01-21,inf\n", r"1 row has an infinite value \(inf or -inf\) in column "),
+        (GOOD + "a,2024-01-21,n/a\n", r"is String; it must be numeric \(1 is not a number, e.g. "),
+        (GOOD.replace("2024-01-05", "2024-01-05zz"), "'day' holds text that is not a date or time"),
+    ],
+)
+def test_bad_files_get_one_line(tmp_path, text, message):
+    source = write_text(tmp_path, text)
+    with pytest.raises(ConfigError, match=message) as info:
+        load_series(config(source))
+    assert "\n" not in str(info.value) and len(str(info.value)) < len(source) + 400
+
+
+def test_a_parquet_file_that_is_text(tmp_path):
+    source = write_text(tmp_path, GOOD, "sales.parquet")
+    with pytest.raises(ConfigError, match="could not be read: parquet") as info:
+        load_series(config(source))
+    assert "\n" not in str(info.value)
+
+
+def test_a_column_with_no_values_is_an_empty_target_not_text(tmp_path):
+    source = write_text(
+        tmp_path, "shop,day,units\n" + "".join(f"a,2024-01-0{d},\n" for d in (1, 2))
+    )
+    with pytest.raises(ConfigError, match="the table has no rows with a value in 'units'"):
+        load_series(config(source))
+
+
+def test_group_by_names_a_column_the_features_see(tmp_path):
+    source = write_text(tmp_path, GOOD)
+    with pytest.raises(ConfigError, match=r"features.group_by names 'store', which is not one of"):
+        load_series(config(source, features={"group_by": [["store"]]}))
+
+
+@pytest.mark.parametrize("freq", ["banana", "0d", "-1w", "1d12h", "mo"])
+def test_freq_is_one_positive_duration(freq):
+    with pytest.raises(ConfigError, match=r"data\.freq: expected a positive count and a unit"):
+        validate_as(ManyModelsConfig, {"data": {"freq": freq}})
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"data": {"season_length": 10**8}}, "season_length = 100000000 is longer than the longe"),
+        ({"data": {"season_length": 10**20}}, "is longer than the longest series .20 observations"),
+        ({"backtest": {"horizon": 10**6}}, "horizon = 1000000 is not shorter than the longest"),
+    ],
+)
+def test_sizes_the_data_cannot_support_fail_at_once(tmp_path, change, message):
+    """Without the bound these allocate a lag per season step, or a future row per horizon step:
+    killed for memory, or hours."""
+    source = write_text(tmp_path, GOOD)
+    with pytest.raises(ConfigError, match=message):
+        load_series(config(source, features={"lags": []}, **change))
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"periods": 12}, r"horizon = 12 is not shorter than the synthetic series \(data.periods"),
+        ({"num_series": 10**9}, r"= 168,000,000,000 rows is more than the generator makes"),
+        ({"periods": 10**9}, r"= 1,000,000,012,000 rows is more than the generator makes"),
+    ],
+)
+def test_synthetic_data_is_bounded(data, message):
+    raw = {"data": {"source": "retail_synthetic", **data}, "backtest": {"horizon": 12}}
+    with pytest.raises(ConfigError, match=message):
+        check(validate_as(ManyModelsConfig, raw))
+
+
+def test_resume_ignores_entries_that_are_not_finished_chunks(tmp_path):
+    from shardwise.manymodel.runner import _finished_chunks
+
+    chunks = tmp_path / "chunks"
+    for name in ("chunk-000002", "chunk-abc", "chunk-", "chunk-000001.partial-7", "chunk-1"):
+        (chunks / name).mkdir(parents=True)
+        (chunks / name / "done").write_text("{}")
+    (chunks / "notes.txt").write_text("mine")
+    (chunks / "chunk-000003").touch()
+    assert _finished_chunks(tmp_path, config(tmp_path / "x.csv"), resume=True) == {2}
+
+
+@pytest.mark.parametrize(
+    ("layout", "done", "message"),
+    [
+        (None, {0}, "holds finished chunks but no readable layout.json"),
+        ('{"series": 5, "chunk_size": 2}', {0}, "cut from 5 series, the data now has 4; the data"),
+        ('{"series": 4, "chunk_size": 2}', {0, 9}, r"chunk-000009 is beyond the 2 chunks"),
+    ],
+)
+def test_resume_refuses_chunks_of_other_data(tmp_path, layout, done, message):
+    from shardwise.manymodel.runner import _saved_chunk_size
+
+    (tmp_path / "chunks").mkdir()
+    if layout:
+        (tmp_path / "chunks" / "layout.json").write_text(layout)
+    with pytest.raises(ConfigError, match=message):
+        _saved_chunk_size(tmp_path, 4, done)
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def loopback_ray_imported(monkeypatch):
+    """Import ray as start_ray does (loopback only), so later tests that start Ray see it so;
+    wait 1 s for an address to answer instead of 10."""
+    from shardwise.manymodel import runner
+
+    with runner.loopback_ray():
+        import ray  # noqa: F401
+    monkeypatch.setattr(runner, "RAY_CONNECT_TIMEOUT_S", 1.0)
+
+
+@pytest.mark.usefixtures("loopback_ray_imported")
+@pytest.mark.parametrize(
+    ("address", "message"),
+    [
+        (
+            "127.0.0.1:{port}",
+            r"nothing answers at .*:{port} \(.onnection refused; waited up to 1 s\)",
+        ),
+        ("ray://localhost:{port}", r"nothing answers at localhost:{port} \(.onnection refused"),
+        ("banana", "is not an address; give the head node's host:port"),
+        ("host:99999", "is not an address"),
+    ],
+)
+def test_an_unreachable_ray_address_fails_in_seconds(address, message):
+    from shardwise.manymodel.runner import check_ray_address
+
+    port = closed_port()
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=message.format(port=port)):
+        check_ray_address(address.format(port=port))
+    assert time.monotonic() - started < 15
+
+
+@pytest.mark.usefixtures("loopback_ray_imported")
+def test_cli_unreachable_ray_address_is_one_line(tmp_path, capsys):
+    from shardwise.cli import main
+
+    job = tmp_path / "job.toml"
+    job.write_text(f'[data]\nsource = "{write_text(tmp_path, GOOD)}"\n')
+    code = main(
+        ["many-models", str(job), "--set", f"job.run_dir={tmp_path / 'run'}",
+         "--ray-address", f"127.0.0.1:{closed_port()}"]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("shardwise: error: runner.ray")
+    assert "waited up to 1 s" in err
+
+
+@pytest.mark.usefixtures("loopback_ray_imported")
+def test_a_head_still_starting_is_waited_for():
+    from shardwise.manymodel.runner import check_ray_address
+
+    port = closed_port()
+    with socket.socket() as head:
+        head.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        head.bind(("0.0.0.0", port))
+        timer = threading.Timer(0.4, head.listen)
+        timer.start()
+        check_ray_address(f"127.0.0.1:{port}")  # refused at first, then answered
+        timer.join()
+
+
+def test_cli_empty_file_is_one_line(tmp_path, capsys):
+    from shardwise.cli import main
+
+    job = tmp_path / "job.toml"
+    source = write_text(tmp_path, "")
+    job.write_text(
+        f'[data]\nsource = "{source}"\nid_columns = ["shop"]\ntimestamp = "day"\ntarget = "units"\n'
+    )
+    code = main(["many-models", str(job), "--set", f"job.run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert (
+        code == 2
+        and err
+        == f"shardwise: error: data.source = '{source}' is empty; it needs "
+        "a header and one row per series and timestamp\n"
+    )

@@ -9,19 +9,25 @@ duplicate rows, short series) happen when the data is read.
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from shardwise.config import ConfigError, RunName, Section, load_job_file
 
 BUILTIN_SOURCES = ("us_employment", "retail_synthetic")
 BUILTIN_MODELS = ("seasonal_naive", "ridge", "lightgbm", "mlp")
+MAX_SYNTHETIC_ROWS = 100_000_000
+"""`retail_synthetic` builds its table at once: this many rows take several GiB."""
 Stat = Literal["mean", "std", "min", "max"]
 CalendarPart = Literal[
     "year", "quarter", "month", "week", "day_of_week", "day_of_month", "day_of_year", "hour"
 ]
+FREQ = re.compile(r"([1-9][0-9]*)(ns|us|ms|s|m|h|d|w|mo|q|y)")
+"""A spacing: one positive count of one polars duration unit (compound spacings such as `1d12h`
+cannot be multiplied into the k-step offsets of the future rows)."""
 
 
 class JobSection(Section):
@@ -53,6 +59,16 @@ class DataSection(Section):
     0 means all (synthetic: 1000)."""
     periods: int = Field(156, gt=0)
     """`retail_synthetic`: weeks per series."""
+
+    @field_validator("freq")
+    @classmethod
+    def _duration(cls, value: str) -> str:
+        if value and not FREQ.fullmatch(value):
+            raise ValueError(
+                "expected a positive count and a unit, e.g. 1mo, 3mo, 1w, 1d or 1h (units: ns, "
+                'us, ms, s, m, h, d, w, mo, q, y), or "" to infer it from the data'
+            )
+        return value
 
 
 class FeaturesSection(Section):
@@ -169,6 +185,8 @@ def check(config: ManyModelsConfig) -> None:
             f"features.window_shift = {config.features.window_shift} is shorter than "
             f"backtest.horizon = {horizon}; use ≥ {horizon} or 0 (the horizon)"
         )
+    if config.data.source == "retail_synthetic":
+        _check_synthetic(config)
     names = config.models.names
     if not names:
         raise ConfigError("models.names is empty; name at least one model, e.g. ['ridge']")
@@ -186,6 +204,23 @@ def check(config: ManyModelsConfig) -> None:
         close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
         hint = f"; did you mean '{close[0]}'?" if close else f"; models: {', '.join(sorted(known))}"
         raise ConfigError(f"models.args.{unknown[0]} names no model{hint}")
+
+
+def _check_synthetic(config: ManyModelsConfig) -> None:
+    """The generated table must fit the backtest and memory (it is built whole, in numpy)."""
+    horizon, periods = config.backtest.horizon, config.data.periods
+    if horizon >= periods:
+        raise ConfigError(
+            f"backtest.horizon = {horizon} is not shorter than the synthetic series (data.periods "
+            f"= {periods} weeks); lower backtest.horizon or raise data.periods"
+        )
+    rows = (config.data.num_series or 1000) * (periods + horizon)
+    if rows > MAX_SYNTHETIC_ROWS:
+        raise ConfigError(
+            f"retail_synthetic with data.num_series × (data.periods + backtest.horizon) = {rows:,} "
+            f"rows is more than the generator makes ({MAX_SYNTHETIC_ROWS:,}); lower "
+            "data.num_series or data.periods"
+        )
 
 
 def model_label(name: str) -> str:

@@ -2,8 +2,10 @@
 
 `load_series` returns the observed rows plus `horizon` future rows per series (empty target,
 covariates when the input has them), sorted by series and time, with an integer series index
-`_series`. Mistakes in the input (missing columns, duplicate rows, gaps, text in the target) are
-`ConfigError`s; series too short for the backtest are dropped and listed, not fatal.
+`_series`. Mistakes in the input (an empty or unreadable file, missing columns, empty ids or
+timestamps, text or infinite values in the target, duplicate rows, gaps, a season or horizon
+longer than every series) are one-line `ConfigError`s, found before any work that grows with
+them; series too short for the backtest are dropped and listed, not fatal.
 """
 
 from __future__ import annotations
@@ -89,17 +91,37 @@ def _read_file(source: str) -> pl.DataFrame:
     try:
         with fsspec.open(source, "rb") as handle:
             if suffix == ".csv":
-                return pl.read_csv(handle, try_parse_dates=True)
-            return pl.read_parquet(handle)
+                frame = pl.read_csv(handle, try_parse_dates=True)
+            else:
+                frame = pl.read_parquet(handle)
     except FileNotFoundError:
         raise ConfigError(f"data.source = '{source}' does not exist; check the path") from None
-    except (pl.exceptions.ComputeError, OSError) as e:
-        raise ConfigError(f"data.source = '{source}' could not be read: {e}") from None
+    except pl.exceptions.NoDataError:
+        raise ConfigError(
+            f"data.source = '{source}' is empty; it needs a header and one row per series and "
+            "timestamp"
+        ) from None
+    except (pl.exceptions.PolarsError, OSError) as e:
+        raise ConfigError(f"data.source = '{source}' could not be read: {_one_line(e)}") from None
+    if frame.height == 0:
+        raise ConfigError(
+            f"data.source = '{source}' has column names but no rows; it needs one row per series "
+            "and timestamp"
+        )
+    return frame
+
+
+def _one_line(error: BaseException, limit: int = 300) -> str:
+    """A library's multi-line message as one trimmed line, cut at `limit` characters (a CSV
+    parser quotes the offending field, which can be the rest of the file)."""
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def load_series(config: ManyModelsConfig) -> SeriesTable:
     """Read, check and prepare the series for features and backtesting."""
     raw, columns = read_table(config)
+    _check_groups(config, columns)
     frame = _typed(raw, columns)
     _check_duplicates(frame, columns)
     ids, ts, y = list(columns.ids), columns.timestamp, columns.target
@@ -119,8 +141,8 @@ def load_series(config: ManyModelsConfig) -> SeriesTable:
     freq = config.data.freq or infer_freq(frame, columns)
     _check_regular(frame, columns, freq)
     season = config.data.season_length or _SEASONS.get(freq, 1)
-    frame = _append_future(frame, planned, columns, freq, config.backtest.horizon)
     frame, skipped = _drop_short(frame, columns, config, season)
+    frame = _append_future(frame, planned, columns, freq, config.backtest.horizon)
     index = frame.select(ids).unique(maintain_order=True).with_row_index(SERIES)
     frame = frame.join(index.with_columns(pl.col(SERIES).cast(pl.Int64)), on=ids)
     return SeriesTable(
@@ -130,6 +152,18 @@ def load_series(config: ManyModelsConfig) -> SeriesTable:
         season_length=season,
         skipped=skipped,
     )
+
+
+def _check_groups(config: ManyModelsConfig, columns: Columns) -> None:
+    """Group features aggregate over series that share id or covariate values."""
+    allowed = (*columns.ids, *columns.covariates)
+    for group in config.features.group_by:
+        for name in group:
+            if name not in allowed:
+                raise ConfigError(
+                    f"features.group_by names '{name}', which is not one of data.id_columns or "
+                    f"data.covariates ({', '.join(allowed)}); group by those columns"
+                )
 
 
 def _typed(raw: pl.DataFrame, columns: Columns) -> pl.DataFrame:
@@ -144,22 +178,63 @@ def _typed(raw: pl.DataFrame, columns: Columns) -> pl.DataFrame:
     ts = columns.timestamp
     frame = raw.select(wanted)
     if frame.schema[ts] == pl.String:
-        try:
-            frame = frame.with_columns(pl.col(ts).str.to_datetime())
-        except pl.exceptions.PolarsError:
-            raise ConfigError(
-                f"column '{ts}' holds text that is not a date or time (first value "
-                f"{frame[ts][0]!r}); use ISO dates such as 2024-01-31"
-            ) from None
+        frame = frame.with_columns(_parsed_times(frame[ts]))
     if not frame.schema[ts].is_temporal():
         raise ConfigError(f"column '{ts}' is {frame.schema[ts]}, not a date or time")
-    for name in (columns.target, *columns.covariates):
+    numbers = [columns.target, *columns.covariates]
+    for name in numbers:
+        if frame.schema[name] == pl.String:  # a column CSV could not read as numbers
+            frame = frame.with_columns(_parsed_numbers(frame[name]))
         if not (frame.schema[name].is_numeric() or frame.schema[name] == pl.Null):
             raise ConfigError(f"column '{name}' is {frame.schema[name]}; it must be numeric")
-    return frame.with_columns(
-        pl.col(list(columns.ids)).cast(pl.String),
-        pl.col([columns.target, *columns.covariates]).cast(pl.Float64).fill_nan(None),
+    frame = frame.with_columns(
+        pl.col(list(columns.ids)).cast(pl.String), pl.col(numbers).cast(pl.Float64)
     )
+    for name in (*columns.ids, ts):
+        _refuse_rows(frame, pl.col(name).is_null(), f"no value in column '{name}'", "fill or drop")
+    for name in numbers:
+        infinite = f"an infinite value (inf or -inf) in column '{name}'"
+        _refuse_rows(frame, pl.col(name).is_infinite(), infinite, "leave empty (missing) or drop")
+    return frame.with_columns(pl.col(numbers).fill_nan(None))
+
+
+def _refuse_rows(frame: pl.DataFrame, bad: pl.Expr, what: str, fix: str) -> None:
+    rows = frame.with_row_index("_row", offset=1).filter(bad)["_row"]
+    if rows.len():
+        count = "1 row has" if rows.len() == 1 else f"{rows.len()} rows have"
+        raise ConfigError(f"{count} {what}, e.g. row {rows[0]} of the table; {fix} those values")
+
+
+def _parsed_times(text: pl.Series) -> pl.Series:
+    """Dates or times from text, or a one-line error naming a value that is neither."""
+    try:
+        return text.str.to_datetime()
+    except pl.exceptions.PolarsError:
+        pass
+    try:  # polars takes the format from the first value: find the values not in it
+        parsed = text.str.to_datetime(strict=False)
+        bad = text.filter(parsed.is_null() & text.is_not_null())
+    except pl.exceptions.PolarsError:  # the first value has no known format
+        bad = text.drop_nulls()
+    example = f"e.g. {bad[0]!r} in {bad.len()} rows" if bad.len() else f"first value {text[0]!r}"
+    raise ConfigError(
+        f"column '{text.name}' holds text that is not a date or time ({example}); use ISO dates "
+        "such as 2024-01-31 throughout"
+    )
+
+
+def _parsed_numbers(text: pl.Series) -> pl.Series:
+    """Numbers from a text column whose every value reads as one (CSV reads a column with no
+    values as text), or a one-line error naming a value that is not a number."""
+    parsed = text.cast(pl.Float64, strict=False)
+    bad = text.filter(parsed.is_null() & text.is_not_null())
+    if bad.len():
+        count = f"{bad.len()} values are not numbers" if bad.len() > 1 else "1 is not a number"
+        raise ConfigError(
+            f"column '{text.name}' is String; it must be numeric ({count}, e.g. {bad[0]!r}; "
+            "leave missing values empty)"
+        )
+    return parsed
 
 
 def _check_duplicates(frame: pl.DataFrame, columns: Columns) -> None:
@@ -200,13 +275,8 @@ def infer_freq(frame: pl.DataFrame, columns: Columns) -> str:
 
 def _check_regular(frame: pl.DataFrame, columns: Columns, freq: str) -> None:
     ids, ts = list(columns.ids), columns.timestamp
-    try:
-        expected = pl.col(ts).shift(1).dt.offset_by(freq).over(ids)
-        bad = frame.filter(pl.col(ts).shift(1).over(ids).is_not_null() & (pl.col(ts) != expected))
-    except pl.exceptions.PolarsError as e:
-        raise ConfigError(
-            f"data.freq = '{freq}' is not a polars duration (e.g. 1mo, 1w): {e}"
-        ) from None
+    expected = pl.col(ts).shift(1).dt.offset_by(freq).over(ids)
+    bad = frame.filter(pl.col(ts).shift(1).over(ids).is_not_null() & (pl.col(ts) != expected))
     if bad.height:
         row = bad.row(0, named=True)
         series = ", ".join(f"{k}={row[k]}" for k in ids)
@@ -255,18 +325,32 @@ def required_observations(config: ManyModelsConfig, reach: int, season: int) -> 
 def _drop_short(
     frame: pl.DataFrame, columns: Columns, config: ManyModelsConfig, season: int
 ) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Drop the series too short for the backtest, before any work that grows with the horizon,
+    the season or the lags: values too large for every series fail here, in one line."""
     from shardwise.manymodel.features import FeatureSpec
 
     ids = list(columns.ids)
+    counts = frame.group_by(ids, maintain_order=True).len("observations")
+    longest = int(counts["observations"].max())  # type: ignore[arg-type]
+    if config.data.season_length > longest:
+        raise ConfigError(
+            f"data.season_length = {config.data.season_length} is longer than the longest series "
+            f"({longest} observations); set the steps in one season (12 for monthly data, 7 "
+            "for daily) or 0 to derive it from the frequency"
+        )
+    if config.backtest.horizon >= longest:
+        raise ConfigError(
+            f"backtest.horizon = {config.backtest.horizon} is not shorter than the longest series "
+            f"({longest} observations); the backtest needs training rows before every window: "
+            "lower backtest.horizon"
+        )
     need = required_observations(config, FeatureSpec.from_config(config, season).reach(), season)
-    counts = frame.filter(~pl.col(FUTURE)).group_by(ids, maintain_order=True).len("observations")
     short = counts.filter(pl.col("observations") < need).with_columns(
         pl.format("{} observations, the backtest needs {}", "observations", pl.lit(need)).alias(
             "reason"
         )
     )
     if short.height == counts.height:
-        longest = int(counts["observations"].max())  # type: ignore[arg-type]
         raise ConfigError(
             f"every series is too short: the backtest needs {need} observations (feature warm-up "
             f"+ backtest.min_train + the windows) and the longest has "

@@ -15,7 +15,10 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
+import socket
+import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -42,6 +45,11 @@ _MAX_CHUNK = 100
 _CHUNKS_PER_SLOT = 4
 _IGNORED_ON_RESUME = ("runner.", "tracking.", "features.backend", "features.spark_master")
 """Keys a resumed run may change: where and how it runs, not what it computes."""
+_CHUNK_NAME = re.compile(r"chunk-([0-9]{6,})")
+"""A finished chunk's directory (`_write_chunk`); other entries in `chunks/` are not results."""
+RAY_CONNECT_TIMEOUT_S = 10.0
+"""How long `--ray-address` may take to answer: ray.init retries an unreachable address for
+minutes."""
 THREAD_ENV = {
     name: "1"
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "POLARS_MAX_THREADS")
@@ -72,6 +80,8 @@ def run(
     started = time.perf_counter()
     run_dir = config.run_dir
     done = _finished_chunks(run_dir, config, resume)
+    if config.runner.ray_address:  # fail in seconds, before the data is read
+        check_ray_address(config.runner.ray_address)
     table = load_series(config)
     if table.skipped.height:
         console.print(
@@ -99,12 +109,13 @@ def run(
         f"{len(spec.columns())} features ({config.features.backend}) in {features_seconds:.1f} s"
     )
     plan = make_plan(config, table, spec)
+    saved_size = _saved_chunk_size(run_dir, table.num_series, done)
     _start_run_dir(run_dir, config)
     tracker = _tracker(config, run_dir)
     ray, started_ray = start_ray(config)
     try:
         slots = task_slots(ray, config)
-        chunk_size = _chunk_size(run_dir, config, table.num_series, slots, resume)
+        chunk_size = saved_size or _chunk_size(run_dir, config, table.num_series, slots)
         chunks = _chunks(features, chunk_size)
         todo = [i for i in range(len(chunks)) if i not in done]
         if done:
@@ -174,7 +185,8 @@ def make_plan(config: ManyModelsConfig, table: SeriesTable, spec: FeatureSpec) -
 def _finished_chunks(run_dir: Path, config: ManyModelsConfig, resume: bool) -> set[int]:
     """The chunks an earlier run finished, checked against `--resume` and the job it ran."""
     chunk_dir = run_dir / "chunks"
-    done = {int(p.name.split("-")[1]) for p in chunk_dir.glob("chunk-*") if (p / "done").exists()}
+    names = (_CHUNK_NAME.fullmatch(p.name) for p in chunk_dir.glob("chunk-*"))
+    done = {int(m[1]) for m in names if m and (chunk_dir / m[0] / "done").exists()}
     if done and not resume:
         raise ConfigError(
             f"{run_dir} already has results of an earlier run; pass --resume to finish it, or set "
@@ -201,26 +213,55 @@ def _finished_chunks(run_dir: Path, config: ManyModelsConfig, resume: bool) -> s
 
 def _start_run_dir(run_dir: Path, config: ManyModelsConfig) -> None:
     chunk_dir = run_dir / "chunks"
-    chunk_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        chunk_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"cannot create {chunk_dir} ({e.strerror}); set job.run_dir to a writable directory"
+        ) from None
     for stale in chunk_dir.glob("*.partial*"):  # a chunk being written when a run died
         shutil.rmtree(stale, ignore_errors=True)
     (run_dir / "job.toml").write_text(tomli_w.dumps(shown(config)))
 
 
-def _chunk_size(
-    run_dir: Path, config: ManyModelsConfig, series: int, slots: int, resume: bool
-) -> int:
+def _saved_chunk_size(run_dir: Path, series: int, done: set[int]) -> int:
+    """The chunk size of the run being resumed (0 when no chunk is reused), checked against
+    the data: chunks cut from other data would be reused for the wrong series."""
+    if not done:
+        return 0
+    chunk_dir = run_dir / "chunks"
+    try:
+        saved = json.loads((chunk_dir / "layout.json").read_text())
+        before, size = int(saved["series"]), int(saved["chunk_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        before, size = -1, 0
+    if size < 1:
+        raise ConfigError(
+            f"--resume: {chunk_dir} holds finished chunks but no readable layout.json; use a new "
+            "job.name or job.run_dir"
+        )
+    if before != series:
+        raise ConfigError(
+            f"--resume: the finished chunks in {chunk_dir} were cut from {before} series, the "
+            f"data now has {series}; the data changed since: use a new job.name or job.run_dir"
+        )
+    if max(done) >= math.ceil(series / size):
+        raise ConfigError(
+            f"--resume: {chunk_dir / f'chunk-{max(done):06d}'} is beyond the "
+            f"{math.ceil(series / size)} chunks of this run; remove it, or use a new job.run_dir"
+        )
+    return size
+
+
+def _chunk_size(run_dir: Path, config: ManyModelsConfig, series: int, slots: int) -> int:
     """Series per task: enough chunks for every slot to take several (load balance), few enough
-    that scheduling costs little; a resumed run keeps the size it started with."""
-    layout = run_dir / "chunks" / "layout.json"
-    if resume and layout.exists():
-        saved = json.loads(layout.read_text())
-        if saved["series"] == series:
-            return int(saved["chunk_size"])
+    that scheduling costs little."""
     size = config.runner.chunk_size or min(
         _MAX_CHUNK, max(1, math.ceil(series / (slots * _CHUNKS_PER_SLOT)))
     )
-    layout.write_text(json.dumps({"series": series, "chunk_size": size}))
+    (run_dir / "chunks" / "layout.json").write_text(
+        json.dumps({"series": series, "chunk_size": size})
+    )
     return size
 
 
@@ -254,6 +295,61 @@ def task_slots(ray: Any, config: ManyModelsConfig) -> int:
     return max(slots, 1)
 
 
+def check_ray_address(address: str) -> None:
+    """Refuse, within `RAY_CONNECT_TIMEOUT_S`, a cluster address where nothing answers. The
+    address checked is the one ray.init would connect to (`auto` read from RAY_ADDRESS or the
+    last `ray start` on this machine, localhost replaced by this node's address)."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():  # connected already (the Python API)
+        return
+    from ray._private.services import canonicalize_bootstrap_address
+
+    where = f"runner.ray_address = '{address}'"
+    try:
+        if address.startswith("ray://"):  # Ray Client; its default port is 10001
+            rest = address.removeprefix("ray://")
+            target = rest if re.search(r":[0-9]+$", rest) else f"{rest}:10001"
+        else:
+            target = canonicalize_bootstrap_address(address) or ""
+    except ConnectionError:  # `auto` and no cluster to be found
+        raise ConfigError(
+            f"{where}: no running Ray cluster found (RAY_ADDRESS is unset and no `ray start` ran "
+            "on this machine); start one, or give the head node's host:port"
+        ) from None
+    except ValueError:
+        target = ""
+    host, _, port = target.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")  # [IPv6]:port
+    if not (host and port.isdigit() and 0 < int(port) < 65536):
+        raise ConfigError(
+            f"{where} is not an address; give the head node's host:port, ray://host:port or "
+            'auto ("" starts a local Ray)'
+        )
+    reason = _connect_error(host, int(port), RAY_CONNECT_TIMEOUT_S)
+    if reason:
+        raise ConfigError(
+            f"{where}: nothing answers at {host}:{port} ({reason}; waited up to "
+            f"{RAY_CONNECT_TIMEOUT_S:g} s); start the cluster (ray start --head) or fix the address"
+        )
+
+
+def _connect_error(host: str, port: int, timeout: float) -> str:
+    """Why no TCP connection to host:port opens within `timeout` ("" when one does), trying
+    again while a head that is still starting refuses it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(left, 0.01)):
+                return ""
+        except socket.gaierror as e:  # an unknown name stays unknown
+            return e.strerror or str(e)
+        except OSError as e:
+            if isinstance(e, TimeoutError) or left < 0.5:
+                return "timed out" if isinstance(e, TimeoutError) else e.strerror or str(e)
+        time.sleep(0.25)
+
+
 def start_ray(config: ManyModelsConfig) -> tuple[Any, bool]:
     """Ray, and whether this call started it (and so should stop it). Locally, workers import
     user models from the working directory, as the driver does; on a cluster, the working
@@ -274,14 +370,22 @@ def start_ray(config: ManyModelsConfig) -> tuple[Any, bool]:
         runtime_env["excludes"] = [
             ".venv/", "runs/", ".git/", "**/__pycache__/", ".*_cache/", "*.egg-info/"
         ]  # fmt: skip
-    with contextlib.nullcontext() if address else loopback_ray():
-        ray.init(
-            # "local": a fresh instance even when a `ray start` cluster runs on this machine
-            address=address or "local",
-            runtime_env=runtime_env,
-            include_dashboard=False,
-            logging_level=logging.WARNING,
-        )
+    try:
+        with contextlib.nullcontext() if address else loopback_ray():
+            ray.init(
+                # "local": a fresh instance even when a `ray start` cluster runs on this machine
+                address=address or "local",
+                runtime_env=runtime_env,
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+            )
+    except ConnectionError as e:  # something answers at the address, but not Ray
+        if address is None:
+            raise
+        raise ConfigError(
+            f"runner.ray_address = '{address}': {str(e).strip().splitlines()[0]}; check that a "
+            f"Ray {ray.__version__} cluster runs there"
+        ) from None
     node: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
     if not address and not ipaddress.ip_address(node).is_loopback:
         warnings.warn(
