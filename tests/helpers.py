@@ -37,16 +37,29 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
-def descendants(pid: int) -> list[int]:
-    """`pid` and every process below it, from /proc."""
-    parents: dict[int, int] = {}
+def _stats() -> dict[int, list[str]]:
+    """Every live process's /proc/PID/stat fields after its name (state, parent, group,
+    session, …)."""
+    found = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+                found[int(entry)] = (
+                    Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+                )
             except OSError:
                 continue
-            parents[int(entry)] = int(stat[1])
+    return found
+
+
+def session_processes(sid: int) -> list[int]:
+    """The processes of session `sid` that are not zombies."""
+    return [pid for pid, stat in _stats().items() if int(stat[3]) == sid and stat[0] != "Z"]
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it, from /proc."""
+    parents = {child: int(stat[1]) for child, stat in _stats().items()}
     found, frontier = [pid], [pid]
     while frontier:
         frontier = [child for child, parent in parents.items() if parent in frontier]
@@ -56,7 +69,7 @@ def descendants(pid: int) -> list[int]:
 
 def listening_sockets(pid: int) -> list[tuple[str, int, int]]:
     """(address, port, pid) of every TCP socket listening in `pid` and the processes below it,
-    read from /proc (what `ss -ltnp` shows)."""
+    read from /proc (what `ss -ltnp` shows), in whichever network namespace each process is."""
     owners: dict[str, int] = {}
     for proc in descendants(pid):
         try:
@@ -66,15 +79,20 @@ def listening_sockets(pid: int) -> list[tuple[str, int, int]]:
                     owners[link[8:-1]] = proc
         except OSError:
             continue
-    found = []
-    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            local, state, inode = fields[1], fields[3], fields[9]
-            if state == "0A" and inode in owners:  # 0A: LISTEN
-                address, port = local.split(":")
-                found.append((_address(address, width), int(port, 16), owners[inode]))
-    return found
+    found = set()
+    for proc in set(owners.values()):  # each process's own network namespace
+        for table, width in (("tcp", 8), ("tcp6", 32)):
+            try:
+                lines = Path(f"/proc/{proc}/net/{table}").read_text().splitlines()[1:]
+            except OSError:
+                continue
+            for line in lines:
+                fields = line.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state == "0A" and inode in owners:  # 0A: LISTEN
+                    address, port = local.split(":")
+                    found.add((_address(address, width), int(port, 16), owners[inode]))
+    return sorted(found)
 
 
 def _address(hexed: str, width: int) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from helpers import free_port
+from helpers import free_port, session_processes
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -101,25 +101,12 @@ def test_joins_an_existing_ray_cluster_and_ships_user_code(tmp_path):
 def _kill_session(sid: int) -> None:
     """SIGKILL whatever is left of a process session, and wait until it is gone."""
     deadline = time.monotonic() + 30
-    while (left := _session_processes(sid)) and time.monotonic() < deadline:
+    while (left := session_processes(sid)) and time.monotonic() < deadline:
         for pid in left:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.2)
-    assert not _session_processes(sid), "processes of the Ray head survived"
-
-
-def _session_processes(sid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == sid and fields[0] != "Z":
-                found.append(int(entry))
-    return found
+    assert not session_processes(sid), "processes of the Ray head survived"
 
 
 def test_killed_run_resumes_only_unfinished_chunks(tmp_path):
@@ -150,9 +137,9 @@ def test_killed_run_resumes_only_unfinished_chunks(tmp_path):
     os.killpg(process.pid, signal.SIGKILL)  # as an OOM killer or a lost node would
     process.wait()
     deadline = time.monotonic() + 30
-    while _session_processes(process.pid) and time.monotonic() < deadline:
+    while session_processes(process.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _session_processes(process.pid)
+    assert not session_processes(process.pid)
     finished = {
         p.name: p.stat().st_mtime_ns for p in chunks.glob("chunk-*") if (p / "done").exists()
     }

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from helpers import free_port
+from helpers import free_port, session_processes
 from shardwise.tracking.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -210,19 +210,6 @@ def test_examples_run_as_written(tmp_path, job, nproc, extra):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["metrics"]["eval/loss"] > 0
     assert len(summary["memory"]) == nproc
-
-
-def session_processes(sid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(stat[3]) == sid and stat[0] != "Z":
-                found.append(int(entry))
-    return found
 
 
 def test_ctrl_c_stops_every_process(tmp_path):

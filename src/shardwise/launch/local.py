@@ -13,14 +13,12 @@ import gc
 import inspect
 import json
 import logging
-import os
 import signal
 import socket
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -57,7 +55,7 @@ from shardwise.config import (
     validate,
 )
 from shardwise.fault.watchdog import describe as describe_hang
-from shardwise.launch.env import WorkerEnv, detect, visible_cpus
+from shardwise.launch.env import WorkerEnv, detect, environment, visible_cpus
 from shardwise.launch.stores import (
     LOOPBACK,
     RENDEZVOUS,
@@ -183,24 +181,12 @@ def launch(
         raise Interrupted(e.sigval) from None
 
 
-@contextmanager
-def _fresh_worker_store() -> Iterator[None]:
+def _fresh_worker_store() -> contextlib.AbstractContextManager[None]:
     """Workers host their own TCPStore, a new one for every attempt, instead of sharing the
     agent's (torch's default since 2.4). The agent's store outlives attempts, so a restarted
     group would read the dead workers' addresses; torch separates attempts by the restart count,
     but that count is per node and differs across nodes after one node's workers fail."""
-    name, before = (
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
-        os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE"),
-    )
-    os.environ[name] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = before
+    return environment({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
 
 
 def _first_failure(error: ChildFailedError) -> Exception:

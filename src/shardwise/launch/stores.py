@@ -16,8 +16,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import timedelta
 
 from torch.distributed import Store, TCPStore  # type: ignore[attr-defined]
@@ -32,6 +30,8 @@ from torch.distributed.elastic.rendezvous.utils import (
     _matches_machine_hostname,
     parse_rendezvous_endpoint,
 )
+
+from shardwise.launch.env import environment
 
 RENDEZVOUS = "shardwise-c10d"
 """torch elastic's c10d rendezvous, with its store bound to the endpoint's address."""
@@ -99,8 +99,7 @@ def worker_store(
     return TCPStore(host, port, world_size, False, timeout)
 
 
-@contextmanager
-def loopback_collectives() -> Iterator[None]:
+def loopback_collectives() -> contextlib.AbstractContextManager[None]:
     """gloo and NCCL on the loopback interface, for workers started inside (unless the user
     chose an interface)."""
     names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
@@ -109,9 +108,4 @@ def loopback_collectives() -> Iterator[None]:
         for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
         if names and var not in os.environ
     }
-    os.environ.update(chosen)
-    try:
-        yield
-    finally:
-        for var in chosen:
-            os.environ.pop(var, None)
+    return environment(chosen)
