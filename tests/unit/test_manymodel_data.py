@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
 from datetime import date
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -245,14 +248,18 @@ def test_synthetic_data_is_bounded(data, message):
 
 
 def test_resume_ignores_entries_that_are_not_finished_chunks(tmp_path):
-    from shardwise.manymodel.runner import _finished_chunks
+    from shardwise.manymodel.runner import TABLES, _finished_chunks
 
     chunks = tmp_path / "chunks"
     for name in ("chunk-000002", "chunk-abc", "chunk-", "chunk-000001.partial-7", "chunk-1"):
         (chunks / name).mkdir(parents=True)
         (chunks / name / "done").write_text("{}")
+        for table in TABLES:
+            (chunks / name / f"{table}.parquet").write_bytes(b"")
     (chunks / "notes.txt").write_text("mine")
     (chunks / "chunk-000003").touch()
+    (chunks / "chunk-000004").mkdir()  # finished, then a file of it removed: run it again
+    (chunks / "chunk-000004" / "done").write_text("{}")
     assert _finished_chunks(tmp_path, config(tmp_path / "x.csv"), resume=True) == {2}
 
 
@@ -276,7 +283,7 @@ def test_resume_refuses_chunks_of_other_data(tmp_path, layout, done, message):
 
 def closed_port() -> int:
     with socket.socket() as s:
-        s.bind(("0.0.0.0", 0))
+        s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
@@ -315,18 +322,20 @@ def test_an_unreachable_ray_address_fails_in_seconds(address, message):
 
 
 @pytest.mark.usefixtures("loopback_ray_imported")
-def test_cli_unreachable_ray_address_is_one_line(tmp_path, capsys):
-    from shardwise.cli import main
-
+def test_cli_unreachable_ray_address_is_one_line(tmp_path):
+    """As a user runs it: in a process of its own, where no Ray is connected yet."""
     job = tmp_path / "job.toml"
-    job.write_text(f'[data]\nsource = "{write_text(tmp_path, GOOD)}"\n')
-    code = main(
-        ["many-models", str(job), "--set", f"job.run_dir={tmp_path / 'run'}",
-         "--ray-address", f"127.0.0.1:{closed_port()}"]
+    source = write_text(tmp_path, GOOD)
+    columns = 'id_columns = ["shop"]\ntimestamp = "day"\ntarget = "units"\n'
+    job.write_text(f'[data]\nsource = "{source}"\n{columns}')
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "shardwise"), "many-models", str(job),
+         "--set", f"job.run_dir={tmp_path / 'run'}", "--ray-address", f"127.0.0.1:{closed_port()}"],
+        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
     )  # fmt: skip
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and err.startswith("shardwise: error: runner.ray")
-    assert "waited up to 1 s" in err
+    err = done.stderr
+    assert done.returncode == 2 and err.count("\n") == 1, err
+    assert err.startswith("shardwise: error: runner.ray") and "waited up to 10 s" in err
 
 
 @pytest.mark.usefixtures("loopback_ray_imported")
@@ -336,7 +345,7 @@ def test_a_head_still_starting_is_waited_for():
     port = closed_port()
     with socket.socket() as head:
         head.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        head.bind(("0.0.0.0", port))
+        head.bind(("127.0.0.1", port))
         timer = threading.Timer(0.4, head.listen)
         timer.start()
         check_ray_address(f"127.0.0.1:{port}")  # refused at first, then answered

@@ -21,8 +21,6 @@ import socket
 import sys
 import time
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +32,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from shardwise.config import ConfigError, flatten, shown
+from shardwise.launch.env import environment
 from shardwise.manymodel.backtest import TARGET, ChunkResult, Plan, run_chunk
 from shardwise.manymodel.config import BUILTIN_MODELS, ManyModelsConfig, model_label
 from shardwise.manymodel.data import FUTURE, SERIES, SeriesTable, load_series
@@ -80,7 +79,9 @@ def run(
     started = time.perf_counter()
     run_dir = config.run_dir
     done = _finished_chunks(run_dir, config, resume)
-    if config.runner.ray_address:  # fail in seconds, before the data is read
+    ray_module = sys.modules.get("ray")
+    connected = ray_module is not None and ray_module.is_initialized()  # the Python API's caller
+    if config.runner.ray_address and not connected:  # fail in seconds, before reading the data
         check_ray_address(config.runner.ray_address)
     table = load_series(config)
     if table.skipped.height:
@@ -186,12 +187,14 @@ def _finished_chunks(run_dir: Path, config: ManyModelsConfig, resume: bool) -> s
     """The chunks an earlier run finished, checked against `--resume` and the job it ran."""
     chunk_dir = run_dir / "chunks"
     names = (_CHUNK_NAME.fullmatch(p.name) for p in chunk_dir.glob("chunk-*"))
-    done = {int(m[1]) for m in names if m and (chunk_dir / m[0] / "done").exists()}
-    if done and not resume:
+    marked = {m[0] for m in names if m and (chunk_dir / m[0] / "done").exists()}
+    if marked and not resume:
         raise ConfigError(
             f"{run_dir} already has results of an earlier run; pass --resume to finish it, or set "
             "job.name or job.run_dir for a new one"
         )
+    # a chunk missing a file since (not as _write_chunk leaves one) is run again
+    done = {int(name.removeprefix("chunk-")) for name in marked if _complete(chunk_dir / name)}
     saved = run_dir / "job.toml"
     if done and saved.exists():
         from shardwise.config import load_job_file
@@ -211,6 +214,12 @@ def _finished_chunks(run_dir: Path, config: ManyModelsConfig, resume: bool) -> s
     return done
 
 
+def _complete(chunk: Path) -> bool:
+    """Whether a chunk directory holds everything `_write_chunk` writes (it always does, unless
+    someone removed a file since)."""
+    return (chunk / "done").exists() and all((chunk / f"{n}.parquet").exists() for n in TABLES)
+
+
 def _start_run_dir(run_dir: Path, config: ManyModelsConfig) -> None:
     chunk_dir = run_dir / "chunks"
     try:
@@ -221,6 +230,9 @@ def _start_run_dir(run_dir: Path, config: ManyModelsConfig) -> None:
         ) from None
     for stale in chunk_dir.glob("*.partial*"):  # a chunk being written when a run died
         shutil.rmtree(stale, ignore_errors=True)
+    for chunk in chunk_dir.glob("chunk-*"):  # a chunk missing a file is run again
+        if _CHUNK_NAME.fullmatch(chunk.name) and chunk.is_dir() and not _complete(chunk):
+            shutil.rmtree(chunk, ignore_errors=True)
     (run_dir / "job.toml").write_text(tomli_w.dumps(shown(config)))
 
 
@@ -299,9 +311,6 @@ def check_ray_address(address: str) -> None:
     """Refuse, within `RAY_CONNECT_TIMEOUT_S`, a cluster address where nothing answers. The
     address checked is the one ray.init would connect to (`auto` read from RAY_ADDRESS or the
     last `ray start` on this machine, localhost replaced by this node's address)."""
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():  # connected already (the Python API)
-        return
     from ray._private.services import canonicalize_bootstrap_address
 
     where = f"runner.ray_address = '{address}'"
@@ -396,22 +405,14 @@ def start_ray(config: ManyModelsConfig) -> tuple[Any, bool]:
     return ray, True
 
 
-@contextmanager
-def loopback_ray() -> Iterator[None]:
+def loopback_ray() -> contextlib.AbstractContextManager[None]:
     """A local Ray started inside listens on loopback only. This is Ray's single-machine mode
     (its default on macOS and Windows): the node's address is 127.0.0.1, and the GCS, raylet and
     workers bind to it instead of the machine's external address. The driver reads the switch
     when `ray` is first imported and the processes Ray starts read it from their environment:
     import ray inside, and start it inside."""
-    previous = os.environ.get(_RAY_SINGLE_MACHINE)
-    os.environ[_RAY_SINGLE_MACHINE] = "0"
-    try:  # only inside: with it set, `ray start` refuses to join a cluster
-        yield
-    finally:
-        if previous is None:
-            del os.environ[_RAY_SINGLE_MACHINE]
-        else:
-            os.environ[_RAY_SINGLE_MACHINE] = previous
+    # Only inside: with it set, `ray start` refuses to join a cluster.
+    return environment({_RAY_SINGLE_MACHINE: "0"})
 
 
 _RAY_SINGLE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
@@ -507,10 +508,16 @@ def _assemble(run_dir: Path, table: SeriesTable, n_chunks: int) -> dict[str, pl.
     ids = table.frame.select(SERIES, *table.columns.ids).unique(SERIES).sort(SERIES)
     outputs: dict[str, pl.DataFrame] = {}
     for name in TABLES:
-        frames = [
-            pl.read_parquet(run_dir / "chunks" / f"chunk-{i:06d}" / f"{name}.parquet")
-            for i in range(n_chunks)
-        ]
+        frames = []
+        for i in range(n_chunks):
+            path = run_dir / "chunks" / f"chunk-{i:06d}" / f"{name}.parquet"
+            try:
+                frames.append(pl.read_parquet(path))
+            except (OSError, pl.exceptions.PolarsError) as e:
+                raise ConfigError(
+                    f"{path} cannot be read ({str(e).splitlines()[0][:200]}); remove "
+                    f"{path.parent} and run again with --resume to redo that chunk"
+                ) from None
         outputs[name] = ids.join(pl.concat(frames), on=SERIES, how="inner")
     future = table.frame.filter(pl.col(FUTURE)).select(
         SERIES, table.columns.timestamp, (pl.int_range(pl.len()).over(SERIES) + 1).alias("step")
