@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import shardwise
-from helpers import gpt_job, load_params, losses
+from helpers import gpt_job, listening_sockets, load_params, losses
 from shardwise.checkpoint.export import export_safetensors, load_exported
 from shardwise.checkpoint.layout import problem
 from shardwise.tracking.metrics import read_metrics
@@ -310,16 +310,31 @@ def test_a_job_across_two_nodes_survives_one_nodes_workers_being_killed(tmp_path
                 ),
                 cwd=REPO,
                 env={**os.environ, "SHARDWISE_FAULT": "kill:rank=1:step=10"},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
+                stdout=(tmp_path / f"{node.namespace}.out").open("w"),
+                stderr=(tmp_path / f"{node.namespace}.err").open("w"),
             )
             for node in (a, b)
         ]
-        outputs = [process.communicate(timeout=240) for process in started]
+        listening = set()  # what each node listens on while the job runs
+        deadline = time.monotonic() + 240
+        while any(p.poll() is None for p in started) and time.monotonic() < deadline:
+            for process in started:
+                listening.update((s[0], s[1]) for s in listening_sockets(process.pid))
+            time.sleep(0.2)
+        for process in started:
+            process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        outputs = [
+            (
+                (tmp_path / f"{n.namespace}.out").read_text(),
+                (tmp_path / f"{n.namespace}.err").read_text(),
+            )
+            for n in (a, b)
+        ]
     for process, (_, err) in zip(started, outputs, strict=True):
         assert process.returncode == 0, err
     assert sum("done: step 16" in out for out, _ in outputs) == 1  # printed where rank 0 ran
+    # the rendezvous store, rank 0's store and gloo, on the nodes' own addresses only
+    assert len(listening) >= 3 and {address for address, _ in listening} <= {a.addr, b.addr}
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records if "fault/restarts" in r] == [8]
     got = losses(tmp_path / "run")
