@@ -501,7 +501,7 @@ def load_job_file(
 
 
 def read_toml(data: bytes, source: str) -> dict[str, Any]:
-    """A TOML document (a job or hardware file) as a dict, or one line saying what is wrong."""
+    """A job file's TOML as a dict, or one line saying what is wrong."""
     if data.startswith((b"\xff\xfe", b"\xfe\xff")):
         raise ConfigError(f"{source} is UTF-16 text; TOML files are UTF-8: save it as UTF-8")
     try:

@@ -20,6 +20,7 @@ import math
 import shutil
 import signal
 import time
+import types
 import typing
 from collections.abc import Iterator
 from pathlib import Path
@@ -100,10 +101,8 @@ def leaves(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, Any,
 
 def never_valid(annotation: Any, metadata: list[Any]) -> list[Any]:
     """Values of TOML types that `annotation` with `metadata` bounds rejects, whatever else."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    base = args[0] if typing.get_origin(annotation) is typing.Union or (
-        annotation is not None and type(annotation).__name__ == "UnionType"
-    ) else annotation  # fmt: skip
+    optional = isinstance(annotation, types.UnionType)  # `int | None`: the int
+    base = typing.get_args(annotation)[0] if optional else annotation
     origin = typing.get_origin(base)
     if base is int:
         values: list[Any] = [True, 1.5, "abc", [1], math.inf, math.nan]
