@@ -26,15 +26,13 @@ from shardwise.checkpoint.export import load_weights
 from shardwise.checkpoint.layout import name_of, read_manifest
 from shardwise.checkpoint.manager import CheckpointManager, WriteFailed
 from shardwise.config import ConfigError, Derived, JobConfig, derive, resolved, shown
-from shardwise.fault.health import Health, RankHealth
+from shardwise.fault.health import RankHealth
 from shardwise.fault.inject import FaultPlan
 from shardwise.fault.watchdog import Watchdog
 from shardwise.parallel.apply import Layout, parallelize
 from shardwise.parallel.init import initializer, materialize, supports_meta_init
 from shardwise.parallel.mesh import build_mesh, dp_group, dp_position, pp_group
 from shardwise.parallel.pipeline import example_batch, measure_block_costs
-from shardwise.tracking.metrics import Tracker
-from shardwise.tracking.progress import ProgressDisplay
 from shardwise.trainer import report
 from shardwise.trainer import state as train_state
 from shardwise.trainer.data import GlobalBatchSampler, StepLoader, eval_loader
@@ -71,9 +69,9 @@ def train(
     run.baseline_bytes = baseline
     run.faults = FaultPlan.from_env(rank=run.rank, attempt=restarts)
     start = restore(run, resume) if resume else 0
-    tracker, display = report.start(run, start, resumed=resume is not None)
+    reporter = report.start(run, start, resumed=resume is not None)
     if restarts:
-        report.restarted(tracker, display, restarts, start)
+        report.restarted(reporter, restarts, start)
     status, summary = "FAILED", None
     health = RankHealth(
         straggler_factor=config.fault.straggler_factor,
@@ -83,25 +81,14 @@ def train(
     )
     watchdog = Watchdog(config.run_dir / "hangs", rank=run.rank, timeout_s=config.fault.timeout_s)
     try:
-        summary = loop(
-            run,
-            start,
-            tracker,
-            display,
-            resumed_from=resume,
-            health=health,
-            watchdog=watchdog,
-        )
+        summary = loop(run, start, reporter, resumed_from=resume, health=health, watchdog=watchdog)
         status = "KILLED" if summary.preempted else "FINISHED"
     finally:
         watchdog.close()
         health.close()
-        if display is not None:
-            display.close()
-        if tracker is not None:
-            tracker.close(status)
+        reporter.close(status)
     if summary is not None and run.rank == 0:
-        summary.mlflow_run_id = report.mlflow_run_id(tracker)
+        summary.mlflow_run_id = reporter.mlflow_run_id()
         summary.resumed_from = start if resume else None
         (config.run_dir / "summary.json").write_text(_json(asdict(summary)))
     return summary if run.rank == 0 else None
@@ -223,136 +210,183 @@ def build_layout(
     )
 
 
+@dataclass
+class Progress:
+    """What the loop keeps between steps: the reporting window (losses since the last report
+    and the clock it started at), the numbers the summary returns, and counters."""
+
+    start: int
+    checkpoint: str | None
+    metrics: dict[str, float] = field(default_factory=dict)
+    losses: list[torch.Tensor] = field(default_factory=list)
+    clock: float = field(default_factory=time.perf_counter)
+    window_start: int = 0
+    rates: list[float] = field(default_factory=list)
+    memory: list[dict[str, Any]] = field(default_factory=list)
+    skipped: int = 0
+    failed_saves: int = 0
+    grad_norm: torch.Tensor | None = None
+    """The last step's gradient norm (reported at the end of the window)."""
+
+    def exclude(self, began: float) -> None:
+        """Move the time since `began` (a checkpoint, an evaluation) out of the throughput."""
+        self.clock += time.perf_counter() - began
+
+
 def loop(
     run: Run,
     start: int,
-    tracker: Tracker | None,
-    display: ProgressDisplay | None,
+    reporter: report.Reporter,
     *,
     resumed_from: str | None,
-    health: RankHealth | None = None,
-    watchdog: Watchdog | None = None,
+    health: RankHealth,
+    watchdog: Watchdog,
 ) -> TrainSummary:
-    cfg = run.config
-    steps, log_every = cfg.train.steps, cfg.tracking.log_every
-    metrics: dict[str, float] = {}
-    losses: list[torch.Tensor] = []
-    clock, rates, checkpoint = time.perf_counter(), [], resumed_from
-    if start >= steps and display is not None:
-        display.print(
-            f"the checkpoint is at step {start} of {steps}: nothing left to train "
-            "(raise train.steps to train further)"
-        )
-    if start >= steps and run.eval_data is not None:
-        metrics.update(evaluate(run))
+    steps = run.config.train.steps
+    progress = Progress(start=start, checkpoint=resumed_from, window_start=start)
+    if start >= steps:
+        _nothing_left(run, reporter, progress)
     for part in run.parts:
         part.train()
-    memory: list[dict[str, Any]] = []
-    skipped, failed_saves, preempted_at, window_start = 0, 0, None, start
+    preempted_at = None
     for step in range(start + 1, steps + 1):
-        if watchdog is not None:
-            watchdog.started(step)
-        began = time.perf_counter()
+        watchdog.started(step)
         run.faults.before_step(step)
-        batch = run.loader.next_step()
-        fetched, run.forward_seconds = time.perf_counter() - began, 0.0
-        loss, grad_norm, applied = train_step(run, batch, step=step)
-        if health is not None:
-            health.add(fetched + run.forward_seconds, time.perf_counter() - began)
-        for scheduler in run.schedulers:
-            scheduler.step()
-        if applied:
-            losses.append(loss)
-        else:
-            skipped += 1
-            _nonfinite(run, tracker, display, step, loss, grad_norm, skipped)
-        if step == start + 1:  # warm-up: shape inference, allocations; not in the bubble
-            if run.layout.pipeline is not None:
-                run.layout.pipeline.reset_timers()
-        else:
-            run.step_seconds += time.perf_counter() - began
-        if step == min(start + 2, steps):  # the first step with the optimizer's state in place
-            memory = report.memory(run, display, tracker, step)
-        stop = False
-        if health is not None and health.due(step):  # the ranks compare notes (SIGTERM, stragglers)
-            checked = health.check()
-            stop = checked.stop and step < steps
-            _report_health(tracker, display, checked, step)
-        if step % log_every == 0 or step == steps:
-            elapsed = time.perf_counter() - clock
-            stats = _train_stats(run, losses, grad_norm, elapsed, step - window_start)
-            rates.append(stats["samples/s"])
-            metrics.update(stats)
-            losses, clock, window_start = [], time.perf_counter(), step
-            report.report(tracker, display, stats, step)
-        # Checkpoint, then evaluate (a failing evaluation loses nothing that was trained); their
-        # time is moved out of the throughput window (clock += ...).
-        if _due(step, cfg.checkpoint.every_steps, steps) or stop:
-            if watchdog is not None:
-                watchdog.beat()
-            began = time.perf_counter()
-            try:
-                checkpoint = save(run, step, final=step == steps)
-                saved = {"checkpoint/save_s": time.perf_counter() - began}
-            except SaveFailed as failure:
-                if cfg.checkpoint.fail_on_save_error:
-                    raise
-                failed_saves += 1
-                saved = {"checkpoint/failed_saves": float(failed_saves)}
-                if display is not None:
-                    display.print(
-                        f"{failure}; training continues, the newest checkpoint is still "
-                        f"{checkpoint} (checkpoint.fail_on_save_error = true makes this fatal)"
-                    )
-            clock += time.perf_counter() - began
-            report.report(tracker, None, saved, step)
-        if _due(step, cfg.eval.every_steps, steps) and run.eval_data is not None:
-            if watchdog is not None:
-                watchdog.beat()
-            began = time.perf_counter()
-            evaluation = evaluate(run)
-            clock += time.perf_counter() - began
-            metrics.update(evaluation)
-            report.report(tracker, None, evaluation, step)
-            if display is not None:
-                display.report(step, evaluation)
-        if watchdog is not None:
-            watchdog.finished(step)
+        _step(run, step, progress, reporter, health)
+        stop = _health(run, step, reporter, health)
+        _log(run, step, progress, reporter)
+        # Checkpoint, then evaluate (a failing evaluation loses nothing that was trained).
+        if _due(step, run.config.checkpoint.every_steps, steps) or stop:
+            _checkpoint(run, step, progress, reporter, watchdog)
+        if _due(step, run.config.eval.every_steps, steps) and run.eval_data is not None:
+            _evaluate(run, step, progress, reporter, watchdog)
+        watchdog.finished(step)
         run.faults.after_step(step)
         if stop:
             preempted_at = step
-            if display is not None:
-                display.print(
-                    f"SIGTERM: saved {checkpoint} at step {step} and stopping; "
-                    "--resume auto continues exactly"
-                )
+            reporter.say(
+                f"SIGTERM: saved {progress.checkpoint} at step {step} and stopping; "
+                "--resume auto continues exactly"
+            )
             break
+    _wait_for_saves(run)
+    if steps > start and preempted_at is None:
+        progress.memory = report.memory(run, reporter, steps, final=True)
+    return _summary(run, progress, preempted_at)
+
+
+def _nothing_left(run: Run, reporter: report.Reporter, progress: Progress) -> None:
+    reporter.say(
+        f"the checkpoint is at step {progress.start} of {run.config.train.steps}: nothing left "
+        "to train (raise train.steps to train further)"
+    )
+    if run.eval_data is not None:
+        progress.metrics.update(evaluate(run))
+
+
+def _step(
+    run: Run, step: int, progress: Progress, reporter: report.Reporter, health: RankHealth
+) -> None:
+    """One training step, timed for the straggler check and the pipeline bubble."""
+    began = time.perf_counter()
+    batch = run.loader.next_step()
+    fetched, run.forward_seconds = time.perf_counter() - began, 0.0
+    loss, grad_norm, applied = train_step(run, batch, step=step)
+    health.add(fetched + run.forward_seconds, time.perf_counter() - began)
+    for scheduler in run.schedulers:
+        scheduler.step()
+    if applied:
+        progress.losses.append(loss)
+    else:
+        progress.skipped += 1
+        _nonfinite(run, reporter, step, loss, grad_norm, progress.skipped)
+    progress.grad_norm = grad_norm
+    if step == progress.start + 1:  # warm-up: shape inference, allocations; not in the bubble
+        if run.layout.pipeline is not None:
+            run.layout.pipeline.reset_timers()
+    else:
+        run.step_seconds += time.perf_counter() - began
+    if step == min(progress.start + 2, run.config.train.steps):  # optimizer state in place
+        progress.memory = report.memory(run, reporter, step)
+
+
+def _health(run: Run, step: int, reporter: report.Reporter, health: RankHealth) -> bool:
+    """Where due, the ranks compare notes (SIGTERM, stragglers); whether to stop after `step`."""
+    if not health.due(step):
+        return False
+    checked = health.check()
+    if checked.metrics:
+        reporter.record(checked.metrics, step)
+    for message in checked.messages:
+        reporter.say(message)
+    return checked.stop and step < run.config.train.steps
+
+
+def _log(run: Run, step: int, progress: Progress, reporter: report.Reporter) -> None:
+    """At the end of a reporting window: its throughput, loss and the sync's metrics."""
+    if step % run.config.tracking.log_every != 0 and step != run.config.train.steps:
+        return
+    elapsed = time.perf_counter() - progress.clock
+    stats = _train_stats(
+        run, progress.losses, progress.grad_norm, elapsed, step - progress.window_start
+    )
+    progress.rates.append(stats["samples/s"])
+    progress.metrics.update(stats)
+    progress.losses, progress.clock, progress.window_start = [], time.perf_counter(), step
+    reporter.progress(stats, step)
+
+
+def _checkpoint(
+    run: Run, step: int, progress: Progress, reporter: report.Reporter, watchdog: Watchdog
+) -> None:
+    """Save the step; a failed save stops the run only under checkpoint.fail_on_save_error."""
+    watchdog.beat()
+    began = time.perf_counter()
+    try:
+        progress.checkpoint = save(run, step, final=step == run.config.train.steps)
+        saved = {"checkpoint/save_s": time.perf_counter() - began}
+    except SaveFailed as failure:
+        if run.config.checkpoint.fail_on_save_error:
+            raise
+        progress.failed_saves += 1
+        saved = {"checkpoint/failed_saves": float(progress.failed_saves)}
+        reporter.say(
+            f"{failure}; training continues, the newest checkpoint is still "
+            f"{progress.checkpoint} (checkpoint.fail_on_save_error = true makes this fatal)"
+        )
+    progress.exclude(began)
+    reporter.record(saved, step)
+
+
+def _evaluate(
+    run: Run, step: int, progress: Progress, reporter: report.Reporter, watchdog: Watchdog
+) -> None:
+    watchdog.beat()
+    began = time.perf_counter()
+    evaluation = evaluate(run)
+    progress.exclude(began)
+    progress.metrics.update(evaluation)
+    reporter.evaluation(evaluation, step)
+
+
+def _wait_for_saves(run: Run) -> None:
     try:
         run.checkpoints.wait()  # an asynchronous save still in flight is committed here
     except WriteFailed as e:
         raise SaveFailed(f"saving the checkpoint of step {e.step} failed: {e}") from e
-    if steps > start and preempted_at is None:
-        memory = report.memory(run, display, tracker, steps, final=True)
+
+
+def _summary(run: Run, progress: Progress, preempted_at: int | None) -> TrainSummary:
     return TrainSummary(
-        step=preempted_at or steps,
+        step=preempted_at or run.config.train.steps,
         preempted=preempted_at is not None,
-        metrics=metrics,
-        checkpoint=str(checkpoint) if checkpoint else None,
-        run_dir=str(cfg.run_dir),
+        metrics=progress.metrics,
+        checkpoint=str(progress.checkpoint) if progress.checkpoint else None,
+        run_dir=str(run.config.run_dir),
         mlflow_run_id=None,
-        samples_per_second=_median(rates[1:] or rates),
-        memory=memory,
+        samples_per_second=_median(progress.rates[1:] or progress.rates),
+        memory=progress.memory,
     )
-
-
-def _report_health(
-    tracker: Tracker | None, display: ProgressDisplay | None, health: Health, step: int
-) -> None:
-    if health.metrics:
-        report.report(tracker, None, health.metrics, step)
-    if display is not None:
-        for message in health.messages:
-            display.print(message)
 
 
 class NonFiniteStep(RuntimeError):
@@ -361,8 +395,7 @@ class NonFiniteStep(RuntimeError):
 
 def _nonfinite(
     run: Run,
-    tracker: Tracker | None,
-    display: ProgressDisplay | None,
+    reporter: report.Reporter,
     step: int,
     loss: torch.Tensor,
     grad_norm: torch.Tensor | None,
@@ -371,9 +404,8 @@ def _nonfinite(
     """A step whose update was not applied because its gradient norm is not finite."""
     what = f"step {step}: the gradient norm is {float(grad_norm or 0.0)} (loss {float(loss)})"
     if run.config.fault.on_nonfinite == "skip":
-        report.report(tracker, None, {"fault/skipped_steps": float(skipped)}, step)
-        if display is not None:
-            display.print(f"{what}; the update was skipped (fault.on_nonfinite = 'skip')")
+        reporter.record({"fault/skipped_steps": float(skipped)}, step)
+        reporter.say(f"{what}; the update was skipped (fault.on_nonfinite = 'skip')")
         return
     path = save(run, step)
     run.checkpoints.wait()

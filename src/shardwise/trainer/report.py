@@ -23,14 +23,7 @@ from shardwise.trainer.memory import peak_bytes, state_bytes
 from shardwise.trainer.step import Run
 
 
-def memory(
-    run: Run,
-    display: ProgressDisplay | None,
-    tracker: Tracker | None,
-    step: int,
-    *,
-    final: bool = False,
-) -> list[dict[str, Any]]:
+def memory(run: Run, reporter: Reporter, step: int, *, final: bool = False) -> list[dict[str, Any]]:
     """Gather every rank's state bytes, peak memory and (under pipeline parallelism) measured
     bubble to rank 0; print them once after the first step and at the end."""
     mine: dict[str, Any] = {"rank": run.rank, **state_bytes(run.parts, run.optimizers)}
@@ -44,19 +37,14 @@ def memory(
     dist.all_gather_object(ranks, mine)
     if run.rank != 0:
         return []
-    if display is not None:
-        display.print_table(memory_table(ranks, title=f"per rank after step {step}"))
-        advice = bubble_advice(ranks, fix=_balance_fix(run))
-        if advice:
-            display.print(advice)
-    if tracker is not None:
-        flat = {
-            f"memory/rank{r['rank']}/{k}": float(v)
-            for r in ranks
-            for k, v in r.items()
-            if k != "rank"
-        }
-        tracker.log_metrics(flat, step)
+    reporter.table(memory_table(ranks, title=f"per rank after step {step}"))
+    advice = bubble_advice(ranks, fix=_balance_fix(run))
+    if advice:
+        reporter.say(advice)
+    flat = {
+        f"memory/rank{r['rank']}/{k}": float(v) for r in ranks for k, v in r.items() if k != "rank"
+    }
+    reporter.record(flat, step)
     return ranks
 
 
@@ -90,15 +78,11 @@ def _balance_fix(run: Run) -> str | None:
     )
 
 
-def restarted(
-    tracker: Tracker | None, display: ProgressDisplay | None, restarts: int, step: int
-) -> None:
+def restarted(reporter: Reporter, restarts: int, step: int) -> None:
     """After the launcher restarted the workers: say so, and record the count."""
-    if display is not None:
-        where = f"from step {step}" if step else "from the start (no checkpoint yet)"
-        display.print(f"restart {restarts} after a worker failure: continuing {where}")
-    if tracker is not None:
-        tracker.log_metrics({"fault/restarts": float(restarts)}, step)
+    where = f"from step {step}" if step else "from the start (no checkpoint yet)"
+    reporter.say(f"restart {restarts} after a worker failure: continuing {where}")
+    reporter.record({"fault/restarts": float(restarts)}, step)
 
 
 def memory_table(ranks: list[dict[str, Any]], *, title: str) -> Table:
@@ -130,10 +114,61 @@ def human_bytes(value: float) -> str:
     return f"{value:.1f} GiB"
 
 
-def start(run: Run, start: int, *, resumed: bool) -> tuple[Tracker | None, ProgressDisplay | None]:
-    """On rank 0: print the resolved config and derived numbers, save them, open the trackers."""
+class Reporter:
+    """Everything the loop reports goes through one of these. On rank 0 it writes the trackers
+    (metrics.jsonl, MLflow) and the progress display; on every other rank it does nothing, so
+    the loop never asks which rank it is on."""
+
+    def __init__(
+        self, tracker: Tracker | None = None, display: ProgressDisplay | None = None
+    ) -> None:
+        self.tracker, self.display = tracker, display
+
+    def progress(self, stats: dict[str, float], step: int) -> None:
+        """A reporting window's metrics: recorded, and shown in the progress line."""
+        self.record(stats, step)
+        if self.display is not None:
+            self.display.update(step, stats)
+
+    def record(self, metrics: dict[str, float], step: int) -> None:
+        """Metrics recorded, not shown."""
+        if self.tracker is not None:
+            self.tracker.log_metrics(metrics, step)
+
+    def evaluation(self, metrics: dict[str, float], step: int) -> None:
+        """An evaluation's metrics: recorded and printed on a line of their own."""
+        self.record(metrics, step)
+        if self.display is not None:
+            self.display.report(step, metrics)
+
+    def say(self, text: str) -> None:
+        if self.display is not None:
+            self.display.print(text)
+
+    def table(self, table: Table) -> None:
+        if self.display is not None:
+            self.display.print_table(table)
+
+    def mlflow_run_id(self) -> str | None:
+        if isinstance(self.tracker, Trackers):
+            for t in self.tracker.trackers:
+                if isinstance(t, MlflowTracker):
+                    return t.run_id
+        return None
+
+    def close(self, status: str) -> None:
+        """`status` is `FINISHED`, `KILLED` or `FAILED`."""
+        if self.display is not None:
+            self.display.close()
+        if self.tracker is not None:
+            self.tracker.close(status)
+
+
+def start(run: Run, start: int, *, resumed: bool) -> Reporter:
+    """On rank 0: print the resolved config and derived numbers, save them, open the trackers.
+    Elsewhere: a reporter that does nothing."""
     if run.rank != 0:
-        return None, None
+        return Reporter()
     cfg, derived = run.config, run.derived
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     config_toml = tomli_w.dumps(shown(cfg, exclude_none=True))
@@ -164,7 +199,7 @@ def start(run: Run, start: int, *, resumed: bool) -> tuple[Tracker | None, Progr
     )
     tracker.log_artifact(cfg.run_dir / "config.toml")
     display = ProgressDisplay(total_steps=cfg.train.steps, start_step=start, console=console)
-    return tracker, display
+    return Reporter(tracker, display)
 
 
 def holds(layout: Layout) -> str:
@@ -190,23 +225,6 @@ def _open_mlflow(cfg: JobConfig, resumed: bool) -> MlflowTracker:
         run_id=previous,
         id_file=id_file,
     )
-
-
-def mlflow_run_id(tracker: Tracker | None) -> str | None:
-    if isinstance(tracker, Trackers):
-        for t in tracker.trackers:
-            if isinstance(t, MlflowTracker):
-                return t.run_id
-    return None
-
-
-def report(
-    tracker: Tracker | None, display: ProgressDisplay | None, stats: dict[str, float], step: int
-) -> None:
-    if tracker is not None:
-        tracker.log_metrics(stats, step)
-    if display is not None:
-        display.update(step, stats)
 
 
 def derived_line(derived: Derived, tokens_per_sample: int) -> str:
