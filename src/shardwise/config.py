@@ -167,6 +167,18 @@ class TrainSection(Section):
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     loss: str = "cross_entropy"
     """A built-in loss (`cross_entropy`, `mse`) or `package.module:function`."""
+    sync: Literal["every_step", "local_sgd", "diloco"] = "every_step"
+    """How data-parallel ranks agree: average gradients every step (`every_step`), train alone
+    and average parameters every `sync_every` steps (`local_sgd`), the same with an outer
+    Nesterov optimizer over the averaged change (`diloco`)."""
+    sync_every: int = Field(16, gt=0)
+    """local_sgd, diloco: the steps each rank takes alone between synchronisations (H)."""
+    outer_lr: float = Field(0.7, gt=0)
+    """diloco: the outer optimizer's learning rate (the paper's 0.7)."""
+    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    """diloco: the outer optimizer's Nesterov momentum (the paper's 0.9)."""
+    outer_compression: Literal["none", "bf16", "int8"] = "none"
+    """diloco: the precision the outer all-reduce sends the parameter change in."""
 
 
 class EvalSection(Section):
@@ -209,6 +221,19 @@ class ParallelSection(Section):
     ["layers.2"]); empty splits automatically by `pipeline_balance`."""
     pipeline_balance: Literal["params", "cost"] = "params"
     """Automatic split: equal parameter counts, or equal measured forward + backward time."""
+    grad_compression: Literal["none", "bf16", "fp16", "powersgd", "int8"] = "none"
+    """What the gradient all-reduce sends: fp32 (`none`), half precision, PowerSGD's low-rank
+    factors, or 8-bit integers with a scale per chunk. Under FSDP (dp_shard > 1) and FSDP2's
+    replicate (with tp or pp) only `bf16` and `fp16` apply: the reduce-scatter's precision."""
+    powersgd_rank: int = Field(2, gt=0)
+    """PowerSGD: the rank of each matrix's approximation (bytes ∝ rank × (rows + columns))."""
+    powersgd_start_step: int = Field(10, ge=0)
+    """PowerSGD: the steps reduced uncompressed before compression starts."""
+    error_feedback: bool = True
+    """Compression: add what a step's compression lost to the next step's gradient."""
+    hierarchical: Literal["auto"] | bool = "auto"
+    """Reduce gradients inside each node first, then across nodes among one rank per node,
+    then share the result inside the node; `auto`: on when the job spans more than one node."""
 
     def degrees(self, world_size: int) -> dict[str, int]:
         """Resolve `-1` to the ranks left over and check the degrees multiply to the world size."""
@@ -376,12 +401,7 @@ def derive(config: JobConfig, world_size: int) -> Derived:
         )
     if pp > 1:
         _check_schedule(par.pipeline_schedule, pp, stages_per_rank, grad_accum)
-    layered = pp > 1 or degrees["tp"] > 1 or degrees["dp_shard"] > 1
-    if train.precision == "fp16" and layered:
-        raise ConfigError(
-            "train.precision = 'fp16' needs a gradient scaler, which shardwise supports with "
-            "plain data parallelism only; use 'bf16' with FSDP, tensor or pipeline parallelism"
-        )
+    _check_combinations(config, degrees)
     lr = train.lr
     if train.lr_scaling == "linear":
         lr *= train.global_batch / train.lr_base_batch
@@ -398,6 +418,42 @@ def derive(config: JobConfig, world_size: int) -> Derived:
         eval_batch=config.eval.batch or micro,
         stages_per_rank=stages_per_rank,
     )
+
+
+def _check_combinations(config: JobConfig, degrees: dict[str, int]) -> None:
+    """Options that do not go together with the layout, named with the fix."""
+    train, par = config.train, config.parallel
+    layered = degrees["pp"] > 1 or degrees["tp"] > 1 or degrees["dp_shard"] > 1
+    if train.precision == "fp16" and layered:
+        raise ConfigError(
+            "train.precision = 'fp16' needs a gradient scaler, which shardwise supports with "
+            "plain data parallelism only; use 'bf16' with FSDP, tensor or pipeline parallelism"
+        )
+    if par.grad_compression in ("powersgd", "int8") and layered:
+        raise ConfigError(
+            f"parallel.grad_compression = '{par.grad_compression}' compresses DDP's all-reduce; "
+            "FSDP2 (dp_shard > 1, or tensor/pipeline parallelism) reduces in its own "
+            "reduce-scatter, whose precision is the one lever: use 'bf16' or 'fp16'"
+        )
+    if par.hierarchical is True and (layered or train.sync != "every_step"):
+        raise ConfigError(
+            "parallel.hierarchical = true reduces DDP's gradients node by node; with FSDP use "
+            "HSDP instead (dp_replicate = nodes, dp_shard = ranks per node), and it does not "
+            "apply to train.sync other than 'every_step'"
+        )
+    if train.sync == "every_step":
+        return
+    if par.grad_compression != "none":
+        raise ConfigError(
+            f"parallel.grad_compression applies to every-step gradient all-reduce, not to "
+            f"train.sync = '{train.sync}'"
+            + (" (diloco: set train.outer_compression)" if train.sync == "diloco" else "")
+        )
+    if degrees["dp_shard"] > 1:
+        raise ConfigError(
+            f"train.sync = '{train.sync}' keeps a whole replica on each data-parallel rank; "
+            "set parallel.dp_shard = 1 (use dp_replicate for the ranks)"
+        )
 
 
 def _stages_per_rank(par: ParallelSection, pp: int) -> int:

@@ -31,6 +31,9 @@ class WorkerEnv:
     master_port: int = 0
     agent_store: bool = False
     """torch elastic's agent hosts the job's TCPStore at master_addr:master_port."""
+    node: int = 0
+    """The index of the machine this worker runs on (torch elastic's group rank, Slurm's node
+    id): ranks with the same `node` share a machine."""
 
 
 def detect(environ: Mapping[str, str] | None = None) -> WorkerEnv | None:
@@ -51,6 +54,7 @@ def detect(environ: Mapping[str, str] | None = None) -> WorkerEnv | None:
             master_addr=env.get("MASTER_ADDR", ""),
             master_port=int(env.get("MASTER_PORT", "0")),
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            node=int(env.get("GROUP_RANK", "0")),
         )
     # `srun` sets SLURM_STEP_NUM_TASKS for each task of a job step; a batch script alone does not,
     # so `shardwise train --nproc N` inside `sbatch` still launches its own workers.
@@ -67,6 +71,7 @@ def detect(environ: Mapping[str, str] | None = None) -> WorkerEnv | None:
             world_size=int(env["SLURM_STEP_NUM_TASKS"]),
             local_world_size=int(tasks_per_node),
             init_method=f"tcp://{host}:{port}",
+            node=int(env.get("SLURM_NODEID", "0")),
         )
     return None
 

@@ -399,7 +399,9 @@ def run_worker(
             restarts = _agreed_restarts(env.restart_count)
             if restarts or not decided:
                 resume = _decided_by_rank_0(lambda: _start_point(config, resume, restarts, decided))
-            return loop.train(config, device=device, resume=resume, restarts=restarts)
+            return loop.train(
+                config, device=device, resume=resume, restarts=restarts, node=env.node
+            )
         finally:
             # Free DDP's reducer (which holds the process group) while the group is still
             # registered: if the group's last reference died inside the reducer's destructor,

@@ -53,6 +53,9 @@ from shardwise.parallel.tensor import (
 from shardwise.parallel.ties import connect, retie, spanning_ties, tied_groups
 from shardwise.parallel.traced import trace_split
 
+REDUCE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""FSDP2's reduce-scatter precision for `parallel.grad_compression` (its one compression)."""
+
 
 @dataclass
 class Layout:
@@ -67,10 +70,12 @@ class Layout:
     """What each transform was applied to on this rank, one line each (printed at start)."""
 
 
-def data_parallel_wrapper(degrees: dict[str, int]) -> str:
+def data_parallel_wrapper(degrees: dict[str, int], *, every_step: bool = True) -> str:
+    """`every_step` false: the ranks synchronise some other way (train.sync), so replicas get
+    no wrapper that would all-reduce their gradients."""
     if degrees["dp_shard"] > 1:
         return "fsdp"
-    if degrees["dp_replicate"] > 1:
+    if degrees["dp_replicate"] > 1 and every_step:
         plain = degrees["tp"] == 1 and degrees["pp"] == 1
         return "ddp" if plain else "replicate"
     return "none"
@@ -88,9 +93,10 @@ def parallelize(
     param_dtype: torch.dtype | None = None,
     block_costs: list[float] | None = None,
     example: Any = None,
+    every_step: bool = True,
 ) -> Layout:
     """`example` is one micro-batch of inputs, which a pipeline traces models that are not a
-    sequence of blocks with."""
+    sequence of blocks with; `every_step` false leaves replicas unwrapped (train.sync)."""
     degrees = derived.degrees
     ties = tied_groups(model)
     all_blocks = model_blocks(model)
@@ -101,7 +107,7 @@ def parallelize(
         else None
     )
     parts = [pipe.modules[i] for i in sorted(pipe.modules)] if pipe else [model]
-    wrapper = data_parallel_wrapper(degrees)
+    wrapper = data_parallel_wrapper(degrees, every_step=every_step)
     held = [b for part in parts for b in all_blocks if has_submodule(part, b)]
     applied = describe(model, held, degrees, parallel, wrapper)
     for part in parts:
@@ -194,8 +200,10 @@ def shard(
     *,
     param_dtype: torch.dtype | None,
 ) -> None:
-    """FSDP2 on each block, then on the root (which takes every parameter outside the blocks)."""
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    """FSDP2 on each block, then on the root (which takes every parameter outside the blocks).
+    Gradients are reduce-scattered in fp32, or in the half precision `grad_compression` names."""
+    reduce_dtype = REDUCE_DTYPES.get(parallel.grad_compression, torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     wrap: Callable[[nn.Module], Any]
     if degrees["dp_shard"] > 1:
         axes = ("dp_replicate", "dp_shard") if degrees["dp_replicate"] > 1 else ("dp_shard",)

@@ -25,6 +25,7 @@ from shardwise.checkpoint import safe
 from shardwise.checkpoint.export import load_weights
 from shardwise.checkpoint.layout import name_of, read_manifest
 from shardwise.checkpoint.manager import CheckpointManager, WriteFailed
+from shardwise.comm import choose as comm
 from shardwise.config import ConfigError, Derived, JobConfig, derive, resolved, shown
 from shardwise.fault.health import RankHealth
 from shardwise.fault.inject import FaultPlan
@@ -60,12 +61,18 @@ class TrainSummary:
 
 
 def train(
-    config: JobConfig, *, device: torch.device, resume: str | None, restarts: int = 0
+    config: JobConfig,
+    *,
+    device: torch.device,
+    resume: str | None,
+    restarts: int = 0,
+    node: int = 0,
 ) -> TrainSummary | None:
     """Train to `train.steps`, resuming from the checkpoint at `resume` if given; `restarts`
-    counts the times the launcher restarted the workers after a failure (reported)."""
+    counts the times the launcher restarted the workers after a failure (reported); `node` is
+    the index of the machine this rank runs on."""
     baseline = current_bytes(device)
-    run = build_run(config, device)
+    run = build_run(config, device, node=node)
     run.baseline_bytes = baseline
     run.faults = FaultPlan.from_env(rank=run.rank, attempt=restarts)
     start = restore(run, resume) if resume else 0
@@ -94,7 +101,7 @@ def train(
     return summary if run.rank == 0 else None
 
 
-def build_run(config: JobConfig, device: torch.device) -> Run:
+def build_run(config: JobConfig, device: torch.device, *, node: int = 0) -> Run:
     derived = derive(config, dist.get_world_size())
     config = resolved(config, derived)
     mesh = build_mesh(derived.degrees, device.type)
@@ -114,6 +121,9 @@ def build_run(config: JobConfig, device: torch.device) -> Run:
         seed=config.job.seed,
     )
     optimizers = [build_optimizer(part, config.train, lr=derived.lr) for part in layout.parts]
+    sync = comm.build(
+        config, layout.parts, optimizers, dp_group(mesh), wrapper=layout.wrapper, node=node
+    )
     return Run(
         config=config,
         derived=derived,
@@ -144,6 +154,7 @@ def build_run(config: JobConfig, device: torch.device) -> Run:
         pp_group=pp_group(mesh),
         tokens_per_sample=_tokens_per_sample(train_set[0]),
         mesh=mesh,
+        sync=sync,
     )
 
 
@@ -207,6 +218,7 @@ def build_layout(
         param_dtype=DTYPES.get(config.train.precision),
         block_costs=costs,
         example=example,
+        every_step=config.train.sync == "every_step",
     )
 
 
@@ -431,6 +443,7 @@ def save(run: Run, step: int, *, final: bool = False) -> str:
         loader=run.loader,
         step=step,
         rank=run.rank,
+        sync=run.sync,
     )
     try:
         run.faults.before_save(step)
@@ -461,10 +474,12 @@ def restore(run: Run, path: str) -> int:
         loader=run.loader,
         step=0,
         rank=run.rank,
+        sync=run.sync,
     )
     same_layout, saved_rng = manifest.get("degrees") == run.derived.degrees, False
     if same_layout:
         state, saved_rng = train_state.with_saved_rng(state, safe.keys(path))
+        state, _ = train_state.with_saved_sync(state, safe.keys(path))
         if not saved_rng and run.rank == 0:
             warnings.warn(
                 f"{name_of(path)} holds no random-number states shardwise can load (an older "
@@ -482,6 +497,8 @@ def restore(run: Run, path: str) -> int:
         schedulers=run.schedulers,
         scaler=run.scaler,
         loader=run.loader,
+        sync=run.sync,
+        rank=run.rank,
     )
     if not saved_rng:
         train_state.reseed(run.config.job.seed, step, dp_position(run.mesh)[0])
@@ -531,6 +548,7 @@ def _train_stats(
         stats["tokens/s"] = samples * run.tokens_per_sample
     if grad_norm is not None:
         stats["grad_norm"] = float(grad_norm)
+    stats.update(run.sync.metrics())
     return stats
 
 

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from shardwise.comm.base import Sync
 from shardwise.trainer.data import StepLoader
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -48,14 +49,17 @@ def capture(
     loader: StepLoader,
     step: int,
     rank: int,
+    sync: Sync,
 ) -> dict[str, Any]:
     model_state: dict[str, Any] = {}
     optim_state: dict[str, Any] = {}
     for part, optimizer in zip(parts, optimizers, strict=True):
         model_state.update(_whole(get_model_state_dict(part)))
         optim_state.update(_whole(get_optimizer_state_dict(part, optimizer, options=_FLAT)))
+    # after the optimizer states exist (torch creates them above): the sync's refer to them
+    sync_state = sync.state_dict(rank)
     return {
-        "model": model_state,
+        "model": sync.consensus(model_state),
         "optim": optim_state,
         "train": {
             "step": step,
@@ -64,6 +68,7 @@ def capture(
             "scaler": scaler.state_dict() if scaler.is_enabled() else {},
         },
         "rng": {f"rank{rank}": rng_tensors()},
+        **({"sync": sync_state} if sync_state else {}),
     }
 
 
@@ -75,6 +80,8 @@ def apply(
     schedulers: list[Any],
     scaler: Any,
     loader: StepLoader,
+    sync: Sync,
+    rank: int,
 ) -> int:
     """Put a loaded state dict back into the run's objects; returns the step it was taken at."""
     for part, optimizer in zip(parts, optimizers, strict=True):
@@ -92,6 +99,8 @@ def apply(
     if "rng" in state:
         (states,) = state["rng"].values()
         _set_rng_tensors(states)
+    if "sync" in state:
+        sync.load_state_dict(state["sync"], rank)
     return int(train["step"])
 
 
@@ -134,8 +143,26 @@ def with_saved_rng(state: dict[str, Any], saved: set[str]) -> tuple[dict[str, An
 
 
 def without_rng(state: dict[str, Any]) -> dict[str, Any]:
-    """The state to request when the checkpoint came from another layout."""
-    return {k: v for k, v in state.items() if k != "rng"}
+    """The state to request when the checkpoint came from another layout: neither random
+    states nor the sync's (each rank's own)."""
+    return {k: v for k, v in state.items() if k not in ("rng", "sync")}
+
+
+def with_saved_sync(state: dict[str, Any], saved: set[str]) -> tuple[dict[str, Any], bool]:
+    """The state to request of the sync's (compression residuals, DiLoCo's outer state, local
+    SGD's per-rank parameters): only what the checkpoint holds (a run may switch modes), and
+    whether it holds all of it."""
+    if "sync" not in state:
+        return state, True
+    kept: dict[str, Any] = {}
+    complete = True
+    for section, values in state["sync"].items():
+        present = {k: v for k, v in values.items() if f"sync.{section}.{k}" in saved}
+        complete &= len(present) == len(values)
+        if present:
+            kept[section] = present
+    rest = {k: v for k, v in state.items() if k != "sync"}
+    return ({**rest, "sync": kept} if kept else rest), complete
 
 
 def reseed(seed: int, step: int, rank: int) -> None:

@@ -22,9 +22,10 @@ from torch.utils.data import DataLoader
 
 from shardwise import builders
 from shardwise.checkpoint.manager import CheckpointManager
+from shardwise.comm.base import Sync
 from shardwise.config import Derived, JobConfig
 from shardwise.fault.inject import FaultPlan
-from shardwise.parallel.apply import Layout, gradient_sync
+from shardwise.parallel.apply import Layout
 from shardwise.parallel.pipeline import pipeline_forward
 from shardwise.trainer.data import StepLoader
 from shardwise.trainer.precision import autocast
@@ -49,6 +50,8 @@ class Run:
     pp_group: dist.ProcessGroup | None
     tokens_per_sample: int
     mesh: DeviceMesh
+    sync: Sync
+    """How the data-parallel ranks agree (comm/): every step, compressed, every H steps, …"""
     rank: int = field(default_factory=dist.get_rank)
     faults: FaultPlan = field(default_factory=lambda: FaultPlan([], rank=0, attempt=0))
     """Faults to inject (`SHARDWISE_FAULT`, for tests and drills); none by default."""
@@ -81,7 +84,7 @@ def train_step(
         loss = _pipeline_forward_backward(run, micro_batches)
         pipe.ties.sum_gradients()  # copies of one parameter on several stages
     else:
-        loss = _forward_backward(run, micro_batches)
+        loss = _forward_backward(run, micro_batches, step)
     if run.faults.faults:
         run.faults.corrupt_gradients(step, run.parameters())
     for optimizer in run.optimizers:
@@ -94,22 +97,20 @@ def train_step(
         grad_norm = clip_grad_norm(run.parameters(), limit, run.pp_group, copies=copies)
     applied = not check or grad_norm is None or bool(torch.isfinite(grad_norm))
     if applied:
-        for optimizer in run.optimizers:
-            run.scaler.step(optimizer)
-        run.scaler.update()
+        run.sync.apply(run.optimizers, run.scaler, step)
     for optimizer in run.optimizers:
         optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm, applied
 
 
-def _forward_backward(run: Run, micro_batches: list[Any]) -> torch.Tensor:
+def _forward_backward(run: Run, micro_batches: list[Any], step: int) -> torch.Tensor:
     (model,) = run.parts
     precision = run.config.train.precision
     count = len(micro_batches)
     losses = []
     for i, (inputs, target) in enumerate(micro_batches):
         inputs, target = to_device(inputs, run.device), to_device(target, run.device)
-        with gradient_sync(model, enabled=i == count - 1):
+        with run.sync.micro_batch(model, last=i == count - 1, step=step):
             began = time.perf_counter()
             with autocast(precision, run.device):
                 loss = run.loss_fn(model(inputs), target)

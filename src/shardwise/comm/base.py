@@ -1,0 +1,130 @@
+"""The `Sync` seam and its default: every step, the data-parallel wrapper reduces gradients.
+
+A `Sync` is asked four things by the trainer: how to run a micro-batch's backward (reduce its
+gradients, or let them accumulate), how to apply the step's update (the optimizer, then whatever
+the mode does with parameters), what it must checkpoint, and what it measured. Every mode counts
+the bytes this rank sent for data-parallel synchronisation in a `Traffic`.
+
+Bytes are counted as the ring algorithms gloo and NCCL use send them: an all-reduce of S bytes
+over n ranks sends 2(n−1)/n·S from each rank, a reduce-scatter or all-gather of S bytes in all
+(n−1)/n·S, an all-to-all of S bytes (n−1)/n·S, a broadcast or reduce inside a node S. Pipeline
+activations and tensor-parallel collectives are not data-parallel synchronisation and are not
+counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
+
+from shardwise.parallel.apply import gradient_sync
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank sent for synchronisation, and what plain fp32 all-reduce of every
+    gradient every step would have sent in the same steps."""
+
+    sent: float = 0.0
+    inter_node: float = 0.0
+    """The part of `sent` that crossed between nodes (hierarchical reduction only)."""
+    uncompressed: float = 0.0
+    steps: int = 0
+
+    def all_reduce(self, nbytes: float, ranks: int) -> None:
+        self.sent += 2 * (ranks - 1) / ranks * nbytes if ranks > 1 else 0.0
+
+    def scatter_or_gather(self, nbytes: float, ranks: int) -> None:
+        """A reduce-scatter, all-gather or all-to-all of `nbytes` in all."""
+        self.sent += (ranks - 1) / ranks * nbytes if ranks > 1 else 0.0
+
+    def metrics(self) -> dict[str, float]:
+        """The mean per step since this process started training (a mode that synchronises
+        every H steps sends in one step what this spreads over H)."""
+        steps = max(self.steps, 1)
+        out = {
+            "comm/bytes_per_step": self.sent / steps,
+            "comm/compression_ratio": self.uncompressed / self.sent if self.sent else 1.0,
+        }
+        if self.inter_node:
+            out["comm/inter_node_bytes_per_step"] = self.inter_node / steps
+        return out
+
+
+def gradient_bytes(parts: list[nn.Module]) -> int:
+    """The fp32 bytes of every gradient this rank holds (its shard under FSDP)."""
+    return sum(
+        _local(p).numel() * 4 for part in parts for p in part.parameters() if p.requires_grad
+    )
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(p, "to_local", None)
+    return to_local() if to_local is not None else p
+
+
+class Sync:
+    """Every step: DDP's all-reduce or FSDP2's reduce-scatter in backward, after the last
+    micro-batch; the optimizer then applies the same update on every rank."""
+
+    name = "every_step"
+
+    def __init__(
+        self, parts: list[nn.Module], group: dist.ProcessGroup, *, reduce_bytes: int = 4
+    ) -> None:
+        self.parts, self.group = parts, group
+        self.ranks = dist.get_world_size(group)
+        self.traffic = Traffic()
+        self._full = gradient_bytes(parts)
+        self._reduce_bytes = reduce_bytes
+
+    def micro_batch(
+        self, part: nn.Module, *, last: bool, step: int
+    ) -> contextlib.AbstractContextManager[None]:
+        """The context a micro-batch's forward and backward run in: gradients are reduced only
+        after the last micro-batch of the step."""
+        return gradient_sync(part, enabled=last)
+
+    def apply(self, optimizers: list[torch.optim.Optimizer], scaler: Any, step: int) -> None:
+        """The step's update, once its gradients are final (reduced, clipped, checked)."""
+        for optimizer in optimizers:
+            scaler.step(optimizer)
+        scaler.update()
+        self.count(step)
+
+    def count(self, step: int) -> None:
+        """One step's traffic (the wrappers' collectives, which no hook of ours sees)."""
+        self.traffic.steps += 1
+        self.traffic.uncompressed += 2 * (self.ranks - 1) / self.ranks * self._full
+        for part in self.parts:
+            if isinstance(part, DistributedDataParallel):
+                self.traffic.all_reduce(gradient_bytes([part]), self.ranks)
+            elif isinstance(part, FSDPModule):
+                # the shard's gradients were reduce-scattered from the whole (× ranks), and the
+                # parameters gathered for forward (and again for backward when resharded)
+                whole = gradient_bytes([part]) * self.ranks
+                self.traffic.scatter_or_gather(whole * self._reduce_bytes / 4, self.ranks)
+                self.traffic.scatter_or_gather(whole, self.ranks)
+
+    def state_dict(self, rank: int) -> dict[str, Any]:
+        """What a checkpoint must hold to resume this mode exactly: `shared` (the same on every
+        rank) and `rank<N>` (this rank's own)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any], rank: int) -> None:
+        pass
+
+    def consensus(self, model_state: dict[str, Any]) -> dict[str, Any]:
+        """The model a checkpoint stores for export and for another layout: in modes where the
+        ranks' parameters differ between synchronisations, their agreed value."""
+        return model_state
+
+    def metrics(self) -> dict[str, float]:
+        return self.traffic.metrics()

@@ -1,0 +1,62 @@
+"""`build`: the run's `Sync`, chosen from the config (the one place that knows every mode)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.comm.base import Sync
+from shardwise.comm.compression import CompressedSync, fsdp_reduce_bytes
+from shardwise.comm.hierarchical import topology
+from shardwise.comm.local_sgd import DiLoCo, LocalSGD
+from shardwise.comm.powersgd import PowerSGDSync
+from shardwise.config import JobConfig
+
+
+def build(
+    config: JobConfig,
+    parts: list[nn.Module],
+    optimizers: list[torch.optim.Optimizer],
+    group: dist.ProcessGroup,
+    *,
+    wrapper: str,
+    node: int,
+) -> Sync:
+    """`wrapper` is the layout's data-parallel wrapper (`ddp`, `fsdp`, `replicate`, `none`);
+    `node` the index of the machine this rank runs on (for hierarchical reduction)."""
+    train, par = config.train, config.parallel
+    if train.sync == "local_sgd":
+        return LocalSGD(parts, group, every=train.sync_every, optimizers=optimizers)
+    if train.sync == "diloco":
+        return DiLoCo(
+            parts,
+            group,
+            every=train.sync_every,
+            optimizers=optimizers,
+            outer_lr=train.outer_lr,
+            outer_momentum=train.outer_momentum,
+            compression=train.outer_compression,
+        )
+    if wrapper != "ddp":
+        return Sync(parts, group, reduce_bytes=fsdp_reduce_bytes(par.grad_compression))
+    route = topology(group, node, par.hierarchical)
+    if par.grad_compression == "powersgd":
+        return PowerSGDSync(
+            parts,
+            group,
+            route,
+            rank=par.powersgd_rank,
+            start_step=par.powersgd_start_step,
+            error_feedback=par.error_feedback,
+            seed=config.job.seed,
+        )
+    if par.grad_compression != "none" or route.hierarchical:
+        return CompressedSync(
+            parts,
+            group,
+            route,
+            compression=par.grad_compression,
+            error_feedback=par.error_feedback,
+        )
+    return Sync(parts, group)

@@ -1,0 +1,198 @@
+"""Compressed gradient all-reduce for DDP, as comm hooks on `torch.distributed` collectives, so
+they work the same on gloo and NCCL: `bf16`/`fp16` (half the bytes), `int8` (a quarter: an
+all-to-all of 8-bit chunks, each rank sums its chunk in fp32, an all-gather of the 8-bit sums,
+one fp32 scale per chunk) and PowerSGD (powersgd.py). With error feedback (the default) what a
+step's compression lost is added to this rank's next gradient, so nothing is lost for good.
+
+Under FSDP2 the reduce-scatter's precision (`MixedPrecisionPolicy.reduce_dtype`) is the lever,
+set from `parallel.grad_compression` in parallel/apply.py; this module is for DDP.
+
+The hook keeps its state per parameter (by name), not per DDP bucket: DDP rebuilds its buckets
+after the first step, so a bucket's index means different parameters before and after a resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._C._distributed_c10d import GradBucket
+from torch.nn.parallel import DistributedDataParallel
+
+from shardwise.comm.base import Sync, gradient_bytes
+from shardwise.comm.hierarchical import Topology
+
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Codec:
+    """What one sum over a group sends; fp32 as it is."""
+
+    def __init__(self, sync: CompressedSync) -> None:
+        self.traffic = sync.traffic
+
+    def __call__(
+        self, flat: torch.Tensor, group: dist.ProcessGroup, ranks: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        dist.all_reduce(flat, group=group)
+        self.traffic.all_reduce(flat.numel() * flat.element_size(), ranks)
+        return flat, None
+
+
+class Half(Codec):
+    def __init__(self, sync: CompressedSync, dtype: torch.dtype) -> None:
+        super().__init__(sync)
+        self.dtype = dtype
+
+    def __call__(
+        self, flat: torch.Tensor, group: dist.ProcessGroup, ranks: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        low = flat.to(self.dtype)
+        lost = flat - low.float()
+        dist.all_reduce(low, group=group)
+        self.traffic.all_reduce(low.numel() * low.element_size(), ranks)
+        return low.float(), lost
+
+
+class Int8(Codec):
+    def __call__(
+        self, flat: torch.Tensor, group: dist.ProcessGroup, ranks: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        size = flat.numel()
+        chunk = math.ceil(size / ranks)
+        x = torch.nn.functional.pad(flat, (0, chunk * ranks - size)).view(ranks, chunk)
+        q, scale = quantize(x)
+        lost = x - q.float() * scale[:, None]
+        mine_q, mine_scale = torch.empty_like(q), torch.empty_like(scale)
+        dist.all_to_all_single(mine_q, q, group=group)
+        dist.all_to_all_single(mine_scale, scale, group=group)
+        part = (mine_q.float() * mine_scale[:, None]).sum(0, keepdim=True)  # my chunk's sum
+        q2, scale2 = quantize(part)
+        # the sum's own rounding, fed back through this rank (which owns the chunk)
+        me = dist.get_rank(group)
+        lost[me] += (part - q2.float() * scale2[:, None])[0]
+        all_q = torch.empty(ranks, chunk, dtype=torch.int8, device=flat.device)
+        all_scale = torch.empty(ranks, dtype=scale.dtype, device=flat.device)
+        dist.all_gather_into_tensor(all_q, q2, group=group)
+        dist.all_gather_into_tensor(all_scale, scale2, group=group)
+        payload = chunk * ranks + ranks * 4  # int8 values and a scale per chunk
+        self.traffic.scatter_or_gather(payload, ranks)
+        self.traffic.scatter_or_gather(payload, ranks)
+        total = (all_q.float() * all_scale[:, None]).flatten()[:size]
+        return total, lost.flatten()[:size]
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row to int8 with one fp32 scale (its largest magnitude ↦ 127)."""
+    scale = x.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+    return torch.round(x / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+class CompressedSync(Sync):
+    """Every step, DDP's all-reduce replaced by a hook that compresses (bf16, fp16, int8), or
+    reduces hierarchically, or both."""
+
+    name = "compressed"
+
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        group: dist.ProcessGroup,
+        topology: Topology,
+        *,
+        compression: str,
+        error_feedback: bool,
+    ) -> None:
+        super().__init__(parts, group)
+        self.topology = topology
+        self.compression = compression
+        self.error_feedback = error_feedback and compression != "none"
+        self.names: dict[torch.Tensor, str] = {
+            p: name
+            for part in parts
+            for name, p in _user(part).named_parameters()
+            if p.requires_grad
+        }
+        self.residuals = {
+            name: torch.zeros_like(p) for p, name in self.names.items() if self.error_feedback
+        }
+        self.step = 0
+        self.codec = self._codec()
+        for part in parts:
+            assert isinstance(part, DistributedDataParallel)
+            part.register_comm_hook(self, _hook)
+
+    def _codec(self) -> Codec:
+        if self.compression in HALF:
+            return Half(self, HALF[self.compression])
+        if self.compression == "int8":
+            return Int8(self)
+        return Codec(self)
+
+    def micro_batch(
+        self, part: nn.Module, *, last: bool, step: int
+    ) -> contextlib.AbstractContextManager[None]:
+        self.step = step
+        return super().micro_batch(part, last=last, step=step)
+
+    def count(self, step: int) -> None:
+        self.traffic.steps += 1
+        self.traffic.uncompressed += 2 * (self.ranks - 1) / self.ranks * self._full
+
+    def reduce(self, bucket: GradBucket) -> torch.Tensor:
+        """The bucket's gradients averaged over the data-parallel ranks."""
+        flat = bucket.buffer()
+        params = bucket.parameters()
+        if self.error_feedback:
+            flat.add_(torch.cat([self.residuals[self.names[p]].flatten() for p in params]))
+        total, lost = self.topology.all_reduce(flat, self.codec, self.traffic)
+        if self.error_feedback:
+            self._keep(params, lost)
+        return total.div_(self.ranks)
+
+    def _keep(self, params: list[torch.Tensor], lost: torch.Tensor | None) -> None:
+        offset = 0
+        for p in params:
+            residual = self.residuals[self.names[p]]
+            if lost is None:
+                residual.zero_()
+            else:
+                residual.copy_(lost[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    def state_dict(self, rank: int) -> dict[str, Any]:
+        if not self.residuals:
+            return {}
+        return {f"rank{rank}": {f"residual.{k}": v for k, v in self.residuals.items()}}
+
+    def load_state_dict(self, state: dict[str, Any], rank: int) -> None:
+        for key, value in state.get(f"rank{rank}", {}).items():
+            self.residuals[key.removeprefix("residual.")].copy_(value)
+
+
+def _hook(state: CompressedSync, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(state.reduce(bucket))
+    return future
+
+
+# DDP checks a hook's annotations against the classes themselves, and this module's are strings
+# (`from __future__ import annotations`).
+_hook.__annotations__.update(bucket=GradBucket, state=CompressedSync)
+_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
+
+
+def _user(part: nn.Module) -> nn.Module:
+    return part.module if isinstance(part, DistributedDataParallel) else part
+
+
+def fsdp_reduce_bytes(compression: str) -> int:
+    """Bytes per gradient element FSDP2's reduce-scatter sends under `compression`."""
+    return 2 if compression in HALF else 4
+
+
+__all__ = ["CompressedSync", "fsdp_reduce_bytes", "gradient_bytes"]

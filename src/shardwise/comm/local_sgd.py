@@ -1,0 +1,237 @@
+"""Fewer synchronisations: each data-parallel rank trains alone on its share of every global
+batch and the ranks agree only every H steps (`train.sync_every`).
+
+- Local SGD averages the parameters (and floating-point buffers, such as BatchNorm's running
+  statistics) every H steps. With H = 1 and a linear optimizer (SGD, with or without momentum,
+  no clipping) it is DDP exactly: averaging parameters after identical linear steps equals
+  stepping on averaged gradients. With AdamW it is not, at any H (Adam is not linear).
+- DiLoCo (Douillard et al., 2023) keeps the parameters of the last agreement and an outer
+  Nesterov SGD (the paper's lr 0.7, momentum 0.9). Every H steps the ranks average their change
+  since then (the outer gradient, optionally sent in bf16 or int8) and the outer optimizer
+  applies it; every rank continues from the result. With outer lr 1 and momentum 0 the result
+  is the average: local SGD.
+
+Traffic: one all-reduce of the parameters every H steps instead of the gradients every step
+(÷ H), and a quarter or half of that with `outer_compression`.
+
+Between agreements the ranks' parameters and optimizer states differ, so each rank's own go
+into the checkpoint (`sync.rank<N>`), and the checkpoint's model is the ranks' average (local
+SGD) or the last agreement (DiLoCo), which is what `export` and another layout get.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from shardwise.comm.base import Sync, gradient_bytes
+from shardwise.comm.compression import HALF, Int8
+
+Named = list[tuple[str, torch.Tensor]]
+
+
+class LocalSGD(Sync):
+    name = "local_sgd"
+
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        group: dist.ProcessGroup,
+        *,
+        every: int,
+        optimizers: list[torch.optim.Optimizer],
+    ) -> None:
+        super().__init__(parts, group)
+        self.every, self.optimizers = every, optimizers
+        self.params: Named = [(n, p) for part in parts for n, p in part.named_parameters()]
+        self.buffers: Named = [
+            (n, b) for part in parts for n, b in part.named_buffers() if b.is_floating_point()
+        ]
+        self._tensors = [_local(t) for _, t in self.params + self.buffers]
+        self._bytes = sum(t.numel() * t.element_size() for t in self._tensors)
+        self._agree_on_start()
+
+    def _agree_on_start(self) -> None:
+        """Every rank starts from rank 0's parameters (DDP does this when it wraps)."""
+        source = dist.get_process_group_ranks(self.group)[0]
+        for t in self._tensors:
+            dist.broadcast(t.data, src=source, group=self.group)
+
+    def micro_batch(
+        self, part: nn.Module, *, last: bool, step: int
+    ) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # nothing to reduce: there is no wrapper
+
+    def apply(self, optimizers: list[torch.optim.Optimizer], scaler: Any, step: int) -> None:
+        for optimizer in optimizers:
+            scaler.step(optimizer)
+        scaler.update()
+        self.traffic.steps += 1
+        self.traffic.uncompressed += 2 * (self.ranks - 1) / self.ranks * gradient_bytes(self.parts)
+        if step % self.every == 0:
+            self.agree()
+
+    @torch.no_grad()
+    def agree(self) -> None:
+        """Average the parameters and buffers over the data-parallel ranks."""
+        flat = torch.cat([t.detach().flatten().float() for t in self._tensors])
+        dist.all_reduce(flat, group=self.group)
+        self.traffic.all_reduce(flat.numel() * 4, self.ranks)
+        flat.div_(self.ranks)
+        _unflatten(flat, self._tensors)
+
+    @torch.no_grad()
+    def consensus(self, model_state: dict[str, Any]) -> dict[str, Any]:
+        flat = torch.cat([t.detach().flatten().float() for t in self._tensors])
+        dist.all_reduce(flat, group=self.group)
+        flat.div_(self.ranks)
+        copies = [torch.empty_like(t) for t in self._tensors]
+        _unflatten(flat, copies)
+        names = [n for n, _ in self.params + self.buffers]
+        return _replaced(model_state, dict(zip(names, copies, strict=True)))
+
+    def state_dict(self, rank: int) -> dict[str, Any]:
+        mine: dict[str, Any] = {f"model.{n}": _local(t) for n, t in self.params + self.buffers}
+        for i, optimizer in enumerate(self.optimizers):
+            for index, values in optimizer.state_dict()["state"].items():
+                for key, value in values.items():
+                    if isinstance(value, torch.Tensor):
+                        mine[f"optim{i}.{index}.{key}"] = value
+        return {f"rank{rank}": mine}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any], rank: int) -> None:
+        mine = state.get(f"rank{rank}", {})
+        for n, t in self.params + self.buffers:
+            if f"model.{n}" in mine:
+                _local(t).copy_(mine[f"model.{n}"])
+        for i, optimizer in enumerate(self.optimizers):
+            saved = optimizer.state_dict()
+            for index, values in saved["state"].items():
+                for key in values:
+                    if f"optim{i}.{index}.{key}" in mine:
+                        values[key] = mine[f"optim{i}.{index}.{key}"].clone()
+            optimizer.load_state_dict(saved)
+
+
+class DiLoCo(LocalSGD):
+    name = "diloco"
+
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        group: dist.ProcessGroup,
+        *,
+        every: int,
+        optimizers: list[torch.optim.Optimizer],
+        outer_lr: float,
+        outer_momentum: float,
+        compression: str,
+    ) -> None:
+        super().__init__(parts, group, every=every, optimizers=optimizers)
+        self.compression = compression
+        self.outer_params = [_local(p).detach().clone() for _, p in self.params]
+        self.outer = torch.optim.SGD(
+            self.outer_params, lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0
+        )
+        if outer_momentum > 0:  # zeros: the same first step as none, and a checkpoint key
+            for g in self.outer_params:
+                self.outer.state[g]["momentum_buffer"] = torch.zeros_like(g)
+
+    @torch.no_grad()
+    def agree(self) -> None:
+        locals_ = [_local(p) for _, p in self.params]
+        delta = torch.cat(
+            [(g - p.float()).flatten() for g, p in zip(self.outer_params, locals_, strict=True)]
+        )
+        delta = self._mean(delta)
+        offset = 0
+        for g in self.outer_params:
+            g.grad = delta[offset : offset + g.numel()].view_as(g).clone()
+            offset += g.numel()
+        self.outer.step()
+        self.outer.zero_grad(set_to_none=True)
+        for g, p in zip(self.outer_params, locals_, strict=True):
+            p.copy_(g)
+        if self.buffers:  # running statistics: averaged, as in local SGD
+            flat = torch.cat([_local(b).flatten().float() for _, b in self.buffers])
+            dist.all_reduce(flat, group=self.group)
+            self.traffic.all_reduce(flat.numel() * 4, self.ranks)
+            _unflatten(flat.div_(self.ranks), [_local(b) for _, b in self.buffers])
+
+    def _mean(self, delta: torch.Tensor) -> torch.Tensor:
+        """The ranks' mean change, sent as `compression` says."""
+        if self.compression == "int8":
+            total, _ = Int8(self)(delta, self.group, self.ranks)  # type: ignore[arg-type]
+        elif self.compression in HALF:
+            low = delta.to(HALF[self.compression])
+            dist.all_reduce(low, group=self.group)
+            self.traffic.all_reduce(low.numel() * low.element_size(), self.ranks)
+            total = low.float()
+        else:
+            dist.all_reduce(delta, group=self.group)
+            self.traffic.all_reduce(delta.numel() * 4, self.ranks)
+            total = delta
+        return total.div_(self.ranks)
+
+    def consensus(self, model_state: dict[str, Any]) -> dict[str, Any]:
+        agreed = {n: g.clone() for (n, _), g in zip(self.params, self.outer_params, strict=True)}
+        return _replaced(model_state, agreed)
+
+    def state_dict(self, rank: int) -> dict[str, Any]:
+        state = super().state_dict(rank)
+        shared: dict[str, Any] = {}
+        for (name, _), g in zip(self.params, self.outer_params, strict=True):
+            shared[f"outer.{name}"] = g
+            buffer = self.outer.state.get(g, {}).get("momentum_buffer")
+            if buffer is not None:
+                shared[f"momentum.{name}"] = buffer
+        state["shared"] = shared
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any], rank: int) -> None:
+        super().load_state_dict(state, rank)
+        shared = state.get("shared", {})
+        for (name, _), g in zip(self.params, self.outer_params, strict=True):
+            if f"outer.{name}" in shared:
+                g.copy_(shared[f"outer.{name}"])
+            if f"momentum.{name}" in shared:
+                self.outer.state[g]["momentum_buffer"] = shared[f"momentum.{name}"].clone()
+
+
+def _replaced(model_state: dict[str, Any], values: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The state with the entries it has replaced by `values` (local tensors, put back into
+    the same sharding as the entry they replace)."""
+    out = dict(model_state)
+    for name, value in values.items():
+        old = model_state.get(name)
+        if isinstance(old, DTensor):
+            out[name] = DTensor.from_local(
+                value,
+                old.device_mesh,
+                old.placements,
+                run_check=False,
+                shape=old.shape,
+                stride=old.stride(),
+            )
+        elif old is not None:
+            out[name] = value
+    return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def _unflatten(flat: torch.Tensor, into: list[torch.Tensor]) -> None:
+    offset = 0
+    for t in into:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()

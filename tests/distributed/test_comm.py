@@ -1,0 +1,174 @@
+"""Communication modes (comm/) are correct by equivalence, on real 2-rank gloo process groups:
+
+- an uncompressed hierarchical reduction is DDP (fp32 summation order aside);
+- local SGD with H = 1 is DDP for a linear optimizer (SGD with momentum, no clipping: averaging
+  parameters after identical linear steps is stepping on averaged gradients);
+- DiLoCo with outer lr 1 and momentum 0 is local SGD (the outer step lands on the average);
+- PowerSGD at full rank reproduces the uncompressed mean gradient;
+- bf16 sends half DDP's bytes and PowerSGD its factors' (r·(n + m) per matrix);
+- a rank SIGKILLed mid-run restarts from its checkpoint and ends bitwise equal to the run that
+  never stopped, in every mode (compression residuals, PowerSGD's Q, each rank's own parameters
+  and optimizer state under local SGD and DiLoCo, DiLoCo's outer state are all checkpointed).
+
+Tolerances: as tests/distributed/test_ddp.py (losses 1e-5 relative, parameters 1e-5 absolute);
+DiLoCo against local SGD adds one rounding per synchronisation (g − (g − mean) for mean).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardwise
+from helpers import digits_job, load_params, losses, run_distributed
+from shardwise.comm.powersgd import factor_bytes
+
+pytestmark = pytest.mark.slow
+RTOL, ATOL = 1e-5, 1e-5
+SGD = {"optimizer": "sgd", "momentum": 0.9, "grad_clip": 0.0, "lr": 0.3}
+
+
+def train(run_dir: Path, *, parallel=None, train=None, **sections) -> tuple[dict, dict]:
+    job = digits_job(run_dir, parallel=parallel or {}, train=train or {}, **sections)
+    summary = shardwise.train(job, nproc=2)
+    assert summary is not None and summary.checkpoint is not None
+    return losses(run_dir), load_params(summary.checkpoint)
+
+
+def assert_same(got: tuple[dict, dict], want: tuple[dict, dict], atol: float = ATOL) -> None:
+    (got_losses, got_params), (want_losses, want_params) = got, want
+    assert sorted(got_losses) == sorted(want_losses)
+    assert got_losses == pytest.approx(want_losses, rel=RTOL)
+    assert got_params.keys() == want_params.keys()
+    for name in want_params:
+        torch.testing.assert_close(got_params[name], want_params[name], rtol=RTOL, atol=atol)
+    assert want_losses[max(want_losses)] < want_losses[1] - 0.1  # training moved
+
+
+def comm_metrics(run_dir: Path) -> dict[str, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "comm/bytes_per_step" in r][-1]
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("ddp"))
+
+
+def test_an_uncompressed_hierarchical_reduction_is_ddp(tmp_path, ddp):
+    """On one node the hook reduces to the node's leader and broadcasts back: the same sum."""
+    assert_same(train(tmp_path, parallel={"hierarchical": True}), ddp)
+
+
+def test_local_sgd_every_step_is_ddp_for_a_linear_optimizer(tmp_path):
+    want = train(tmp_path / "ddp", train=SGD)
+    got = train(tmp_path / "local", train={**SGD, "sync": "local_sgd", "sync_every": 1})
+    assert_same(got, want)
+
+
+def test_diloco_with_outer_lr_1_and_no_momentum_is_local_sgd(tmp_path):
+    local = {"sync": "local_sgd", "sync_every": 4}
+    want = train(tmp_path / "local", train=local)
+    diloco = {"sync": "diloco", "sync_every": 4, "outer_lr": 1.0, "outer_momentum": 0.0}
+    assert_same(train(tmp_path / "diloco", train=diloco), want, atol=1e-6 * 10)
+
+
+def test_bf16_sends_half_of_ddps_bytes_and_powersgd_its_factors(tmp_path, ddp):
+    train(tmp_path / "bf16", parallel={"grad_compression": "bf16"})
+    full = comm_metrics(tmp_path / "bf16")
+    assert full["comm/compression_ratio"] == 2.0
+    powersgd = {"grad_compression": "powersgd", "powersgd_rank": 2, "powersgd_start_step": 0}
+    train(tmp_path / "powersgd", parallel=powersgd)
+    got = comm_metrics(tmp_path / "powersgd")
+    # the digits MLP (hidden 32): 64→32 and 32→10 matrices in factors, the biases as they are
+    model = shardwise.builders.build_model(digits_job(tmp_path))
+    payload = sum(
+        factor_bytes(p.shape, 2) or p.numel() * 4 for p in model.parameters() if p.requires_grad
+    )
+    assert got["comm/bytes_per_step"] == payload  # 2 ranks: an all-reduce sends 2·½ of it
+    assert got["comm/compression_ratio"] == pytest.approx(full["comm/bytes_per_step"] * 2 / payload)
+
+
+def _full_rank_powersgd() -> list[float]:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from shardwise.comm.hierarchical import topology
+    from shardwise.comm.powersgd import PowerSGDSync
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 8), torch.nn.Tanh(), torch.nn.Linear(8, 5))
+    reference = [p.detach().clone() for p in model.parameters()]
+    ddp = DistributedDataParallel(model)
+    sync = PowerSGDSync(
+        [ddp],
+        dist.group.WORLD,
+        topology(dist.group.WORLD, 0, False),
+        rank=64,
+        start_step=0,
+        error_feedback=True,
+        seed=0,
+        min_compression=0.0,
+    )
+    assert len(sync.qs) == 2  # both matrices compressed, at full rank
+    errors = []
+    for step in range(1, 4):
+        torch.manual_seed(100 * step + rank)
+        x, y = torch.randn(6, 12), torch.randn(6, 5)
+        # the uncompressed mean gradient, from a plain copy of the same parameters
+        plain = torch.nn.Sequential(torch.nn.Linear(12, 8), torch.nn.Tanh(), torch.nn.Linear(8, 5))
+        with torch.no_grad():
+            for p, q in zip(plain.parameters(), ddp.module.parameters(), strict=True):
+                p.copy_(q)
+        torch.nn.functional.mse_loss(plain(x), y).backward()
+        want = [p.grad.clone() for p in plain.parameters()]
+        for g in want:
+            dist.all_reduce(g)
+            g /= 2
+        with sync.micro_batch(ddp, last=True, step=step):
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+        errors.append(
+            max(
+                float((p.grad - w).abs().max()) for p, w in zip(ddp.parameters(), want, strict=True)
+            )
+        )
+        with torch.no_grad():
+            for p in ddp.parameters():
+                p -= 0.1 * p.grad
+                p.grad = None
+    assert reference  # (the model moved between steps, so Q's warm start was exercised)
+    return errors
+
+
+def test_powersgd_at_full_rank_reproduces_the_mean_gradient():
+    for errors in run_distributed(_full_rank_powersgd, 2):
+        assert max(errors) < 1e-5, errors
+
+
+MODES = {
+    "bf16": ({"grad_compression": "bf16"}, {}),
+    "int8": ({"grad_compression": "int8"}, {}),
+    "powersgd": ({"grad_compression": "powersgd", "powersgd_start_step": 2}, {}),
+    "hierarchical-fp16": ({"hierarchical": True, "grad_compression": "fp16"}, {}),
+    "local_sgd": ({}, {"sync": "local_sgd", "sync_every": 3}),
+    "diloco": ({}, {"sync": "diloco", "sync_every": 3, "outer_compression": "int8"}),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_killed_rank_resumes_bitwise_in_every_mode(tmp_path, monkeypatch, mode):
+    """Checkpoints every 4 steps; rank 1 is SIGKILLed in step 7 (mid-period for H = 3): the
+    restarted run resumes from step 4 and ends bit for bit where the uninterrupted one ends."""
+    parallel, train_section = MODES[mode]
+    sections = {"checkpoint": {"every_steps": 4, "keep_last": 3}, "fault": {"max_restarts": 1}}
+    want = train(tmp_path / "straight", parallel=parallel, train=train_section, **sections)
+    monkeypatch.setenv("SHARDWISE_FAULT", "kill:rank=1:step=7")
+    got = train(tmp_path / "killed", parallel=parallel, train=train_section, **sections)
+    assert got[0] == want[0]
+    for name, value in want[1].items():
+        assert torch.equal(got[1][name], value), name
+    assert comm_metrics(tmp_path / "killed")["comm/compression_ratio"] > 1.5
