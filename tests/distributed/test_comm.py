@@ -171,4 +171,6 @@ def test_a_killed_rank_resumes_bitwise_in_every_mode(tmp_path, monkeypatch, mode
     assert got[0] == want[0]
     for name, value in want[1].items():
         assert torch.equal(got[1][name], value), name
-    assert comm_metrics(tmp_path / "killed")["comm/compression_ratio"] > 1.5
+    ratio = comm_metrics(tmp_path / "killed")["comm/compression_ratio"]
+    # on one node the hierarchical reduction has no inter-node step to compress
+    assert ratio == 1.0 if mode.startswith("hierarchical") else ratio > 1.5

@@ -32,7 +32,7 @@ HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 class Codec:
     """What one sum over a group sends; fp32 as it is."""
 
-    def __init__(self, sync: CompressedSync) -> None:
+    def __init__(self, sync: Sync) -> None:
         self.traffic = sync.traffic
 
     def __call__(
@@ -44,7 +44,7 @@ class Codec:
 
 
 class Half(Codec):
-    def __init__(self, sync: CompressedSync, dtype: torch.dtype) -> None:
+    def __init__(self, sync: Sync, dtype: torch.dtype) -> None:
         super().__init__(sync)
         self.dtype = dtype
 
@@ -59,37 +59,71 @@ class Half(Codec):
 
 
 class Int8(Codec):
+    """Each tensor of the sum (`sizes`, in order) is split into one chunk per rank and every
+    chunk quantised with its own scale, so the result does not depend on which tensors share a
+    DDP bucket (DDP regroups them after a process's first step, and a resumed run must match)."""
+
+    def __init__(self, sync: Sync) -> None:
+        self.traffic = sync.traffic
+        self.sizes: list[int] = []
+
     def __call__(
         self, flat: torch.Tensor, group: dist.ProcessGroup, ranks: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        size = flat.numel()
-        chunk = math.ceil(size / ranks)
-        x = torch.nn.functional.pad(flat, (0, chunk * ranks - size)).view(ranks, chunk)
-        q, scale = quantize(x)
-        lost = x - q.float() * scale[:, None]
+        sizes = self.sizes or [flat.numel()]
+        widths = [math.ceil(size / ranks) for size in sizes]
+        pieces = torch.split(flat, sizes)
+        x = torch.cat(
+            [
+                torch.nn.functional.pad(piece, (0, w * ranks - piece.numel())).view(ranks, w)
+                for piece, w in zip(pieces, widths, strict=True)
+            ],
+            dim=1,
+        )  # row j: the j-th chunk of every tensor, which rank j sums
+        q, scale = quantize(x, widths)
+        lost = x - dequantize(q, scale, widths)
         mine_q, mine_scale = torch.empty_like(q), torch.empty_like(scale)
         dist.all_to_all_single(mine_q, q, group=group)
         dist.all_to_all_single(mine_scale, scale, group=group)
-        part = (mine_q.float() * mine_scale[:, None]).sum(0, keepdim=True)  # my chunk's sum
-        q2, scale2 = quantize(part)
-        # the sum's own rounding, fed back through this rank (which owns the chunk)
-        me = dist.get_rank(group)
-        lost[me] += (part - q2.float() * scale2[:, None])[0]
-        all_q = torch.empty(ranks, chunk, dtype=torch.int8, device=flat.device)
-        all_scale = torch.empty(ranks, dtype=scale.dtype, device=flat.device)
+        part = dequantize(mine_q, mine_scale, widths).sum(0, keepdim=True)  # my chunks' sums
+        q2, scale2 = quantize(part, widths)
+        # the sum's own rounding, fed back through this rank (which owns the chunks)
+        lost[dist.get_rank(group)] += (part - dequantize(q2, scale2, widths))[0]
+        all_q = torch.empty(ranks, q2.shape[1], dtype=torch.int8, device=flat.device)
+        all_scale = torch.empty(ranks, scale2.shape[1], dtype=scale.dtype, device=flat.device)
         dist.all_gather_into_tensor(all_q, q2, group=group)
         dist.all_gather_into_tensor(all_scale, scale2, group=group)
-        payload = chunk * ranks + ranks * 4  # int8 values and a scale per chunk
+        payload = q.numel() + scale.numel() * 4  # int8 values and a scale per chunk
         self.traffic.scatter_or_gather(payload, ranks)
         self.traffic.scatter_or_gather(payload, ranks)
-        total = (all_q.float() * all_scale[:, None]).flatten()[:size]
-        return total, lost.flatten()[:size]
+        total = dequantize(all_q, all_scale, widths)
+        return _unchunk(total, sizes, widths), _unchunk(lost, sizes, widths)
 
 
-def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row to int8 with one fp32 scale (its largest magnitude ↦ 127)."""
-    scale = x.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
-    return torch.round(x / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+def _unchunk(x: torch.Tensor, sizes: list[int], widths: list[int]) -> torch.Tensor:
+    """The inverse of Int8's layout: (ranks, Σ widths) back to the tensors, concatenated."""
+    return torch.cat(
+        [c.reshape(-1)[:size] for c, size in zip(torch.split(x, widths, dim=1), sizes, strict=True)]
+    )
+
+
+def quantize(x: torch.Tensor, widths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's segments of `widths` columns to int8, one fp32 scale per segment (its largest
+    magnitude ↦ 127)."""
+    segments = torch.split(x, widths, dim=1)
+    scale = torch.stack([s.abs().amax(dim=1) for s in segments], dim=1)
+    scale = scale.clamp(min=torch.finfo(torch.float32).tiny) / 127
+    q = torch.round(x / _spread(scale, widths)).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, widths: list[int]) -> torch.Tensor:
+    return q.float() * _spread(scale, widths)
+
+
+def _spread(scale: torch.Tensor, widths: list[int]) -> torch.Tensor:
+    counts = torch.tensor(widths, device=scale.device)
+    return torch.repeat_interleave(scale, counts, dim=1)
 
 
 class CompressedSync(Sync):
@@ -147,6 +181,8 @@ class CompressedSync(Sync):
         """The bucket's gradients averaged over the data-parallel ranks."""
         flat = bucket.buffer()
         params = bucket.parameters()
+        if isinstance(self.codec, Int8):
+            self.codec.sizes = [p.numel() for p in params]
         if self.error_feedback:
             flat.add_(torch.cat([self.residuals[self.names[p]].flatten() for p in params]))
         total, lost = self.topology.all_reduce(flat, self.codec, self.traffic)

@@ -96,12 +96,16 @@ class LocalSGD(Sync):
         return _replaced(model_state, dict(zip(names, copies, strict=True)))
 
     def state_dict(self, rank: int) -> dict[str, Any]:
-        mine: dict[str, Any] = {f"model.{n}": _local(t) for n, t in self.params + self.buffers}
+        """Copies, not the live tensors: a checkpoint is loaded into this state and the run's
+        model and optimizer are then set from the consensus before these are put back."""
+        mine: dict[str, Any] = {
+            f"model.{n}": _local(t).detach().clone() for n, t in self.params + self.buffers
+        }
         for i, optimizer in enumerate(self.optimizers):
             for index, values in optimizer.state_dict()["state"].items():
                 for key, value in values.items():
                     if isinstance(value, torch.Tensor):
-                        mine[f"optim{i}.{index}.{key}"] = value
+                        mine[f"optim{i}.{index}.{key}"] = value.detach().clone()
         return {f"rank{rank}": mine}
 
     @torch.no_grad()
@@ -167,7 +171,9 @@ class DiLoCo(LocalSGD):
     def _mean(self, delta: torch.Tensor) -> torch.Tensor:
         """The ranks' mean change, sent as `compression` says."""
         if self.compression == "int8":
-            total, _ = Int8(self)(delta, self.group, self.ranks)  # type: ignore[arg-type]
+            codec = Int8(self)
+            codec.sizes = [g.numel() for g in self.outer_params]
+            total, _ = codec(delta, self.group, self.ranks)
         elif self.compression in HALF:
             low = delta.to(HALF[self.compression])
             dist.all_reduce(low, group=self.group)
