@@ -223,13 +223,7 @@ def train(
     With `dry_run`, the workers build the layout on the meta device and rank 0 prints what each
     rank would hold; nothing is trained or written, and None is returned.
     """
-    if not isinstance(config, JobConfig):
-        config = load_config(config, overrides)
-    elif overrides:
-        raw = config.model_dump(mode="json")
-        for item in overrides:
-            apply_override(raw, item)
-        config = validate(raw)
+    config = _with_overrides(config, overrides)
     worker = detect()
     if worker is not None and nproc not in (None, worker.world_size):
         warnings.warn(
@@ -239,13 +233,7 @@ def train(
         )
     per_node = nproc or 1
     world_size = worker.world_size if worker else per_node * (nodes.count if nodes else 1)
-    derived = derive(config, world_size)
-    builders.check(config)
-    check_layout(config, derived)
-    if config.model.init_from:
-        with torch.device("meta"):
-            check_weights(config.model.init_from, builders.build_model(config))
-    pick_device(config.job.device, local_rank=0)
+    _check_job(config, world_size)
     if worker is not None:
         # Every rank runs this; the ranks decide where to start together, once joined.
         return run_worker(config.model_dump(mode="json"), resume, dry_run, decided=False)
@@ -274,6 +262,31 @@ def train(
             raise
         raise WorkerFailed(failure.rank, failure.exitcode, hang, traceback="") from None
     return summary
+
+
+def _with_overrides(
+    config: JobConfig | str | Path, overrides: list[str] | tuple[str, ...]
+) -> JobConfig:
+    """The job, from its file or object, with the `--set` overrides applied and validated."""
+    if not isinstance(config, JobConfig):
+        return load_config(config, overrides)
+    if not overrides:
+        return config
+    raw = config.model_dump(mode="json")
+    for item in overrides:
+        apply_override(raw, item)
+    return validate(raw)
+
+
+def _check_job(config: JobConfig, world_size: int) -> None:
+    """Everything that can be checked before a worker starts, in this process."""
+    derived = derive(config, world_size)
+    builders.check(config)
+    check_layout(config, derived)
+    if config.model.init_from:
+        with torch.device("meta"):
+            check_weights(config.model.init_from, builders.build_model(config))
+    pick_device(config.job.device, local_rank=0)
 
 
 def _preempted_summary(config: JobConfig, *, since: float) -> TrainSummary | None:

@@ -90,19 +90,25 @@ def materialize(
         if not any(targets.get(name) for name, _ in own):
             continue  # another pipeline stage owns it, or it is a tied parameter's second name
         scratch.attach(module)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(module_seed(seed, prefix))
-            reset = getattr(module, "reset_parameters", None)
-            if callable(reset):
-                reset()
-            if init_module is not None:
-                init_module(prefix, module)
-        with torch.no_grad():
+        _initialise(module, prefix, seed, init_module)
+        with torch.no_grad():  # the module's tensors now (attach gave it storage)
             for name, full in _own_tensors(module, prefix):
-                if tied.get(name, (name,))[0] == name:
-                    for target in targets.get(name, []):
-                        copy_slice(full, target)
+                for target in targets.get(name, []) if tied.get(name, (name,))[0] == name else []:
+                    copy_slice(full, target)
         module.to_empty(device="meta", recurse=False)
+
+
+def _initialise(
+    module: nn.Module, prefix: str, seed: int, init_module: Callable[..., Any] | None
+) -> None:
+    """The module's own initial values, from its own seed (the same whatever the layout)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(module_seed(seed, prefix))
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            reset()
+        if init_module is not None:
+            init_module(prefix, module)
 
 
 class _Scratch:

@@ -3,6 +3,7 @@ by step time, and explain the winner."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from shardwise.plan.hardware import Hardware
@@ -115,6 +116,36 @@ def layouts(
     two stages per rank where the layers allow. The search chooses micro-batches up to 64; a
     fixed one may be larger. NoLayout once there are more than MAX_LAYOUTS."""
     found: list[Layout] = []
+    for tp, pp, dp, micro in _shapes(model, devices, global_batch, gpus_per_node, fixed):
+        for zero in range(4) if dp > 1 else (0,):
+            if fixed.zero is not None and zero != fixed.zero:
+                continue
+            for recompute in RECOMPUTE:
+                if fixed.recompute and recompute != fixed.recompute:
+                    continue
+                base = Layout(
+                    dp=dp,
+                    tp=tp,
+                    pp=pp,
+                    zero=zero,
+                    micro_batch=micro,
+                    microbatches=global_batch // dp // micro,
+                    recompute=recompute,
+                    sequence_parallel=tp > 1,
+                    offload_optimizer=fixed.offload and zero >= 1,
+                )
+                found.append(base)
+                if pp > 1 and model.layers % (2 * pp) == 0:
+                    found.append(replace(base, schedule="Interleaved1F1B", stages_per_rank=2))
+                if len(found) > MAX_LAYOUTS:
+                    raise NoLayout(_too_many(devices, global_batch))
+    return found
+
+
+def _shapes(
+    model: Transformer, devices: int, global_batch: int, gpus_per_node: int, fixed: Constraints
+) -> Iterator[tuple[int, int, int, int]]:
+    """(tp, pp, dp, micro-batch) of every layout that can exist."""
     for tp in divisors(devices):
         if tp > gpus_per_node or model.heads % tp or (fixed.tp and tp != fixed.tp):
             continue
@@ -130,34 +161,9 @@ def layouts(
                     fixed.micro_batch and micro != fixed.micro_batch
                 ):
                     continue
-                microbatches = per_rank // micro
-                if pp > 1 and microbatches < pp:
+                if pp > 1 and per_rank // micro < pp:
                     continue  # the pipeline would never fill
-                for zero in range(4) if dp > 1 else (0,):
-                    if fixed.zero is not None and zero != fixed.zero:
-                        continue
-                    for recompute in RECOMPUTE:
-                        if fixed.recompute and recompute != fixed.recompute:
-                            continue
-                        base = Layout(
-                            dp=dp,
-                            tp=tp,
-                            pp=pp,
-                            zero=zero,
-                            micro_batch=micro,
-                            microbatches=microbatches,
-                            recompute=recompute,
-                            sequence_parallel=tp > 1,
-                            offload_optimizer=fixed.offload and zero >= 1,
-                        )
-                        found.append(base)
-                        if pp > 1 and model.layers % (2 * pp) == 0:
-                            found.append(
-                                replace(base, schedule="Interleaved1F1B", stages_per_rank=2)
-                            )
-                        if len(found) > MAX_LAYOUTS:
-                            raise NoLayout(_too_many(devices, global_batch))
-    return found
+                yield tp, pp, dp, micro
 
 
 def _too_many(devices: int, global_batch: int) -> str:
