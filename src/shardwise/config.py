@@ -167,10 +167,11 @@ class TrainSection(Section):
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     loss: str = "cross_entropy"
     """A built-in loss (`cross_entropy`, `mse`) or `package.module:function`."""
-    sync: Literal["every_step", "local_sgd", "diloco"] = "every_step"
+    sync: Literal["every_step", "local_sgd", "diloco", "async"] = "every_step"
     """How data-parallel ranks agree: average gradients every step (`every_step`), train alone
     and average parameters every `sync_every` steps (`local_sgd`), the same with an outer
-    Nesterov optimizer over the averaged change (`diloco`)."""
+    Nesterov optimizer over the averaged change (`diloco`), or push gradients to a parameter
+    server on rank 0 without waiting for each other (`async`)."""
     sync_every: int = Field(16, gt=0)
     """local_sgd, diloco: the steps each rank takes alone between synchronisations (H)."""
     outer_lr: float = Field(0.7, gt=0)
@@ -179,6 +180,12 @@ class TrainSection(Section):
     """diloco: the outer optimizer's Nesterov momentum (the paper's 0.9)."""
     outer_compression: Literal["none", "bf16", "int8"] = "none"
     """diloco: the precision the outer all-reduce sends the parameter change in."""
+    max_staleness: int = Field(4, ge=0)
+    """async: how many updates older than the one it is applied to a gradient may be computed
+    on; a worker further ahead waits (0 is synchronous training)."""
+    async_replay: str = ""
+    """async: a run's `async_order.jsonl` (which version each pull got): this run serves every
+    pull the same version and so repeats that run bit for bit."""
 
 
 class EvalSection(Section):
@@ -454,6 +461,12 @@ def _check_combinations(config: JobConfig, degrees: dict[str, int]) -> None:
             f"train.sync = '{train.sync}' keeps a whole replica on each data-parallel rank; "
             "set parallel.dp_shard = 1 (use dp_replicate for the ranks)"
         )
+    if train.sync == "async" and (degrees["pp"] > 1 or degrees["tp"] > 1):
+        raise ConfigError(
+            "train.sync = 'async' needs plain data parallelism (parallel.pp = 1, parallel.tp = 1)"
+        )
+    if train.sync == "async" and train.precision == "fp16":
+        raise ConfigError("train.sync = 'async' cannot use fp16's gradient scaler; use 'bf16'")
 
 
 def _stages_per_rank(par: ParallelSection, pp: int) -> int:

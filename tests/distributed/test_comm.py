@@ -5,6 +5,8 @@
   parameters after identical linear steps is stepping on averaged gradients);
 - DiLoCo with outer lr 1 and momentum 0 is local SGD (the outer step lands on the average);
 - PowerSGD at full rank reproduces the uncompressed mean gradient;
+- asynchronous updates with max_staleness = 0 are synchronous training (DDP), and a run with
+  staleness replays bit for bit from its record of which version each pull got;
 - bf16 sends half DDP's bytes and PowerSGD its factors' (r·(n + m) per matrix);
 - a rank SIGKILLed mid-run restarts from its checkpoint and ends bitwise equal to the run that
   never stopped, in every mode (compression residuals, PowerSGD's Q, each rank's own parameters
@@ -149,6 +151,36 @@ def test_powersgd_at_full_rank_reproduces_the_mean_gradient():
         assert max(errors) < 1e-5, errors
 
 
+NO_CLIP = {"grad_clip": 0.0}  # a worker clips its own gradient, DDP the mean: only equal unclipped
+
+
+def test_async_with_no_staleness_is_ddp(tmp_path):
+    want = train(tmp_path / "ddp", train=NO_CLIP)
+    got = train(tmp_path / "async", train={**NO_CLIP, "sync": "async", "max_staleness": 0})
+    assert_same(got, want)
+    metrics = comm_metrics(tmp_path / "async")
+    assert metrics["async/staleness_max"] == 0.0
+    assert metrics["async/staleness_0"] == 20 * 2  # every worker's every gradient, fresh
+
+
+def test_an_async_run_replays_bit_for_bit_from_its_record(tmp_path):
+    """With staleness 3 which version each pull gets depends on timing; the replay serves the
+    recorded ones and ends where the recorded run ended, bit for bit."""
+    stale = {"sync": "async", "max_staleness": 3}
+    first = train(tmp_path / "first", train=stale)
+    record = tmp_path / "first" / "async_order.jsonl"
+    assert len(record.read_text().splitlines()) == 20 * 2
+    again = train(tmp_path / "again", train={**stale, "async_replay": str(record)})
+    assert again[0] == first[0]
+    for name, value in first[1].items():
+        assert torch.equal(again[1][name], value), name
+    replayed = (tmp_path / "again" / "async_order.jsonl").read_text()
+    assert sorted(replayed.splitlines()) == sorted(record.read_text().splitlines())  # (interleaved)
+    versions = [json.loads(line)["version"] for line in record.read_text().splitlines()]
+    clocks = [json.loads(line)["clock"] for line in record.read_text().splitlines()]
+    assert all(c + 1 - 3 <= v <= c + 1 for c, v in zip(clocks, versions, strict=True))
+
+
 MODES = {
     "bf16": ({"grad_compression": "bf16"}, {}),
     "int8": ({"grad_compression": "int8"}, {}),
@@ -156,6 +188,7 @@ MODES = {
     "hierarchical-fp16": ({"hierarchical": True, "grad_compression": "fp16"}, {}),
     "local_sgd": ({}, {"sync": "local_sgd", "sync_every": 3}),
     "diloco": ({}, {"sync": "diloco", "sync_every": 3, "outer_compression": "int8"}),
+    "async": ({}, {"sync": "async", "max_staleness": 0}),
 }
 
 
@@ -172,5 +205,11 @@ def test_a_killed_rank_resumes_bitwise_in_every_mode(tmp_path, monkeypatch, mode
     for name, value in want[1].items():
         assert torch.equal(got[1][name], value), name
     ratio = comm_metrics(tmp_path / "killed")["comm/compression_ratio"]
-    # on one node the hierarchical reduction has no inter-node step to compress
-    assert ratio == 1.0 if mode.startswith("hierarchical") else ratio > 1.5
+    # on one node the hierarchical reduction has no inter-node step to compress; a parameter
+    # server sends more than a ring all-reduce (every worker's parameters, from rank 0)
+    if mode.startswith("hierarchical"):
+        assert ratio == 1.0
+    elif mode == "async":
+        assert ratio == pytest.approx(1.0)  # (n − 1)·P against 2(n − 1)/n·P: 2/n
+    else:
+        assert ratio > 1.5

@@ -92,11 +92,16 @@ class Sync:
         after the last micro-batch of the step."""
         return gradient_sync(part, enabled=last)
 
-    def apply(self, optimizers: list[torch.optim.Optimizer], scaler: Any, step: int) -> None:
-        """The step's update, once its gradients are final (reduced, clipped, checked)."""
-        for optimizer in optimizers:
-            scaler.step(optimizer)
-        scaler.update()
+    def apply(
+        self, optimizers: list[torch.optim.Optimizer], scaler: Any, step: int, *, finite: bool
+    ) -> None:
+        """The step's update, once its gradients are final (reduced, clipped, checked). Called
+        every step: with `finite` false (a NaN or infinite gradient norm) the optimizer does not
+        step, but a mode that synchronises on a schedule keeps it."""
+        if finite:
+            for optimizer in optimizers:
+                scaler.step(optimizer)
+            scaler.update()
         self.count(step)
 
     def count(self, step: int) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -10,14 +13,16 @@ from shardwise.comm.base import Sync
 from shardwise.comm.compression import CompressedSync, fsdp_reduce_bytes
 from shardwise.comm.hierarchical import topology
 from shardwise.comm.local_sgd import DiLoCo, LocalSGD
+from shardwise.comm.param_server import AsyncSync
 from shardwise.comm.powersgd import PowerSGDSync
-from shardwise.config import JobConfig
+from shardwise.config import ConfigError, JobConfig
 
 
 def build(
     config: JobConfig,
     parts: list[nn.Module],
     optimizers: list[torch.optim.Optimizer],
+    schedulers: list[Any],
     group: dist.ProcessGroup,
     *,
     wrapper: str,
@@ -26,6 +31,23 @@ def build(
     """`wrapper` is the layout's data-parallel wrapper (`ddp`, `fsdp`, `replicate`, `none`);
     `node` the index of the machine this rank runs on (for hierarchical reduction)."""
     train, par = config.train, config.parallel
+    if train.sync == "async":
+        replay = Path(train.async_replay) if train.async_replay else None
+        if replay is not None and not replay.is_file():
+            raise ConfigError(
+                f"train.async_replay = {train.async_replay!r}: no such file (it is a run's "
+                "async_order.jsonl)"
+            )
+        return AsyncSync(
+            parts,
+            group,
+            optimizers=optimizers,
+            scheduler=schedulers[0],
+            staleness=train.max_staleness,
+            steps=train.steps,
+            record=config.run_dir / "async_order.jsonl",
+            replay=replay,
+        )
     if train.sync == "local_sgd":
         return LocalSGD(parts, group, every=train.sync_every, optimizers=optimizers)
     if train.sync == "diloco":

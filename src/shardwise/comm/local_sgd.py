@@ -67,10 +67,15 @@ class LocalSGD(Sync):
     ) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()  # nothing to reduce: there is no wrapper
 
-    def apply(self, optimizers: list[torch.optim.Optimizer], scaler: Any, step: int) -> None:
-        for optimizer in optimizers:
-            scaler.step(optimizer)
-        scaler.update()
+    def apply(
+        self, optimizers: list[torch.optim.Optimizer], scaler: Any, step: int, *, finite: bool
+    ) -> None:
+        """A rank's own verdict on its gradient (nobody else sees it): a rank whose gradient is
+        not finite skips its update, and every rank still meets at the agreement."""
+        if finite:
+            for optimizer in optimizers:
+                scaler.step(optimizer)
+            scaler.update()
         self.traffic.steps += 1
         self.traffic.uncompressed += 2 * (self.ranks - 1) / self.ranks * gradient_bytes(self.parts)
         if step % self.every == 0:

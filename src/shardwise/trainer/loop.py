@@ -121,8 +121,16 @@ def build_run(config: JobConfig, device: torch.device, *, node: int = 0) -> Run:
         seed=config.job.seed,
     )
     optimizers = [build_optimizer(part, config.train, lr=derived.lr) for part in layout.parts]
+    schedulers = [build_scheduler(o, config.train) for o in optimizers]
+    config.run_dir.mkdir(parents=True, exist_ok=True)
     sync = comm.build(
-        config, layout.parts, optimizers, dp_group(mesh), wrapper=layout.wrapper, node=node
+        config,
+        layout.parts,
+        optimizers,
+        schedulers,
+        dp_group(mesh),
+        wrapper=layout.wrapper,
+        node=node,
     )
     return Run(
         config=config,
@@ -131,7 +139,7 @@ def build_run(config: JobConfig, device: torch.device, *, node: int = 0) -> Run:
         layout=layout,
         loss_fn=loss_fn,
         optimizers=optimizers,
-        schedulers=[build_scheduler(o, config.train) for o in optimizers],
+        schedulers=schedulers,
         scaler=grad_scaler(config.train.precision, device),
         loader=StepLoader(
             train_set, sampler, micro_batch=derived.micro_batch, num_workers=config.data.num_workers

@@ -96,8 +96,7 @@ def train_step(
         copies = pipe.ties.not_in_norm() if pipe is not None else set()
         grad_norm = clip_grad_norm(run.parameters(), limit, run.pp_group, copies=copies)
     applied = not check or grad_norm is None or bool(torch.isfinite(grad_norm))
-    if applied:
-        run.sync.apply(run.optimizers, run.scaler, step)
+    run.sync.apply(run.optimizers, run.scaler, step, finite=applied)
     for optimizer in run.optimizers:
         optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm, applied
