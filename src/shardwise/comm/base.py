@@ -34,16 +34,25 @@ class Traffic:
 
     sent: float = 0.0
     inter_node: float = 0.0
-    """The part of `sent` that crossed between nodes (hierarchical reduction only)."""
+    """What crossed from this rank's node to another: in a ring over ranks placed node by node
+    one hop leaves each node and carries what every rank sends; in a hierarchical reduction
+    the leaders' all-reduce."""
     uncompressed: float = 0.0
     steps: int = 0
+    spans_nodes: bool = False
+    """The collectives counted run over ranks on more than one node."""
 
     def all_reduce(self, nbytes: float, ranks: int) -> None:
-        self.sent += 2 * (ranks - 1) / ranks * nbytes if ranks > 1 else 0.0
+        self._add(2 * (ranks - 1) / ranks * nbytes if ranks > 1 else 0.0)
 
     def scatter_or_gather(self, nbytes: float, ranks: int) -> None:
         """A reduce-scatter, all-gather or all-to-all of `nbytes` in all."""
-        self.sent += (ranks - 1) / ranks * nbytes if ranks > 1 else 0.0
+        self._add((ranks - 1) / ranks * nbytes if ranks > 1 else 0.0)
+
+    def _add(self, sent: float) -> None:
+        self.sent += sent
+        if self.spans_nodes:
+            self.inter_node += sent
 
     def metrics(self) -> dict[str, float]:
         """The mean per step since this process started training (a mode that synchronises

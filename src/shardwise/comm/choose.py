@@ -11,7 +11,7 @@ from torch import nn
 
 from shardwise.comm.base import Sync
 from shardwise.comm.compression import CompressedSync, fsdp_reduce_bytes
-from shardwise.comm.hierarchical import topology
+from shardwise.comm.hierarchical import Topology, topology
 from shardwise.comm.local_sgd import DiLoCo, LocalSGD
 from shardwise.comm.param_server import AsyncSync
 from shardwise.comm.powersgd import PowerSGDSync
@@ -29,25 +29,29 @@ def build(
     node: int,
 ) -> Sync:
     """`wrapper` is the layout's data-parallel wrapper (`ddp`, `fsdp`, `replicate`, `none`);
-    `node` the index of the machine this rank runs on (for hierarchical reduction)."""
+    `node` the index of the machine this rank runs on (for hierarchical reduction, and to count
+    what crosses between machines)."""
+    par = config.parallel
+    ddp = wrapper == "ddp" and config.train.sync == "every_step"
+    route = topology(group, node, par.hierarchical if ddp else False)
+    sync = _chosen(config, parts, optimizers, schedulers, group, route=route, wrapper=wrapper)
+    sync.traffic.spans_nodes = route.nodes > 1
+    return sync
+
+
+def _chosen(
+    config: JobConfig,
+    parts: list[nn.Module],
+    optimizers: list[torch.optim.Optimizer],
+    schedulers: list[Any],
+    group: dist.ProcessGroup,
+    *,
+    route: Topology,
+    wrapper: str,
+) -> Sync:
     train, par = config.train, config.parallel
     if train.sync == "async":
-        replay = Path(train.async_replay) if train.async_replay else None
-        if replay is not None and not replay.is_file():
-            raise ConfigError(
-                f"train.async_replay = {train.async_replay!r}: no such file (it is a run's "
-                "async_order.jsonl)"
-            )
-        return AsyncSync(
-            parts,
-            group,
-            optimizers=optimizers,
-            scheduler=schedulers[0],
-            staleness=train.max_staleness,
-            steps=train.steps,
-            record=config.run_dir / "async_order.jsonl",
-            replay=replay,
-        )
+        return _asynchronous(config, parts, optimizers, schedulers, group)
     if train.sync == "local_sgd":
         return LocalSGD(parts, group, every=train.sync_every, optimizers=optimizers)
     if train.sync == "diloco":
@@ -62,7 +66,6 @@ def build(
         )
     if wrapper != "ddp":
         return Sync(parts, group, reduce_bytes=fsdp_reduce_bytes(par.grad_compression))
-    route = topology(group, node, par.hierarchical)
     if par.grad_compression == "powersgd":
         return PowerSGDSync(
             parts,
@@ -82,3 +85,29 @@ def build(
             error_feedback=par.error_feedback,
         )
     return Sync(parts, group)
+
+
+def _asynchronous(
+    config: JobConfig,
+    parts: list[nn.Module],
+    optimizers: list[torch.optim.Optimizer],
+    schedulers: list[Any],
+    group: dist.ProcessGroup,
+) -> AsyncSync:
+    train = config.train
+    replay = Path(train.async_replay) if train.async_replay else None
+    if replay is not None and not replay.is_file():
+        raise ConfigError(
+            f"train.async_replay = {train.async_replay!r}: no such file (it is a run's "
+            "async_order.jsonl)"
+        )
+    return AsyncSync(
+        parts,
+        group,
+        optimizers=optimizers,
+        scheduler=schedulers[0],
+        staleness=train.max_staleness,
+        steps=train.steps,
+        record=config.run_dir / "async_order.jsonl",
+        replay=replay,
+    )

