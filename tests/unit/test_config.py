@@ -188,3 +188,37 @@ def test_checkpoint_async_key_round_trips(tmp_path):
 def test_a_job_name_cannot_point_outside_the_runs_directory(job_file, name):
     with pytest.raises(ConfigError, match=r"job\.name"):
         load_config(job_file, [f"job.name='{name}'"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["parallel.grad_compression=int8", "parallel.dp_shard=2", "parallel.dp_replicate=1"],
+            r"compresses DDP's all-reduce; FSDP2 .* use 'bf16' or 'fp16'",
+        ),
+        (
+            ["parallel.grad_compression=powersgd", "parallel.tp=2", "parallel.dp_replicate=1"],
+            r"compresses DDP's all-reduce",
+        ),
+        (
+            ["train.sync=local_sgd", "parallel.dp_shard=2", "parallel.dp_replicate=1"],
+            r"keeps a whole replica on each data-parallel rank; set parallel.dp_shard = 1",
+        ),
+        (
+            ["train.sync=diloco", "parallel.grad_compression=bf16"],
+            r"not to train.sync = 'diloco' \(diloco: set train.outer_compression\)",
+        ),
+        (
+            ["train.sync=async", "parallel.pp=2", "parallel.dp_replicate=1"],
+            r"'async' needs plain data parallelism",
+        ),
+        (
+            ["parallel.hierarchical=true", "parallel.dp_shard=2", "parallel.dp_replicate=1"],
+            r"use HSDP instead",
+        ),
+    ],
+)
+def test_communication_options_that_do_not_fit_the_layout(job_file, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        derive(load_config(job_file, overrides), world_size=2)
