@@ -31,10 +31,15 @@ Method (../shared/DESIGN.md, "Performance method"):
   node-aware reduction for a two-node job), so `hierarchical` is compared with the flat one; the
   other modes keep the default, as a user who sets only their keys gets.
 - A mode that fails or overruns `--run-timeout` is reported with its error and the rest go on.
-- `--predict`: where `shardwise plan --help` lists a `--link` option, each mode's job is planned
-  on this link (`--link MBIT,DELAY_MS`, 4 ranks, 2 per node, `--hardware this-machine`, which
-  `shardwise plan --calibrate` measures) and its predicted step time printed next to the measured
-  one; otherwise the script says the planner has no --link yet.
+- `--predict`: each mode's job is planned for the same run (`shardwise plan JOB --nproc 4 --link
+  GBPS,DELAY_MS --json`: 2 nodes × 2 ranks, the link's measured TCP rate in Gbit/s, the shaped
+  one-way delay) on this machine's calibrated profile (`shardwise plan --calibrate` first), whose
+  per-core compute and memory rates are scaled by cores / ranks since the 4 ranks share the
+  cores. The planner's row for the job's own mode (`job_mode`: e.g. `hierarchical + bf16`, as
+  `parallel.hierarchical = "auto"` makes it on two nodes) gives the predicted step time and bytes,
+  printed against the measured ones with their ratio (target: step time within ±25%). Predicted
+  bytes are the steady state; the measured are averaged since the start (PowerSGD's first
+  `powersgd_start_step` steps are uncompressed).
 
 Writes to --out (default bench/out/comm_strategies/): results.json (every run's numbers, the link
 measurements, the job), loss_vs_time.png (training and held-out loss against wall time, every
@@ -116,13 +121,15 @@ def main() -> None:
     try:
         with two_nodes(mbit=args.mbit or None, delay_ms=args.delay_ms) as nodes:
             link = measure_link(nodes, args.mbit, args.delay_ms)
-            predicted = predict(job, modes, args.mbit, args.delay_ms) if args.predict else {}
+            predicted = predict(job, modes, link) if args.predict else {}
             runs = run_all(nodes, job, modes, args, out / "runs")
             link["queues"] = queue_counters(nodes)
     except pytest.skip.Exception as e:  # what two_nodes raises where it cannot build the nodes
         raise SystemExit(f"comm_strategies: cannot simulate two nodes here: {e}") from None
     summary = summarize(runs, modes)
-    print_table(summary, predicted)
+    print_table(summary)
+    if predicted:
+        print_predictions(summary, predicted)
     dropped = sum(q["drops"] for q in link["queues"].values())
     sent = sum(q["packets"] for q in link["queues"].values())
     print(f"\nthe link's queues dropped {dropped} of {sent} packets in all")
@@ -217,23 +224,29 @@ def queue_counters(nodes: tuple[Any, Any]) -> dict[str, dict[str, int]]:
     return {node.namespace: queue_stats(node) for node in nodes}
 
 
-def predict(job: Path, modes: dict[str, list[str]], mbit: float, delay_ms: float) -> dict[str, Any]:
-    """The planner's step time for each mode's job on this link, where `shardwise plan` has a
-    `--link` option (given as MBIT,DELAY_MS); otherwise nothing, said once."""
-    shardwise = str(BIN / "shardwise")
-    helped = subprocess.run([shardwise, "plan", "--help"], capture_output=True, text=True)
-    if "--link" not in helped.stdout:
-        print("predicted: the planner has no --link yet (`shardwise plan --help`): no predictions")
-        return {}
-    if not mbit:
-        print("predicted: only for a link with a rate (--mbit > 0)")
-        return {}
+def predict(job: Path, modes: dict[str, list[str]], link: dict[str, Any]) -> dict[str, Any]:
+    """Per mode, the planner's step time and bytes for its job on this link: the row of
+    `shardwise plan --link --json` for the job's own mode; a line saying why where there is none
+    (no calibrated profile, a mode the planner does not model, a plan that failed)."""
+    from dataclasses import asdict
+
     import tomli_w
 
     from shardwise.config import ConfigError, load_config
 
+    try:
+        hardware = shared_profile()
+    except ConfigError as e:
+        print(f"predicted: none: {e}")
+        return {}
+    measured = link["measured_mbit"]
+    gbps = (min(measured) if measured else link["mbit"]) / 1e3
+    network = f"{gbps:.6g},{link['delay_ms']:g}"
+    print(f"predicted: shardwise plan --link {network} --hardware {hardware.name} (scaled)")
     predicted: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        profile = Path(tmp) / "hardware.json"
+        profile.write_text(json.dumps(asdict(hardware)))
         for name, overrides in modes.items():
             try:
                 config = load_config(job, overrides)
@@ -242,20 +255,55 @@ def predict(job: Path, modes: dict[str, list[str]], mbit: float, delay_ms: float
                 continue
             mode_job = Path(tmp) / f"{name}.toml"
             mode_job.write_text(tomli_w.dumps(config.model_dump(mode="json", exclude_none=True)))
-            command = [shardwise, "plan", str(mode_job), "--nproc", str(NPROC * NNODES)]
-            command += ["--gpus-per-node", str(NPROC), "--hardware", "this-machine"]
-            command += ["--link", f"{mbit:g},{delay_ms:g}", "--json"]
+            command = [str(BIN / "shardwise"), "plan", str(mode_job), "--json", "--top", "1"]
+            command += ["--nproc", str(NPROC * NNODES), "--hardware", str(profile)]
+            command += ["--link", network]
             done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
-            try:
-                predicted[name] = float(json.loads(done.stdout)["job_layout"]["step_seconds"])
-            except (ValueError, KeyError, TypeError):
-                lines = (done.stderr or done.stdout).strip().splitlines()
-                predicted[name] = f"plan failed: {lines[-1] if lines else done.returncode}"
-    shown = [
-        f"{k} {v if isinstance(v, str) else f'{v * 1e3:.0f} ms'}" for k, v in predicted.items()
-    ]
-    print("predicted by shardwise plan --link:", "; ".join(shown))
+            predicted[name] = planned_mode(done)
     return predicted
+
+
+def shared_profile() -> Any:
+    """This machine's calibrated profile with each rank's share of the cores: its per-core
+    rates (matrix multiplies, memory, the codecs) times cores / ranks, since the two nodes'
+    ranks share this machine's cores."""
+    from dataclasses import replace
+
+    from shardwise.plan.hardware import THIS_MACHINE, lookup
+
+    profile = lookup(THIS_MACHINE)
+    share = min(1.0, len(os.sched_getaffinity(0)) / (NPROC * NNODES))
+    half, int8 = profile.half_codec_rate, profile.int8_codec_rate
+    return replace(
+        profile,
+        name=f"{THIS_MACHINE}-shared",
+        peak_flops=profile.peak_flops * share,
+        memory_bandwidth=profile.memory_bandwidth * share,
+        half_codec_rate=half and half * share,
+        int8_codec_rate=int8 and int8 * share,
+        gpus_per_node=NPROC,
+    )
+
+
+def planned_mode(done: subprocess.CompletedProcess[str]) -> dict[str, Any] | str:
+    """The planner's row for the job's own mode, from `shardwise plan … --json`."""
+    try:
+        plan = json.loads(done.stdout)
+        rows = plan["job_layout"]["comm_modes"]["modes"]
+    except (ValueError, KeyError, TypeError):
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        return f"plan failed: {lines[-1] if lines else done.returncode}"
+    if plan["job_mode"] is None:
+        return "a mode the planner does not model"
+    row = next(r for r in rows if r["mode"] == plan["job_mode"])
+    if row["why_not"]:
+        return f"{plan['job_mode']}: {row['why_not']}"
+    return {
+        "planner_mode": plan["job_mode"],
+        "step_s": row["step_seconds"],
+        "bytes_per_step": row["bytes_per_step"],
+        "inter_node_bytes_per_step": row["inter_node_bytes_per_step"],
+    }
 
 
 def run_all(
@@ -430,7 +478,7 @@ def median_of(values: list[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
-def print_table(summary: dict[str, Any], predicted: dict[str, Any]) -> None:
+def print_table(summary: dict[str, Any]) -> None:
     def fmt(value: float | None, spec: str, suffix: str = "") -> str:
         return "-" if value is None else f"{value:{spec}}{suffix}"
 
@@ -438,7 +486,6 @@ def print_table(summary: dict[str, Any], predicted: dict[str, Any]) -> None:
         f"{'mode':<13} {'step (median, spread)':>26} {'speed':>7} {'bytes/step':>11} {'bytes':>7}"
     )
     head += f" {'eval loss':>9} {'loss':>8} {'start-up':>8}"
-    head += f" {'predicted':>10}" if predicted else ""
     print(f"\nagainst {BASELINE}: speed = its step time / the mode's (> 1: faster);")
     print("bytes and loss = the mode's / its (loss: held-out, after the last step)")
     print(head)
@@ -452,15 +499,37 @@ def print_table(summary: dict[str, Any], predicted: dict[str, Any]) -> None:
         line = f"{name:<13} {step:>26} {fmt(row['speed_vs_ddp'], '.2f', '×'):>7} {bytes_:>11}"
         line += f" {fmt(row['bytes_vs_ddp'], '.3f'):>7} {fmt(row['eval_loss'], '.4f'):>9}"
         line += f" {fmt(row['loss_vs_ddp_pct'], '+.1f', '%'):>8} {row['startup_s']:>7.1f}s"
-        if predicted:
-            guess = predicted.get(name)
-            guess = (
-                guess[:40] if isinstance(guess, str) else fmt(guess and guess * 1e3, ".0f", " ms")
-            )
-            line += f" {guess:>10}"
         if row["failures"]:
             line += f"  ({len(row['failures'])} failed: {row['failures'][0]})"
         print(line)
+
+
+def print_predictions(summary: dict[str, Any], predicted: dict[str, Any]) -> None:
+    """Predicted against measured step time and bytes per mode, and how many are within ±25%."""
+    print("\npredicted by `shardwise plan --link` (the planner's row for the job's own mode):")
+    print(
+        f"{'mode':<13} {'planner mode':<28} {'predicted':>10} {'measured':>10} {'ratio':>6} "
+        f"{'bytes pred.':>11} {'measured':>10}"
+    )
+    close = []
+    for name, guess in predicted.items():
+        row = summary.get(name, {})
+        if isinstance(guess, str):
+            print(f"{name:<13} {guess[:90]}")
+            continue
+        step = row.get("step_s")
+        ratio = guess["step_s"] / step if step else None
+        if ratio is not None:
+            close.append(abs(ratio - 1) <= 0.25)
+        measured = "-" if step is None else f"{step * 1e3:.0f} ms"
+        shown = "-" if ratio is None else f"{ratio:.2f}"
+        sent = row.get("bytes_per_step")
+        sent_shown = "-" if sent is None else f"{sent / 1e6:.2f} MB"
+        print(
+            f"{name:<13} {guess['planner_mode']:<28} {guess['step_s'] * 1e3:>7.0f} ms "
+            f"{measured:>10} {shown:>6} {guess['bytes_per_step'] / 1e6:>8.2f} MB {sent_shown:>10}"
+        )
+    print(f"ratio = predicted / measured step time; {sum(close)} of {len(close)} within ±25%")
 
 
 def plot(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:

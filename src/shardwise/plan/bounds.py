@@ -41,28 +41,28 @@ class Bound:
                 value = float(text)  # a whole number may be written 1e3
             except ValueError:
                 value = None
-        return self._checked(value, label, _shown(text))
+        return self._checked(value, label, shown(text))
 
     def check(self, value: object, label: str) -> int | float:
         """A value read from a file (a bool is not a number), in range, or ConfigError."""
         number = value if isinstance(value, int | float) and not isinstance(value, bool) else None
-        return self._checked(number, label, _shown(repr(value)))
+        return self._checked(number, label, shown(repr(value)))
 
-    def _checked(self, value: float | None, label: str, shown: str) -> int | float:
+    def _checked(self, value: float | None, label: str, display: str) -> int | float:
         if value is None or (isinstance(value, float) and not math.isfinite(value)):
-            raise self._error(label, shown)  # (an int of 400 digits is compared, not converted)
+            raise self._error(label, display)  # (an int of 400 digits is compared, not converted)
         if self.whole and isinstance(value, float):
             if not value.is_integer():
-                raise self._error(label, shown)
+                raise self._error(label, display)
             value = int(value)
         low_ok = value > self.low if self.above else value >= self.low
         if not (low_ok and value <= self.high):
-            raise self._error(label, shown)
+            raise self._error(label, display)
         return value
 
-    def _error(self, label: str, shown: str) -> ConfigError:
+    def _error(self, label: str, display: str) -> ConfigError:
         means = f" ({self.means})" if self.means else ""
-        return ConfigError(f"{label} {shown}: must be {self.allowed()}{means}")
+        return ConfigError(f"{label} {display}: must be {self.allowed()}{means}")
 
     def allowed(self) -> str:
         """E.g. "a whole number from 1 to 1,024" or "a number above 0 and at most 1"."""
@@ -78,10 +78,10 @@ def one_of(text: str, options: Sequence[str], label: str) -> str:
         return text
     near = difflib.get_close_matches(text, options, n=1)
     hint = f"; did you mean {near[0]!r}?" if near else ""
-    raise ConfigError(f"{label} {_shown(text)}: must be one of {', '.join(options)}{hint}")
+    raise ConfigError(f"{label} {shown(text)}: must be one of {', '.join(options)}{hint}")
 
 
-def _shown(text: str) -> str:
+def shown(text: str) -> str:
     """`text` as the message shows it: on one line, at most about 40 characters."""
     text = text if text.isprintable() else repr(text)
     return text if len(text) <= 40 else text[:40] + "…"

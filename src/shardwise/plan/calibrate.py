@@ -20,6 +20,9 @@ caches and memory bandwidth, so one busy core alone is faster than each of two;
   were freed (glibc told to return freed memory, as the planner counts live tensors): library code
   paged in, kernel and communication workspaces — the part of a training process's memory that
   does not scale with the model;
+- `half_codec_rate`, `int8_codec_rate`: fp32 gradient bytes per second through comm/'s bf16 and
+  int8 codecs with error feedback, on the LAYER block's tensors, on every core at once (the
+  codecs' own collectives on a group of one rank, which copy);
 - `memory`: RAM divided by the cores.
 """
 
@@ -101,23 +104,66 @@ def memory_bandwidth() -> float:
     return 3 * 4 * n / _best_seconds(lambda: torch.add(a, b, out=c))
 
 
-def _per_core_worker(rank: int, barrier: Any, results: Any) -> None:
+def codec_rates() -> tuple[float, float]:
+    """fp32 gradient bytes per second through comm/'s bf16 and int8 codecs as a DDP hook runs
+    them (the residual added, the codec, what was lost kept, the mean taken), on the LAYER
+    block's tensors; their collectives run on a process group of this one rank."""
+    import torch.distributed as dist
+
+    from shardwise.comm.base import Sync
+    from shardwise.comm.compression import Codec, Half, Int8
+    from shardwise.models.gpt import build_gpt
+
+    block = build_gpt(layers=1, heads=LAYER["heads"], hidden=LAYER["hidden"], seq_len=LAYER["seq"])
+    sizes = [p.numel() for p in block.parameters()]
+    flat, residual = torch.randn(sum(sizes)), torch.zeros(sum(sizes))
+    with tempfile.TemporaryDirectory() as tmp:
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)  # type: ignore[attr-defined]
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            group = dist.group.WORLD
+            assert group is not None
+            sync = Sync([], group)
+            int8 = Int8(sync)
+            int8.sizes = sizes
+
+            def rate(codec: Codec) -> float:
+                def once() -> None:
+                    bucket = torch.cat([flat]).add_(residual)  # as CompressedSync.reduce
+                    total, lost = codec(bucket, group, 1)
+                    residual.copy_(lost if lost is not None else total)
+                    total.div_(2)
+
+                return 4 * flat.numel() / _best_seconds(once)
+
+            return rate(Half(sync, torch.bfloat16)), rate(int8)
+        finally:
+            dist.destroy_process_group()
+
+
+def _per_core_worker(rank: int, barrier: Any, results: Any, codecs: bool) -> None:
     torch.set_num_threads(1)
     barrier.wait()  # every core busy together
-    results[rank] = (matmul_flops(), layer_flops(), memory_bandwidth())
+    rates = (matmul_flops(), layer_flops(), memory_bandwidth())
+    results[rank] = rates + (codec_rates() if codecs else ())
 
 
 def per_core_rates(cores: int) -> tuple[float, float, float]:
     """Matmul FLOP/s, transformer-layer FLOP/s and memory bandwidth per core, with every core
     measuring at once; the mean over cores."""
+    peak, layer, bandwidth = _on_every_core(cores, codecs=False)
+    return peak, layer, bandwidth
+
+
+def _on_every_core(cores: int, *, codecs: bool) -> tuple[float, ...]:
+    """`per_core_rates`, and with `codecs` the bf16 and int8 codecs' rates after them."""
     with mp.Manager() as manager:
         barrier, results = manager.Barrier(cores), manager.dict()
         mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
-            _per_core_worker, args=(barrier, results), nprocs=cores, start_method="spawn"
+            _per_core_worker, args=(barrier, results, codecs), nprocs=cores, start_method="spawn"
         )
         rates = list(results.values())
-    peak, layer, bandwidth = (statistics.fmean(r[i] for r in rates) for i in range(3))
-    return peak, layer, bandwidth
+    return tuple(statistics.fmean(r[i] for r in rates) for i in range(len(rates[0])))
 
 
 def _collectives_worker(rank: int, store_path: str, results: dict[Any, float]) -> None:
@@ -263,10 +309,11 @@ def ram_bytes() -> int:
 def calibrate(progress: Callable[[str], None] = lambda line: None) -> Hardware:
     cores = len(os.sched_getaffinity(0))
     progress(f"matrix multiplies, a transformer layer and memory bandwidth on {cores} cores…")
-    peak, achieved, bandwidth = per_core_rates(cores)
+    peak, achieved, bandwidth, half, int8 = _on_every_core(cores, codecs=True)
     progress(
         f"  per core: {peak / 1e9:.1f} GFLOP/s matmul, {achieved / 1e9:.1f} GFLOP/s in a layer, "
-        f"{bandwidth / 1e9:.1f} GB/s; collectives between two gloo ranks…"
+        f"{bandwidth / 1e9:.1f} GB/s, gradients through the bf16 codec {half / 1e9:.2f} GB/s and "
+        f"the int8 codec {int8 / 1e9:.2f} GB/s; collectives between two gloo ranks…"
     )
     fits = collective_fits()
     progress(
@@ -294,5 +341,7 @@ def calibrate(progress: Callable[[str], None] = lambda line: None) -> Hardware:
         **fits,
         utilisation=min(1.0, achieved / peak),
         overlap=0.0,
+        half_codec_rate=half,
+        int8_codec_rate=int8,
         calibrated=True,
     )

@@ -14,7 +14,9 @@ from shardwise.plan import hardware as hw
 from shardwise.plan.bounds import Bound, one_of
 from shardwise.plan.chart import chart_path
 from shardwise.plan.layout import OPTIMIZERS, PRECISIONS, RECOMPUTE
+from shardwise.plan.link_report import modes_json, render_modes
 from shardwise.plan.model import Transformer, describe, divisors, shape_for
+from shardwise.plan.network import LINK_GBPS, job_mode, parse_link
 from shardwise.plan.search import (
     Candidate,
     Constraints,
@@ -46,6 +48,7 @@ NUMBERS: dict[str, Bound] = {
     "utilisation": hw.FIELDS["utilisation"],
     "intra_gbs": Bound(0, 1e6, above=True, means="GB/s per device"),
     "inter_gbs": Bound(0, 1e6, above=True, means="GB/s per device"),
+    "link": LINK_GBPS,
     "global_batch": Bound(1, 10**8, whole=True, means="sequences per step"),
     "tokens": Bound(1, 1e18, means="tokens to train on, e.g. 300e9"),
     "dp": Bound(1, DEVICES, whole=True),
@@ -57,7 +60,8 @@ NUMBERS: dict[str, Bound] = {
 }
 """Every numeric flag and its range. argparse keeps them as typed; `check_arguments` turns each
 into its number, so that a bad one (text, NaN, out of range) is a `ConfigError` naming the flag
-and what it allows, as every other mistake in a plan is."""
+and what it allows, as every other mistake in a plan is. `--link GBPS[,LATENCY_MS]` is two
+numbers: its bound is the bandwidth's, and `network.parse_link` reads both."""
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "model": ("gpt",),
@@ -95,6 +99,13 @@ def add_arguments(plan: argparse.ArgumentParser) -> None:
     _number(where, "--utilisation", help="override: fraction of peak achieved, in (0, 1]")
     _number(where, "--intra-gbs", help="override: GB/s per device in a node")
     _number(where, "--inter-gbs", help="override: GB/s per device across nodes")
+    _number(
+        where,
+        "--link",
+        metavar="GBPS[,LATENCY_MS]",
+        help="the network between nodes: Gbit/s each direction, and optionally its one-way "
+        "latency in ms; compares the data-parallel communication modes on it",
+    )
     run = plan.add_argument_group("the run")
     _number(run, "--global-batch", help="sequences per step (default 4 per device)")
     _number(run, "--tokens", help="tokens to train on, e.g. 300e9")
@@ -143,7 +154,12 @@ def check_arguments(args: argparse.Namespace) -> None:
     for dest, bound in NUMBERS.items():
         value = getattr(args, dest)
         if isinstance(value, str):
-            setattr(args, dest, bound.parse(value, _flag(dest)))
+            number = parse_link(value) if dest == "link" else bound.parse(value, _flag(dest))
+            setattr(args, dest, number)
+    if args.link is not None and args.inter_gbs is not None:
+        raise ConfigError(
+            "--link and --inter-gbs both set the network between nodes; give one of them"
+        )
     for dest, options in CHOICES.items():
         if getattr(args, dest) is not None:
             one_of(getattr(args, dest), options, _flag(dest))
@@ -188,19 +204,18 @@ def run(args: argparse.Namespace) -> int:
 def make_plan(args: argparse.Namespace) -> tuple[Plan, Candidate | None]:
     """The plan the arguments ask for, and (for a job file) the job's own layout evaluated."""
     hardware = _hardware(args)
-    own_layout = None
     dropout, fused = not args.no_dropout, args.attention != "unfused"
-    traced = None
+    traced, planned = None, None
     if args.job:
         from shardwise.config import load_config
         from shardwise.plan.job import plan_job
 
         planned = plan_job(load_config(args.job, []), args.nproc or 1)
-        model, own_layout = planned.model, planned.layout
+        model = planned.model
         precision = PRECISIONS[args.precision] if args.precision else planned.precision
         optimizer = args.optimizer or planned.optimizer
         devices = args.nproc or 1
-        global_batch = args.global_batch or own_layout.global_batch
+        global_batch = args.global_batch or planned.layout.global_batch
         dropout, fused, traced = planned.dropout, planned.fused_attention, planned.traced
     else:
         model = _model(args)
@@ -235,9 +250,15 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, Candidate | None]:
         )
     except NoLayout as e:
         raise ConfigError(str(e)) from None
+    plan.network = args.link
     own = None
-    if own_layout is not None:
-        own = plan.evaluate(own_layout)
+    if planned is not None:
+        own = plan.evaluate(planned.layout)
+        plan.tensors = planned.tensors
+        if planned.mode is not None:
+            plan.job_mode = job_mode(
+                planned.mode, auto=planned.hierarchical_auto, layout=own.layout, hardware=hardware
+            )
     if plan.best is None and not args.json:
         lines = explain(plan)
         raise ConfigError(
@@ -254,7 +275,7 @@ def _hardware(args: argparse.Namespace) -> hw.Hardware:
             f"--hardware NAME: one of {', '.join(hw.PRESETS)}, {hw.THIS_MACHINE}, or a .toml "
             "file of fields"
         )
-    return hw.with_overrides(
+    hardware = hw.with_overrides(
         hw.lookup(name),
         memory=_times(args.memory_gib, hw.GiB),
         peak_flops=_times(args.peak_tflops, 1e12),
@@ -263,6 +284,7 @@ def _hardware(args: argparse.Namespace) -> hw.Hardware:
         inter_bandwidth=_times(args.inter_gbs, 1e9),
         gpus_per_node=args.gpus_per_node,
     )
+    return hardware if args.link is None else args.link.apply(hardware)
 
 
 def _times(value: float | None, unit: float) -> float | None:
@@ -318,7 +340,6 @@ def _flops(rate: float) -> str:
 
 def render(plan: Plan, own: Candidate | None, top: int) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     console = Console(width=None if sys.stdout.isatty() else 150)
     console.print(f"model: {describe(plan.model)}")
@@ -328,11 +349,26 @@ def render(plan: Plan, own: Candidate | None, top: int) -> None:
         f"{plan.hardware.gpus_per_node} per node); precision {plan.precision.name}, "
         f"{plan.optimizer}; global batch {plan.global_batch} × {plan.model.seq} tokens"
     )
+    console.print(_ranked_table(plan, own, top))
+    for line in explain(plan):
+        console.print(f"- {line}")
+    for line in _run_lines(plan):
+        console.print(f"- {line}")
+    chosen = own or plan.best
+    if plan.network and chosen is not None:
+        render_modes(console, plan, chosen, job=own is not None)
+
+
+def _ranked_table(plan: Plan, own: Candidate | None, top: int) -> Any:
+    from rich.table import Table
+
     table = Table(title=f"{len(plan.ranked)} layouts fit, {len(plan.dropped)} do not")
     for column in ("layout", "step", "compute", "bubble", "tp comm", "dp comm", "memory/dev"):
         table.add_column(column, justify="left" if column == "layout" else "right")
     if plan.tokens:
         table.add_column("run", justify="right")
+    if plan.network:
+        table.add_column("fastest sync (--link)", justify="right")
     rows = ([("job", own)] if own else []) + [
         (str(i + 1), c) for i, c in enumerate(plan.ranked[:top])
     ]
@@ -348,25 +384,31 @@ def render(plan: Plan, own: Candidate | None, top: int) -> None:
         ]
         if plan.tokens:
             cells.append(seconds(plan.run_seconds(c) or 0))
+        if plan.network:
+            fastest = plan.comm_modes(c).fastest()
+            cells.append(f"{fastest.mode.name()}, {seconds(fastest.step)}" if fastest else "-")
         table.add_row(*cells)
-    console.print(table)
-    for line in explain(plan):
-        console.print(f"- {line}")
+    return table
+
+
+def _run_lines(plan: Plan) -> list[str]:
+    lines = []
     best = plan.best
     if best is not None:
         run = plan.run_seconds(best)
         speed = f"speedup over one device: {plan.speedup(best):.1f}x"
         if run is not None:
-            console.print(
-                f"- whole run: {plan.tokens:.3g} tokens = {plan.steps():,.0f} steps, "
+            lines.append(
+                f"whole run: {plan.tokens:.3g} tokens = {plan.steps():,.0f} steps, "
                 f"{seconds(run)}; {speed}"
             )
         else:
-            console.print(f"- {speed} (add --tokens N for the whole run)")
+            lines.append(f"{speed} (add --tokens N for the whole run)")
     if plan.dropped:
-        console.print(
-            f"- dropped, smallest first: {plan.dropped[0].layout.name()} — {plan.dropped[0].reason}"
+        lines.append(
+            f"dropped, smallest first: {plan.dropped[0].layout.name()} — {plan.dropped[0].reason}"
         )
+    return lines
 
 
 def to_json(plan: Plan, own: Candidate | None, top: int) -> dict[str, Any]:
@@ -380,8 +422,9 @@ def to_json(plan: Plan, own: Candidate | None, top: int) -> dict[str, Any]:
             "memory_bytes": c.memory.as_dict(),
             "run_seconds": plan.run_seconds(c),
             "speedup": plan.speedup(c),
-        }
+        } | ({"comm_modes": modes_json(plan.comm_modes(c))} if plan.network else {})
 
+    network = plan.network
     return {
         "model": {**asdict(plan.model), "params": plan.model.params},
         "hardware": asdict(plan.hardware),
@@ -392,6 +435,14 @@ def to_json(plan: Plan, own: Candidate | None, top: int) -> dict[str, Any]:
         "tokens": plan.tokens,
         "steps": plan.steps(),
         "one_device_step_seconds": plan.one_device_step,
+        "link": None
+        if network is None
+        else {
+            **asdict(network),
+            "bandwidth_bytes_per_s": plan.hardware.inter_bandwidth,
+            "latency_s": plan.hardware.inter_latency,
+        },
+        "job_mode": plan.job_mode.name() if plan.job_mode else None,
         "job_layout": candidate(own) if own else None,
         "ranked": [candidate(c) for c in plan.ranked[:top]],
         "dropped": [candidate(c) for c in plan.dropped[:top]],

@@ -64,6 +64,13 @@ class Hardware:
     """Bytes a training process holds beyond its tensors once every kernel has run: library code
     paged in, kernel and communication workspaces. Calibrated profiles measure it; presets
     leave it (with the CUDA context) to the search's headroom."""
+    half_codec_rate: float | None = None
+    """Bytes of fp32 gradients per second one rank puts through comm/'s bf16 codec and error
+    feedback (the casts both ways, what was lost kept), collectives aside. Calibrated profiles
+    measure it (a CPU core casts far slower than it copies); None: memory bandwidth over the
+    passes `network.CODEC_PASSES` counts."""
+    int8_codec_rate: float | None = None
+    """Likewise through the int8 codec (quantising per chunk, summing, quantising again)."""
     calibrated: bool = False
 
 
@@ -86,6 +93,8 @@ FIELDS: dict[str, Bound] = {
     "reduce_scatter_bandwidth": _RATE,
     "tensor_parallel_efficiency": Bound(0, 1, above=True, means="a fraction"),
     "runtime_memory": Bound(0, 1e18, means="bytes"),
+    "half_codec_rate": _RATE,
+    "int8_codec_rate": _RATE,
 }
 """The range of each numeric field of `Hardware` (a file's, or a calibrated profile's)."""
 

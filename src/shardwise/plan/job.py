@@ -1,6 +1,6 @@
-"""Plan a shardwise job: its model, built on the meta device (parameters counted, the bytes its
-forward pass saves for backward traced, nothing allocated), and its own layout, in the planner's
-terms."""
+"""Plan a shardwise job: its model, built on the meta device (parameters counted, their shapes
+kept, the bytes its forward pass saves for backward traced, nothing allocated), and its own layout
+and data-parallel communication mode, in the planner's terms."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from shardwise.parallel.pipeline import model_blocks
 from shardwise.plan.layout import PRECISIONS, Layout, Precision
 from shardwise.plan.memory import Traced
 from shardwise.plan.model import Transformer
+from shardwise.plan.network import Mode, Tensors
 
 
 @dataclass(frozen=True)
@@ -31,12 +32,18 @@ class PlannedJob:
     dropout: bool
     fused_attention: bool
     traced: Traced
+    tensors: Tensors
+    """The shapes of the model's trainable parameters."""
+    mode: Mode | None
+    """How its data-parallel ranks synchronise (None: a mode the planner does not model)."""
+    hierarchical_auto: bool
+    """`parallel.hierarchical = "auto"`: on where the ranks span nodes (`network.job_mode`)."""
 
 
-def model_of(config: JobConfig) -> tuple[Transformer, bool, Traced]:
+def model_of(config: JobConfig) -> tuple[Transformer, bool, Traced, Tensors]:
     """The job's transformer shape (from its model arguments) with the parameter count of the
-    model itself, built on the meta device; whether it uses dropout; and its traced
-    activations."""
+    model itself, built on the meta device; whether it uses dropout; its traced activations; and
+    its trainable parameters' shapes."""
     args = {**_defaults(config), **config.model.args}
     needed = ("layers", "hidden", "heads")
     missing = [k for k in needed if k not in args]
@@ -49,6 +56,7 @@ def model_of(config: JobConfig) -> tuple[Transformer, bool, Traced]:
     with torch.device("meta"):
         model = builders.build_model(config)
     count = sum(p.numel() for p in model.parameters())
+    tensors = Tensors(tuple(tuple(p.shape) for p in model.parameters() if p.requires_grad))
     shape = Transformer(
         layers=int(args["layers"]),
         hidden=int(args["hidden"]),
@@ -61,7 +69,7 @@ def model_of(config: JobConfig) -> tuple[Transformer, bool, Traced]:
     )
     dropout = float(args.get("dropout", 0.0)) > 0
     traced = trace_activations(config, model, layers=shape.layers, fused_attention=not dropout)
-    return shape, dropout, traced
+    return shape, dropout, traced, tensors
 
 
 def trace_activations(
@@ -153,7 +161,7 @@ def plan_job(config: JobConfig, nproc: int) -> PlannedJob:
     derived = derive(config, nproc)
     degrees = derived.degrees
     par = config.parallel
-    model, dropout, traced = model_of(config)
+    model, dropout, traced, tensors = model_of(config)
     sharded = degrees["dp_shard"] > 1
     layout = Layout(
         dp=derived.dp,
@@ -176,4 +184,28 @@ def plan_job(config: JobConfig, nproc: int) -> PlannedJob:
         optimizer = "sgd-momentum"
     # PyTorch's fused attention kernels run without dropout; with it, CPU falls back to the
     # unfused path that keeps the s × s scores.
-    return PlannedJob(model, layout, PRECISIONS[key], optimizer, dropout, not dropout, traced)
+    return PlannedJob(
+        model, layout, PRECISIONS[key], optimizer, dropout, not dropout, traced,
+        tensors, mode_of(config), hierarchical_auto=par.hierarchical == "auto",
+    )  # fmt: skip
+
+
+def mode_of(config: JobConfig) -> Mode | None:
+    """The job's data-parallel communication mode (`parallel.hierarchical = "auto"` left off:
+    it depends on the nodes); None for a mode the planner does not model."""
+    train, par = config.train, config.parallel
+    if train.sync == "every_step":
+        return Mode(
+            compression=par.grad_compression,
+            hierarchical=par.hierarchical is True,
+            powersgd_rank=par.powersgd_rank,
+            sync_every=train.sync_every,
+        )
+    if train.sync in ("local_sgd", "diloco"):
+        return Mode(
+            compression=train.outer_compression if train.sync == "diloco" else "none",
+            sync="local_sgd" if train.sync == "local_sgd" else "diloco",
+            sync_every=train.sync_every,
+            powersgd_rank=par.powersgd_rank,
+        )
+    return None

@@ -10,6 +10,7 @@ from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import RECOMPUTE, Layout, Precision, Recompute
 from shardwise.plan.memory import Memory, Traced, estimate
 from shardwise.plan.model import Transformer, divisors
+from shardwise.plan.network import Comparison, Mode, Network, Tensors, compare
 from shardwise.plan.timing import StepTime, one_device_step, step_time
 
 MAX_LAYOUTS = 20_000
@@ -59,6 +60,13 @@ class Plan:
     ranked: list[Candidate] = field(default_factory=list)
     dropped: list[Candidate] = field(default_factory=list)
     one_device_step: float = 0.0
+    network: Network | None = None
+    """`--link`: the network between nodes (already in `hardware`); the communication modes
+    are compared on it."""
+    tensors: Tensors | None = None
+    """A job's model's parameter shapes (None: the transformer's standard ones)."""
+    job_mode: Mode | None = None
+    """A job's own communication mode, compared with the others."""
 
     @property
     def best(self) -> Candidate | None:
@@ -75,6 +83,13 @@ class Plan:
 
     def speedup(self, candidate: Candidate) -> float:
         return self.one_device_step / candidate.time.total
+
+    def comm_modes(self, candidate: Candidate) -> Comparison:
+        """Every data-parallel communication mode on `candidate`'s layout (network.py)."""
+        return compare(
+            self.model, candidate.layout, self.precision, self.hardware, candidate.time,
+            tensors=self.tensors, job=self.job_mode,
+        )  # fmt: skip
 
     def evaluate(self, layout: Layout) -> Candidate:
         """Memory and step time of `layout` for this plan's model, hardware and precision; if
@@ -318,6 +333,8 @@ def _lever(dominant: str, best: Candidate, plan: Plan) -> str:
         return "more micro-batches (a larger global batch) or an interleaved schedule shrink it"
     if dominant == "tensor-parallel comm":
         return "a smaller tp, or faster links inside the node, shorten it"
+    if dominant == "pipeline comm":
+        return "fewer stages, or stages whose ranks share a node (faster links), shorten it"
     if dominant.startswith("data-parallel"):
         return "a larger batch per step or a faster network amortise it; ZeRO-3 adds 50% to it"
     return "it is memory-bound: it shrinks with sharding (ZeRO-1+) across more devices"

@@ -21,7 +21,9 @@ What overlaps with what (stated, not measured):
 
 Ranks are placed tensor-parallel innermost, then data-parallel, then pipeline (Megatron-LM's
 order): a tensor-parallel group stays inside a node when tp ≤ GPUs per node; data-parallel and
-pipeline traffic crosses nodes once the groups inside them outgrow a node.
+pipeline traffic crosses nodes once the groups inside them outgrow a node. A collective that
+crosses nodes runs at the slower link's rate and pays the slower link's latency at every step of
+its ring (network.py's `--link` sets that link).
 """
 
 from __future__ import annotations
@@ -42,14 +44,20 @@ class Link:
     """All-gathers' own α and β, where measured; None: the same as all-reduce's."""
     scatter: Link | None = None
     """Reduce-scatters' own, likewise."""
+    tree: bool = True
+    """Whether all-reduce may run as a tree where that is faster (NCCL picks one); gloo's
+    all-reduce, which calibrated (CPU) profiles measure, is always a ring."""
 
 
 def all_reduce(size: float, n: int, link: Link) -> float:
     """Ring: 2(n−1) steps of size/n each; a tree (log-depth, whole-size transfers) wins for
-    small messages. The faster of the two, as NCCL picks."""
+    small messages. The faster of the two, as NCCL picks (the ring alone where `link.tree` is
+    false)."""
     if n <= 1 or size <= 0:
         return 0.0
     ring = 2 * (n - 1) * link.latency + 2 * (n - 1) / n * size / link.bandwidth
+    if not link.tree:
+        return ring
     tree = 2 * math.ceil(math.log2(n)) * link.latency + 2 * size / link.bandwidth
     return min(ring, tree)
 
@@ -121,20 +129,35 @@ class StepTime:
 def links(layout: Layout, hardware: Hardware) -> tuple[Link, Link, Link]:
     """The links tensor-, data- and pipeline-parallel traffic crosses."""
     node = hardware.gpus_per_node
-    measured = (
-        _measured(hardware.all_gather_bandwidth, hardware.all_gather_latency),
-        _measured(hardware.reduce_scatter_bandwidth, hardware.reduce_scatter_latency),
-    )
-    intra = Link(hardware.intra_bandwidth, hardware.intra_latency, *measured)
-    inter = Link(hardware.inter_bandwidth, hardware.inter_latency, *measured)
+    intra, inter = node_links(hardware)
     tp = intra if layout.tp <= node else inter
     dp = intra if layout.tp * layout.dp <= node else inter
     pp = intra if layout.devices <= node else inter
     return tp, dp, pp
 
 
+def node_links(hardware: Hardware) -> tuple[Link, Link]:
+    """The link inside a node and the one across nodes. Measured all-gather and reduce-scatter
+    rates (gloo's, on one machine) hold across nodes too unless the network is slower than the
+    machine's own all-reduce, where the slower of the two rates and latencies applies."""
+    tree = not hardware.calibrated
+    gather = _measured(hardware.all_gather_bandwidth, hardware.all_gather_latency)
+    scatter = _measured(hardware.reduce_scatter_bandwidth, hardware.reduce_scatter_latency)
+    intra = Link(hardware.intra_bandwidth, hardware.intra_latency, gather, scatter, tree)
+    bandwidth, latency = hardware.inter_bandwidth, hardware.inter_latency
+    if bandwidth < hardware.intra_bandwidth or latency > hardware.intra_latency:
+        gather, scatter = _slower(gather, bandwidth, latency), _slower(scatter, bandwidth, latency)
+    return intra, Link(bandwidth, latency, gather, scatter, tree)
+
+
 def _measured(bandwidth: float | None, latency: float | None) -> Link | None:
     return None if bandwidth is None or latency is None else Link(bandwidth, latency)
+
+
+def _slower(measured: Link | None, bandwidth: float, latency: float) -> Link | None:
+    if measured is None:
+        return None
+    return Link(min(measured.bandwidth, bandwidth), max(measured.latency, latency))
 
 
 def flops_rate(hardware: Hardware) -> float:
@@ -168,22 +191,47 @@ def step_time(
         else 0.0
     )
     psi = model.stage_params(layout.pp, layout.tp)
-    grads, params = psi * precision.grad, psi * precision.param
-    if layout.zero == 0:
-        data = all_reduce(grads, layout.dp, dp_link)
-    elif layout.zero in (1, 2):
-        data = reduce_scatter(grads, layout.dp, dp_link) + all_gather(params, layout.dp, dp_link)
-    else:
-        gathers = 1 if layout.hold_gathered_params else 2
-        data = reduce_scatter(grads, layout.dp, dp_link) + gathers * layout.microbatches * (
-            all_gather(params, layout.dp, dp_link)
-        )
-    window = compute * (1.0 if layout.zero >= 3 else 2 / 3) * hardware.overlap
-    exposed = max(0.0, data - window)
+    data = data_parallel_comm(psi, layout, precision, dp_link)
+    exposed = max(0.0, data - overlap_window(compute, layout, hardware))
     updated = psi / (layout.dp if layout.zero >= 1 else 1)
     touched = 4 * OPTIMIZER_PASSES[optimizer] + 3 * precision.grad  # + clipping
     optimizer_s = 0.0 if layout.offload_optimizer else updated * touched / hardware.memory_bandwidth
     return StepTime(compute, bubble, tensor, pipeline, data, exposed, optimizer_s)
+
+
+def data_parallel_comm(
+    psi: float,
+    layout: Layout,
+    precision: Precision,
+    link: Link,
+    *,
+    reduce_bytes: float | None = None,
+) -> float:
+    """Seconds of every-step data-parallel traffic for `psi` parameters per rank: DDP's
+    all-reduce of the gradients, or ZeRO's reduce-scatter and all-gathers. `reduce_bytes`: the
+    bytes per gradient value the reduction sends, where not the gradients' own (FSDP2's
+    `reduce_dtype`)."""
+    grads = psi * (precision.grad if reduce_bytes is None else reduce_bytes)
+    params = psi * precision.param
+    if layout.zero == 0:
+        return all_reduce(grads, layout.dp, link)
+    if layout.zero in (1, 2):
+        return reduce_scatter(grads, layout.dp, link) + all_gather(params, layout.dp, link)
+    return reduce_scatter(grads, layout.dp, link) + gathers_per_step(layout) * all_gather(
+        params, layout.dp, link
+    )
+
+
+def gathers_per_step(layout: Layout) -> int:
+    """ZeRO-3's all-gathers of the parameters per step: one per micro-batch for forward, and
+    another for backward unless the gathered parameters are held."""
+    return (1 if layout.hold_gathered_params else 2) * layout.microbatches
+
+
+def overlap_window(compute: float, layout: Layout, hardware: Hardware) -> float:
+    """How much data-parallel traffic can hide behind compute: the backward pass (ZeRO-3: the
+    forward pass too), times the hardware's `overlap`."""
+    return compute * (1.0 if layout.zero >= 3 else 2 / 3) * hardware.overlap
 
 
 OPTIMIZER_PASSES = {"adamw": 20, "adam": 20, "sgd-momentum": 8, "sgd": 3}

@@ -1,0 +1,529 @@
+"""`shardwise plan --link GBPS[,LATENCY_MS]`: the network between nodes, and the data-parallel
+communication modes of `comm/` compared on it for a layout: the bytes each sends per step, what
+crosses between nodes, and the step time each gives. Pure arithmetic; nothing here runs a
+collective or imports `comm/` (which needs a process group).
+
+For n data-parallel ranks, k of them per node, on N = n/k nodes, and S the bytes of one rank's
+gradients (e bytes per value: 4 in shardwise's jobs, whose parameters stay fp32 under autocast):
+- ddp: one ring all-reduce of S every step. Each rank sends 2(n−1)/n·S, and so does each node
+  across the network: a ring placed node by node crosses each node's boundary once each way;
+- bf16, fp16: the same of S·2/e (S/2 for fp32 gradients);
+- int8: an all-to-all of 8-bit chunks and an all-gather of their 8-bit sums, with one fp32 scale
+  per chunk of each of the T tensors (`comm/compression.py`'s `Int8`): each rank sends
+  2(n−1)/n·(S/e + 4·n·T), each node across the network k(n−k)/n of that payload in the
+  all-to-all and (n−1)/n in the all-gather;
+- powersgd at rank r: each matrix n×m (a tensor's first dimension by the rest) is sent as
+  r·(n + m) numbers instead of n·m, in two all-reduces (P, then Q); vectors, and the matrices
+  the factors would not shrink, in a third, uncompressed. The model's own tensors where the
+  planner built it (a job file), else the built-in GPT's (q, k, v, projection, MLP, embeddings);
+- hierarchical: a node's ranks reduce to its leader over the node's own link, the N leaders run
+  the mode's collective across the network (compressed, if asked), and the leaders broadcast
+  inside the node; only the leaders' step crosses: 2(N−1)/N·S per node instead of 2(n−1)/n·S.
+  Rank 0 is a leader: it sends the leaders' share and S for the broadcast;
+- what crosses is per node: for a ring the hop leaving the node, which carries what each rank
+  sends (as comm/'s `comm/inter_node_bytes_per_step` counts it); for int8's all-to-all across
+  nodes, what the node's k ranks send to the others together, k(n−k)/n of the payload (more
+  than one rank's (n−1)/n, which is what comm/ counts);
+- local_sgd, diloco: an fp32 all-reduce of the parameters every H = sync_every steps (diloco's
+  outer all-reduce optionally bf16 or int8), so everything ÷ H per step.
+
+Time per step = the layout's step without its data-parallel traffic (compute, pipeline bubble,
+tensor-parallel and pipeline traffic, optimizer step: timing.py) + the part of the mode's
+traffic not hidden + its codec's own work (`CODEC_PASSES`, or the calibrated codec rates). Each
+collective costs latency × its sequential messages (a ring all-reduce 2(n−1), an all-gather or
+all-to-all n−1, a reduce or broadcast inside a node k−1) + its bytes over the slowest link it
+crosses: the network once it spans nodes, else the node's own link.
+
+Overlap, stated: every every-step mode's collectives overlap backward as timing.py models any
+layout's (up to the hardware's `overlap` of two thirds of the compute: all of it on GPUs, none on
+a calibrated CPU profile, whose cores run gloo and the compute alike): plain ddp's all-reduce and
+FSDP2's reduction run in the background, and the compression and hierarchical hooks run on
+shardwise's communication thread while backward computes the next buckets. A codec's own work
+does not hide (it takes the same device, or the same cores). Local SGD and DiLoCo synchronise
+after the optimizer step: none of theirs hides.
+
+Not modelled: DDP's buckets (one collective per step stands for one per bucket; each further
+bucket adds the collectives' latencies), PowerSGD's uncompressed first steps (this is the
+steady state), and buffers local SGD averages along with the parameters (BatchNorm statistics).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from shardwise.config import ConfigError
+from shardwise.plan.bounds import Bound, shown
+from shardwise.plan.hardware import Hardware
+from shardwise.plan.layout import Layout, Precision
+from shardwise.plan.model import Transformer
+from shardwise.plan.timing import (
+    Link,
+    StepTime,
+    all_gather,
+    all_reduce,
+    data_parallel_comm,
+    flops_rate,
+    gathers_per_step,
+    links,
+    node_links,
+    overlap_window,
+)
+
+LINK_GBPS = Bound(0, 1e6, above=True, means="Gbit/s between nodes, each direction")
+LINK_LATENCY_MS = Bound(0, 60_000, means="milliseconds, one way")
+
+
+@dataclass(frozen=True)
+class Network:
+    """The link between nodes: what one node sends to the others per second in each direction
+    (a ring all-reduce across nodes gets all of it), and its one-way latency."""
+
+    gbps: float
+    latency_ms: float | None = None
+    """None: the hardware's own latency across nodes."""
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes/s."""
+        return self.gbps * 1e9 / 8
+
+    def apply(self, hardware: Hardware) -> Hardware:
+        """`hardware` with this network between its nodes. A message across pays the network's
+        latency on top of the collective library's own (the hardware's latency inside a node);
+        a link faster than the node's own is limited by the node's."""
+        latency = hardware.inter_latency
+        if self.latency_ms is not None:
+            latency = hardware.intra_latency + self.latency_ms / 1e3
+        return replace(
+            hardware,
+            inter_bandwidth=min(self.bandwidth, hardware.intra_bandwidth),
+            inter_latency=latency,
+        )
+
+    def describe(self) -> str:
+        latency = "" if self.latency_ms is None else f", {self.latency_ms:g} ms one way"
+        return f"{self.gbps:g} Gbit/s each direction{latency}"
+
+
+def parse_link(text: str, label: str = "--link") -> Network:
+    """`GBPS` or `GBPS,LATENCY_MS` as typed; ConfigError naming `label` and what it takes."""
+    fields = text.split(",")
+    try:
+        if len(fields) > 2:
+            raise ConfigError("more than two fields")
+        gbps = float(LINK_GBPS.parse(fields[0].strip(), label))
+        latency = None
+        if len(fields) == 2:
+            latency = float(LINK_LATENCY_MS.parse(fields[1].strip(), label))
+    except ConfigError:
+        raise ConfigError(
+            f"{label} {shown(text)}: must be {LINK_GBPS.allowed()} ({LINK_GBPS.means}), "
+            f"optionally followed by a comma and {LINK_LATENCY_MS.allowed()} "
+            f"({LINK_LATENCY_MS.means}), e.g. {label} 100,0.01"
+        ) from None
+    return Network(gbps, latency)
+
+
+Compression = Literal["none", "bf16", "fp16", "int8", "powersgd"]
+SyncKind = Literal["every_step", "local_sgd", "diloco"]
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One way to synchronise data-parallel ranks, as a job file's keys choose it."""
+
+    compression: Compression = "none"
+    """`parallel.grad_compression`, or for diloco `train.outer_compression`."""
+    hierarchical: bool = False
+    sync: SyncKind = "every_step"
+    sync_every: int = 16
+    powersgd_rank: int = 2
+
+    def name(self) -> str:
+        """What tells it apart: e.g. `ddp`, `hierarchical + powersgd r=4`, `diloco H=16 + int8`."""
+        if self.sync != "every_step":
+            rest = [] if self.compression == "none" else [self.compression]
+            return " + ".join([f"{self.sync} H={self.sync_every}", *rest])
+        parts = ["hierarchical"] if self.hierarchical else []
+        if self.compression == "powersgd":
+            parts.append(f"powersgd r={self.powersgd_rank}")
+        elif self.compression != "none":
+            parts.append(self.compression)
+        return " + ".join(parts) or "ddp"
+
+
+DDP = Mode()
+CODEC_PASSES: dict[str, float] = {"none": 0, "bf16": 16, "fp16": 16, "int8": 50, "powersgd": 15}
+"""Bytes read or written per byte of gradients by each codec's element-wise work, counted from
+comm/compression.py and comm/powersgd.py with error feedback on (adding the residual, casting or
+quantising and back, keeping what was lost, averaging), at memory bandwidth: where the hardware
+has no measured codec rate (`Hardware.half_codec_rate`, `int8_codec_rate`; on a CPU core the
+casts and rounding run 4–7 times slower than these passes would). PowerSGD's three matrix
+multiplies add 6·r FLOPs per matrix element at the hardware's rate."""
+SYNC_PASSES = {"local_sgd": 6, "diloco": 20}
+"""Likewise per byte of fp32 parameters at each synchronisation: local SGD flattens, averages
+and copies back; DiLoCo also forms the change, steps its outer Nesterov SGD and copies."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a layout's data-parallel group sits: `ranks` of them, `per_node` on each node
+    (tensor-parallel ranks innermost, as timing.py places them)."""
+
+    ranks: int
+    per_node: int
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.ranks / self.per_node)
+
+
+def placement(layout: Layout, hardware: Hardware) -> Placement:
+    per_node = max(1, min(layout.dp, hardware.gpus_per_node // layout.tp))
+    return Placement(layout.dp, per_node)
+
+
+@dataclass(frozen=True)
+class Tensors:
+    """The model's trainable tensors, by shape (for PowerSGD's factors and int8's scales)."""
+
+    shapes: tuple[tuple[int, ...], ...]
+
+    @property
+    def elements(self) -> int:
+        return max(1, sum(math.prod(s) for s in self.shapes))
+
+    def powersgd(self, rank: int) -> tuple[int, int, int]:
+        """Numbers in P, in Q, and sent uncompressed: comm/powersgd.py's `_compressible`."""
+        p = q = plain = 0
+        for shape in self.shapes:
+            if len(shape) < 2:
+                plain += math.prod(shape)
+                continue
+            n, m = shape[0], math.prod(shape[1:])
+            r = min(rank, n, m)
+            if r * (n + m) <= n * m:
+                p, q = p + r * n, q + r * m
+            else:
+                plain += n * m
+        return p, q, plain
+
+    def int8(self, ranks: int) -> tuple[int, int]:
+        """Int8's all-to-all payload over `ranks`: each tensor padded to `ranks` equal chunks,
+        one byte a value; and one fp32 scale per chunk of each tensor."""
+        values = sum(ranks * math.ceil(math.prod(s) / ranks) for s in self.shapes)
+        return values, 4 * ranks * len(self.shapes)
+
+
+def transformer_tensors(model: Transformer) -> Tensors:
+    """The built-in GPT's tensors (models/gpt.py): per layer q, k, v and the projection (h × h)
+    and the MLP (f × h, h × f) with biases, two layer norms; token and position embeddings, the
+    final norm, and the output layer when untied."""
+    h, f = model.hidden, model.ffn_size
+    layer = [(h, h)] * 4 + [(h,)] * 4 + [(f, h), (f,), (h, f), (h,)] + [(h,)] * 4
+    rest = [(model.vocab, h), (model.seq, h), (h,), (h,)]
+    rest += [] if model.tied_embeddings else [(model.vocab, h)]
+    return Tensors(tuple(layer * model.layers + rest))
+
+
+@dataclass(frozen=True)
+class Group:
+    """Ranks that run one collective together, and the link its slowest step crosses."""
+
+    ranks: int
+    per_node: int
+    link: Link
+
+    @property
+    def crosses(self) -> bool:
+        return self.ranks > self.per_node
+
+
+@dataclass
+class Traffic:
+    """One step of a mode: bytes rank 0 sends, bytes each node sends to the others, seconds."""
+
+    sent: float = 0.0
+    across: float = 0.0
+    seconds: float = 0.0
+
+    def ring(self, nbytes: float, group: Group, steps: int) -> None:
+        """A ring collective of `steps` × (n−1) steps, each rank sending `nbytes`/n a step."""
+        n = group.ranks
+        if n <= 1 or nbytes <= 0:
+            return
+        volume = steps * (n - 1) / n * nbytes
+        self.sent += volume
+        self.across += volume if group.crosses else 0.0
+
+    def all_reduce(self, nbytes: float, group: Group) -> None:
+        self.ring(nbytes, group, 2)
+        self.seconds += all_reduce(nbytes, group.ranks, group.link)
+
+    def all_gather(self, nbytes: float, group: Group) -> None:
+        self.ring(nbytes, group, 1)
+        self.seconds += all_gather(nbytes, group.ranks, group.link)
+
+    def all_to_all(self, nbytes: float, group: Group) -> None:
+        """Each rank sends `nbytes`/n to every other; a node's k ranks send k(n−k)/n·`nbytes`
+        across its link together."""
+        n, k = group.ranks, group.per_node
+        if n <= 1 or nbytes <= 0:
+            return
+        self.sent += (n - 1) / n * nbytes
+        self.across += k * (n - k) / n * nbytes
+        busiest = max(n - 1, k * (n - k)) / n * nbytes
+        self.seconds += (n - 1) * group.link.latency + busiest / group.link.bandwidth
+
+    def inside_node(self, nbytes: float, ranks: int, link: Link, *, leader_sends: bool) -> None:
+        """A reduce to the leader or a broadcast from it, pipelined along the node's ranks."""
+        if ranks <= 1 or nbytes <= 0:
+            return
+        self.sent += nbytes if leader_sends else 0.0
+        self.seconds += (ranks - 1) * link.latency + nbytes / link.bandwidth
+
+    def scaled(self, factor: float) -> Traffic:
+        return Traffic(self.sent * factor, self.across * factor, self.seconds * factor)
+
+
+@dataclass(frozen=True)
+class ModeCost:
+    mode: Mode
+    sent: float = 0.0
+    """Bytes rank 0 sends per step (comm/'s `comm/bytes_per_step`)."""
+    across: float = 0.0
+    """Bytes each node sends to the other nodes per step, each direction of its link."""
+    comm: float = 0.0
+    """Seconds of the mode's collectives per step (amortised over H for local SGD, DiLoCo)."""
+    exposed: float = 0.0
+    """Seconds the step waits for them and for the codec's work."""
+    step: float = 0.0
+    why_not: str = ""
+    """Why the mode does not apply to this layout ("" where it does)."""
+
+    @property
+    def applies(self) -> bool:
+        return not self.why_not
+
+
+@dataclass(frozen=True)
+class Comparison:
+    placement: Placement
+    costs: list[ModeCost]
+
+    @property
+    def baseline(self) -> ModeCost:
+        return self.costs[0]
+
+    def fastest(self) -> ModeCost | None:
+        return min((c for c in self.costs if c.applies), key=lambda c: c.step, default=None)
+
+
+def modes(rank: int = 2, every: int = 16, job: Mode | None = None) -> list[Mode]:
+    """ddp first, then every mode of comm/ worth comparing (fp16 sends what bf16 does: listed
+    only as a job's own), the job's own mode last if it is none of them."""
+    found = [
+        DDP,
+        Mode("bf16"),
+        Mode("int8"),
+        Mode("powersgd", powersgd_rank=rank),
+        Mode(hierarchical=True),
+        Mode("bf16", hierarchical=True),
+        Mode("int8", hierarchical=True),
+        Mode("powersgd", hierarchical=True, powersgd_rank=rank),
+        Mode(sync="local_sgd", sync_every=every),
+        Mode(sync="diloco", sync_every=every),
+        Mode("bf16", sync="diloco", sync_every=every),
+        Mode("int8", sync="diloco", sync_every=every),
+    ]
+    if job is not None and job.name() not in {m.name() for m in found}:
+        found.append(job)
+    return found
+
+
+def job_mode(mode: Mode, *, auto: bool, layout: Layout, hardware: Hardware) -> Mode:
+    """A job's mode with `parallel.hierarchical = "auto"` resolved as comm/hierarchical.py does:
+    on where DDP's ranks span several nodes and some node holds more than one of them."""
+    where = placement(layout, hardware)
+    ddp = layout.zero == 0 and layout.tp == 1 and layout.pp == 1 and mode.sync == "every_step"
+    if auto and ddp and where.nodes > 1 and where.per_node > 1:
+        return replace(mode, hierarchical=True)
+    return mode
+
+
+def compare(
+    model: Transformer,
+    layout: Layout,
+    precision: Precision,
+    hardware: Hardware,
+    time: StepTime,
+    *,
+    tensors: Tensors | None = None,
+    job: Mode | None = None,
+) -> Comparison:
+    """Every mode of `modes` on `layout` (whose step time is `time`), ddp first."""
+    rank = job.powersgd_rank if job else 2
+    every = job.sync_every if job else 16
+    where = placement(layout, hardware)
+    shapes = tensors or transformer_tensors(model)
+    costs = [
+        _cost(mode, model, layout, precision, hardware, time, where, shapes)
+        for mode in modes(rank, every, job)
+    ]
+    return Comparison(where, costs)
+
+
+def _cost(
+    mode: Mode,
+    model: Transformer,
+    layout: Layout,
+    precision: Precision,
+    hardware: Hardware,
+    time: StepTime,
+    where: Placement,
+    tensors: Tensors,
+) -> ModeCost:
+    why_not = _why_not(mode, layout, where)
+    if why_not:
+        return ModeCost(mode, why_not=why_not)
+    psi = model.stage_params(layout.pp, layout.tp)
+    rest = time.total - time.exposed
+    dp_link = links(layout, hardware)[1]
+    intra, inter = node_links(hardware)
+    flat = Group(where.ranks, where.per_node, dp_link)
+    wrapped = layout.zero > 0 or layout.tp > 1 or layout.pp > 1
+    if mode.sync != "every_step":
+        traffic, passes = _occasional(mode, psi, flat, hardware, tensors)
+        exposed = traffic.seconds + passes
+    else:  # every step: the collectives overlap backward, the codec's work does not
+        hidden = overlap_window(time.compute, layout, hardware)
+        if wrapped or mode.name() == "ddp":  # DDP's own all-reduce, or FSDP2's reduction
+            reduce_bytes = min(precision.grad, 2) if mode.compression in ("bf16", "fp16") else None
+            traffic, work = _wrapper(psi, layout, precision, flat, reduce_bytes), 0.0
+        else:  # DDP's comm hook, on shardwise's communication thread
+            grads, leaders = psi * precision.grad, Group(where.nodes, 1, inter)
+            traffic = _hooked(mode, grads, precision.grad, flat, leaders, intra, where, tensors)
+            work = _codec_seconds(mode, psi, precision.grad, hardware, tensors)
+        exposed = max(0.0, traffic.seconds - hidden) + work
+    return ModeCost(
+        mode,
+        sent=traffic.sent,
+        across=traffic.across,
+        comm=traffic.seconds,
+        exposed=exposed,
+        step=rest + exposed,
+    )
+
+
+def _why_not(mode: Mode, layout: Layout, where: Placement) -> str:
+    ddp = layout.zero == 0 and layout.tp == 1 and layout.pp == 1
+    if layout.dp <= 1:
+        return "one data-parallel rank: nothing to synchronise"
+    if mode.sync != "every_step" and layout.zero > 0:
+        return "keeps a whole replica on every rank: ZeRO 0 only"
+    if (
+        mode.sync == "every_step"
+        and not ddp
+        and (mode.hierarchical or mode.compression in ("int8", "powersgd"))
+    ):
+        return "a DDP comm hook: this layout reduces with FSDP2 (bf16 or fp16 its one lever)"
+    if mode.hierarchical and where.nodes == 1:
+        return "the data-parallel ranks share one node"
+    if mode.hierarchical and where.per_node == 1:
+        return "one data-parallel rank per node: the flat ring already sends one copy across"
+    return ""
+
+
+def _wrapper(
+    psi: float, layout: Layout, precision: Precision, flat: Group, reduce_bytes: float | None
+) -> Traffic:
+    """The layout's own every-step reduction, as timing.data_parallel_comm times it."""
+    grads = psi * (precision.grad if reduce_bytes is None else reduce_bytes)
+    seconds = data_parallel_comm(psi, layout, precision, flat.link, reduce_bytes=reduce_bytes)
+    traffic = Traffic(seconds=seconds)
+    if layout.zero == 0:
+        traffic.ring(grads, flat, 2)
+        return traffic
+    gathers = 1 if layout.zero < 3 else gathers_per_step(layout)
+    traffic.ring(grads, flat, 1)
+    traffic.ring(gathers * psi * precision.param, flat, 1)
+    return traffic
+
+
+def _hooked(
+    mode: Mode,
+    grads: float,
+    value_bytes: int,
+    flat: Group,
+    leaders: Group,
+    intra: Link,
+    where: Placement,
+    tensors: Tensors,
+) -> Traffic:
+    """DDP's comm hook: each sum (PowerSGD: P, Q and the rest; otherwise the gradients) by the
+    mode's codec, across all ranks or through the nodes' leaders."""
+    if mode.compression == "powersgd":
+        scale = grads / tensors.elements
+        sums = [(n * scale, "none") for n in tensors.powersgd(mode.powersgd_rank)]
+    else:
+        sums = [(grads, str(mode.compression))]
+    traffic = Traffic()
+    for nbytes, codec in sums:
+        if not mode.hierarchical:
+            _codec(traffic, codec, nbytes, value_bytes, flat, tensors)
+            continue
+        traffic.inside_node(nbytes, where.per_node, intra, leader_sends=False)
+        _codec(traffic, codec, nbytes, value_bytes, leaders, tensors)
+        traffic.inside_node(nbytes, where.per_node, intra, leader_sends=True)
+    return traffic
+
+
+def _codec(
+    traffic: Traffic, codec: str, nbytes: float, value_bytes: int, group: Group, tensors: Tensors
+) -> None:
+    """One sum of `nbytes` (values of `value_bytes` each) over `group`, as comm/compression.py's
+    codecs send it."""
+    if codec in ("bf16", "fp16"):
+        traffic.all_reduce(nbytes * min(value_bytes, 2) / value_bytes, group)
+    elif codec == "int8":
+        values, scales = tensors.int8(group.ranks)
+        scale = nbytes / value_bytes / tensors.elements
+        for payload in (values * scale, scales):  # the 8-bit values, then their scales
+            traffic.all_to_all(payload, group)
+            traffic.all_gather(payload, group)
+    else:
+        traffic.all_reduce(nbytes, group)
+
+
+def _codec_seconds(
+    mode: Mode, psi: float, value_bytes: int, hardware: Hardware, tensors: Tensors
+) -> float:
+    """The codec's own work on `psi` gradient values: at the hardware's measured codec rate
+    where calibrated, else its element-wise passes at memory bandwidth; and PowerSGD's matrix
+    products."""
+    nbytes = psi * value_bytes
+    half, int8 = hardware.half_codec_rate, hardware.int8_codec_rate
+    rate = {"bf16": half, "fp16": half, "int8": int8}.get(mode.compression)
+    if rate is not None:
+        return nbytes / rate
+    seconds = CODEC_PASSES[mode.compression] * nbytes / hardware.memory_bandwidth
+    if mode.compression == "powersgd":
+        matrices = tensors.elements - tensors.powersgd(mode.powersgd_rank)[2]
+        flops = 6 * mode.powersgd_rank * matrices * psi / tensors.elements
+        seconds += flops / flops_rate(hardware)
+    return seconds
+
+
+def _occasional(
+    mode: Mode, psi: float, flat: Group, hardware: Hardware, tensors: Tensors
+) -> tuple[Traffic, float]:
+    """Local SGD's or DiLoCo's all-reduce of the fp32 parameters every H steps, per step; and
+    the seconds of their element-wise work per step."""
+    params = psi * 4
+    traffic = Traffic()
+    _codec(traffic, str(mode.compression), params, 4, flat, tensors)
+    work = SYNC_PASSES[mode.sync] * params / hardware.memory_bandwidth
+    work += _codec_seconds(mode, psi, 4, hardware, tensors)  # DiLoCo's outer compression
+    return traffic.scaled(1 / mode.sync_every), work / mode.sync_every
