@@ -151,6 +151,19 @@ def test_powersgd_at_full_rank_reproduces_the_mean_gradient():
         assert max(errors) < 1e-5, errors
 
 
+def test_fsdp_reduces_in_bf16_when_asked(tmp_path):
+    """Under FSDP2 compression is the reduce-scatter's precision (MixedPrecisionPolicy's
+    reduce_dtype): half the gradient bytes, the same training within bf16's rounding."""
+    sharded = {"dp_shard": 2, "dp_replicate": 1}
+    want = train(tmp_path / "fp32", parallel=sharded)
+    got = train(tmp_path / "bf16", parallel={**sharded, "grad_compression": "bf16"})
+    assert got[0] == pytest.approx(want[0], rel=1e-2)
+    assert got[0] != want[0]  # the reduction did run in bf16
+    fp32, bf16 = comm_metrics(tmp_path / "fp32"), comm_metrics(tmp_path / "bf16")
+    # per step: the gradients' reduce-scatter (halved) and the parameters' all-gather (not)
+    assert bf16["comm/bytes_per_step"] == pytest.approx(fp32["comm/bytes_per_step"] * 0.75)
+
+
 NO_CLIP = {"grad_clip": 0.0}  # a worker clips its own gradient, DDP the mean: only equal unclipped
 
 
@@ -259,6 +272,10 @@ def test_every_mode_runs_across_two_machines(tmp_path):
         flat = _across_two_machines(tmp_path, "flat", a, b, parallel={"hierarchical": False})
         two_level = _across_two_machines(tmp_path, "two-level", a, b)  # auto: on
         int8 = _across_two_machines(tmp_path, "int8", a, b, parallel={"grad_compression": "int8"})
+        powersgd = {"grad_compression": "powersgd", "powersgd_start_step": 2}
+        _across_two_machines(tmp_path, "powersgd", a, b, parallel=powersgd)
+        local = {"sync": "local_sgd", "sync_every": 2}
+        _across_two_machines(tmp_path, "local_sgd", a, b, train=local)
         diloco = {"sync": "diloco", "sync_every": 2}
         _across_two_machines(tmp_path, "diloco", a, b, train=diloco)
         _across_two_machines(tmp_path, "async", a, b, train={"sync": "async"})
@@ -267,11 +284,13 @@ def test_every_mode_runs_across_two_machines(tmp_path):
         torch.testing.assert_close(two_level[1][name], value, rtol=RTOL, atol=ATOL)
     crossing = {
         n: comm_metrics(tmp_path / n)["comm/inter_node_bytes_per_step"]
-        for n in ("flat", "two-level", "int8", "diloco")
+        for n in ("flat", "two-level", "int8", "powersgd", "local_sgd", "diloco")
     }
     # a ring over 4 ranks carries 1.5 × the gradients off each node, the leaders' 2-rank ring 1 ×
     assert crossing["two-level"] == pytest.approx(crossing["flat"] / 1.5)
     assert crossing["int8"] < crossing["two-level"] / 3.5  # int8 values, a scale per chunk
     assert crossing["diloco"] < crossing["flat"] / 1.5  # parameters every 2 steps
+    assert crossing["local_sgd"] == crossing["diloco"]
+    assert crossing["powersgd"] < crossing["two-level"]
     assert int8[0][6] < int8[0][1]
     assert (tmp_path / "async" / "async_order.jsonl").exists()

@@ -56,13 +56,18 @@ class Traffic:
 
     def metrics(self) -> dict[str, float]:
         """The mean per step since this process started training (a mode that synchronises
-        every H steps sends in one step what this spreads over H)."""
+        every H steps sends in one step what this spreads over H). The compression ratio is
+        against fp32 all-reduce of every gradient every step: of the bytes this rank sent on
+        one machine, of the bytes that crossed between machines on several."""
         steps = max(self.steps, 1)
+        # across machines what matters is what crosses between them: fp32 DDP's ring sends
+        # `uncompressed` off each node, the same as each rank sends
+        paid = self.inter_node if self.spans_nodes else self.sent
         out = {
             "comm/bytes_per_step": self.sent / steps,
-            "comm/compression_ratio": self.uncompressed / self.sent if self.sent else 1.0,
+            "comm/compression_ratio": self.uncompressed / paid if paid else 1.0,
         }
-        if self.inter_node:
+        if self.spans_nodes:
             out["comm/inter_node_bytes_per_step"] = self.inter_node / steps
         return out
 
@@ -70,11 +75,12 @@ class Traffic:
 def gradient_bytes(parts: list[nn.Module]) -> int:
     """The fp32 bytes of every gradient this rank holds (its shard under FSDP)."""
     return sum(
-        _local(p).numel() * 4 for part in parts for p in part.parameters() if p.requires_grad
+        local_tensor(p).numel() * 4 for part in parts for p in part.parameters() if p.requires_grad
     )
 
 
-def _local(p: torch.Tensor) -> torch.Tensor:
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor (a DTensor's local shard), or the tensor itself."""
     to_local = getattr(p, "to_local", None)
     return to_local() if to_local is not None else p
 
@@ -142,3 +148,6 @@ class Sync:
 
     def metrics(self) -> dict[str, float]:
         return self.traffic.metrics()
+
+    def close(self) -> None:
+        """The run's last step is done (or it stops early, on SIGTERM): every rank calls this."""

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardwise.comm.base import Sync, gradient_bytes
+from shardwise.comm.base import Sync, gradient_bytes, local_tensor
 from shardwise.comm.compression import HALF, Int8
 
 Named = list[tuple[str, torch.Tensor]]
@@ -52,7 +52,7 @@ class LocalSGD(Sync):
         self.buffers: Named = [
             (n, b) for part in parts for n, b in part.named_buffers() if b.is_floating_point()
         ]
-        self._tensors = [_local(t) for _, t in self.params + self.buffers]
+        self._tensors = [local_tensor(t) for _, t in self.params + self.buffers]
         self._bytes = sum(t.numel() * t.element_size() for t in self._tensors)
         self._agree_on_start()
 
@@ -104,7 +104,7 @@ class LocalSGD(Sync):
         """Copies, not the live tensors: a checkpoint is loaded into this state and the run's
         model and optimizer are then set from the consensus before these are put back."""
         mine: dict[str, Any] = {
-            f"model.{n}": _local(t).detach().clone() for n, t in self.params + self.buffers
+            f"model.{n}": local_tensor(t).detach().clone() for n, t in self.params + self.buffers
         }
         for i, optimizer in enumerate(self.optimizers):
             for index, values in optimizer.state_dict()["state"].items():
@@ -118,7 +118,7 @@ class LocalSGD(Sync):
         mine = state.get(f"rank{rank}", {})
         for n, t in self.params + self.buffers:
             if f"model.{n}" in mine:
-                _local(t).copy_(mine[f"model.{n}"])
+                local_tensor(t).copy_(mine[f"model.{n}"])
         for i, optimizer in enumerate(self.optimizers):
             saved = optimizer.state_dict()
             for index, values in saved["state"].items():
@@ -144,7 +144,7 @@ class DiLoCo(LocalSGD):
     ) -> None:
         super().__init__(parts, group, every=every, optimizers=optimizers)
         self.compression = compression
-        self.outer_params = [_local(p).detach().clone() for _, p in self.params]
+        self.outer_params = [local_tensor(p).detach().clone() for _, p in self.params]
         self.outer = torch.optim.SGD(
             self.outer_params, lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0
         )
@@ -154,7 +154,7 @@ class DiLoCo(LocalSGD):
 
     @torch.no_grad()
     def agree(self) -> None:
-        locals_ = [_local(p) for _, p in self.params]
+        locals_ = [local_tensor(p) for _, p in self.params]
         delta = torch.cat(
             [(g - p.float()).flatten() for g, p in zip(self.outer_params, locals_, strict=True)]
         )
@@ -168,10 +168,10 @@ class DiLoCo(LocalSGD):
         for g, p in zip(self.outer_params, locals_, strict=True):
             p.copy_(g)
         if self.buffers:  # running statistics: averaged, as in local SGD
-            flat = torch.cat([_local(b).flatten().float() for _, b in self.buffers])
+            flat = torch.cat([local_tensor(b).flatten().float() for _, b in self.buffers])
             dist.all_reduce(flat, group=self.group)
             self.traffic.all_reduce(flat.numel() * 4, self.ranks)
-            _unflatten(flat.div_(self.ranks), [_local(b) for _, b in self.buffers])
+            _unflatten(flat.div_(self.ranks), [local_tensor(b) for _, b in self.buffers])
 
     def _mean(self, delta: torch.Tensor) -> torch.Tensor:
         """The ranks' mean change, sent as `compression` says."""
@@ -234,11 +234,6 @@ def _replaced(model_state: dict[str, Any], values: dict[str, torch.Tensor]) -> d
         elif old is not None:
             out[name] = value
     return out
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
 
 
 def _unflatten(flat: torch.Tensor, into: list[torch.Tensor]) -> None:

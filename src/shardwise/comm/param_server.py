@@ -167,11 +167,11 @@ class Server:
                     self.remaining -= 1
                     self.cond.notify_all()
                 continue
-            grad = torch.empty(sum(self.sizes))
+            grad = torch.empty(sum(self.sizes))  # messages travel through host memory (gloo)
             dist.recv(grad, src=worker, group=self.group, tag=GRADIENT)
             with self.cond:
                 self.waiting.append((worker, clock, bool(last)))
-            self.push(worker, clock, base, grad)
+            self.push(worker, clock, base, grad.to(self.params[0].device))
 
     def _send(self) -> None:
         while True:
@@ -193,7 +193,7 @@ class Server:
             if version is not None:
                 self.waiting.remove((w, c, last))
                 self._log(w, c, version)
-                answers.append((w, self._parameters(version).clone(), version))
+                answers.append((w, self._parameters(version).cpu(), version))
         return answers
 
     def close(self) -> None:
@@ -229,6 +229,7 @@ class AsyncSync(Sync):
             dist.broadcast(p.data, src=source, group=group)
         self.p2p = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
         self.base = 0  # the version this worker's parameters are
+        self.closed = False
         self.server: Server | None = None
         if self.rank == 0:
             self.server = Server(
@@ -267,10 +268,10 @@ class AsyncSync(Sync):
         else:
             header = torch.tensor([self.rank, clock, self.base, int(last)], dtype=torch.int64)
             dist.send(header, dst=0, group=self.p2p, tag=HEADER)
-            dist.send(grad, dst=0, group=self.p2p, tag=GRADIENT)
+            dist.send(grad.cpu(), dst=0, group=self.p2p, tag=GRADIENT)  # gloo: host memory
             message = torch.empty(grad.numel() + 1)
             dist.recv(message, src=0, group=self.p2p, tag=PARAMETERS)
-            flat, version = message[:-1], int(message[-1])
+            flat, version = message[:-1].to(grad.device), int(message[-1])
             self.traffic.sent += grad.numel() * 4
         self.base = version
         offset = 0
@@ -283,6 +284,10 @@ class AsyncSync(Sync):
             self.close()
 
     def close(self) -> None:
+        """Remote workers say goodbye; rank 0 waits for its server's threads to finish."""
+        if self.closed:
+            return
+        self.closed = True
         if self.server is not None:
             self.server.close()
         elif self.ranks > 1:
@@ -306,7 +311,12 @@ class AsyncSync(Sync):
 
     def consensus(self, model_state: dict[str, Any]) -> dict[str, Any]:
         """The server's parameters (broadcast from rank 0: every rank writes the same)."""
-        flat = self.server.flat() if self.server is not None else torch.empty(self._numel())
+        device = self.params[0].device
+        flat = (
+            self.server.flat()
+            if self.server is not None
+            else torch.empty(self._numel(), device=device)
+        )
         dist.broadcast(flat, src=dist.get_process_group_ranks(self.group)[0], group=self.group)
         names = [n for n, p in self.part.named_parameters() if p.requires_grad]
         out, offset = dict(model_state), 0

@@ -289,6 +289,7 @@ def loop(
                 "--resume auto continues exactly"
             )
             break
+    run.sync.close()
     _wait_for_saves(run)
     if steps > start and preempted_at is None:
         progress.memory = report.memory(run, reporter, steps, final=True)
