@@ -271,7 +271,6 @@ def loop(
     preempted_at = None
     for step in range(start + 1, steps + 1):
         watchdog.started(step)
-        run.faults.before_step(step)
         _step(run, step, progress, reporter, health)
         stop = _health(run, step, reporter, health)
         _log(run, step, progress, reporter)
@@ -308,8 +307,10 @@ def _nothing_left(run: Run, reporter: report.Reporter, progress: Progress) -> No
 def _step(
     run: Run, step: int, progress: Progress, reporter: report.Reporter, health: RankHealth
 ) -> None:
-    """One training step, timed for the straggler check and the pipeline bubble."""
+    """One training step, timed for the straggler check and the pipeline bubble (an injected
+    delay counts as this rank's own work, as a slow rank's would)."""
     began = time.perf_counter()
+    run.faults.before_step(step)
     batch = run.loader.next_step()
     fetched, run.forward_seconds = time.perf_counter() - began, 0.0
     loss, grad_norm, applied = train_step(run, batch, step=step)
