@@ -99,6 +99,7 @@ class Sync:
         self.traffic = Traffic()
         self._full = gradient_bytes(parts)
         self._reduce_bytes = reduce_bytes
+        self._per_part = [gradient_bytes([part]) for part in parts]  # counted once, not per step
 
     def micro_batch(
         self, part: nn.Module, *, last: bool, step: int
@@ -123,13 +124,13 @@ class Sync:
         """One step's traffic (the wrappers' collectives, which no hook of ours sees)."""
         self.traffic.steps += 1
         self.traffic.uncompressed += 2 * (self.ranks - 1) / self.ranks * self._full
-        for part in self.parts:
+        for part, nbytes in zip(self.parts, self._per_part, strict=True):
             if isinstance(part, DistributedDataParallel):
-                self.traffic.all_reduce(gradient_bytes([part]), self.ranks)
+                self.traffic.all_reduce(nbytes, self.ranks)
             elif isinstance(part, FSDPModule):
                 # the shard's gradients were reduce-scattered from the whole (× ranks), and the
                 # parameters gathered for forward (and again for backward when resharded)
-                whole = gradient_bytes([part]) * self.ranks
+                whole = nbytes * self.ranks
                 self.traffic.scatter_or_gather(whole * self._reduce_bytes / 4, self.ranks)
                 self.traffic.scatter_or_gather(whole, self.ranks)
 

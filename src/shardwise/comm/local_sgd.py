@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardwise.comm.base import Sync, gradient_bytes, local_tensor
+from shardwise.comm.base import Sync, local_tensor
 from shardwise.comm.compression import HALF, Int8
 
 Named = list[tuple[str, torch.Tensor]]
@@ -77,7 +77,7 @@ class LocalSGD(Sync):
                 scaler.step(optimizer)
             scaler.update()
         self.traffic.steps += 1
-        self.traffic.uncompressed += 2 * (self.ranks - 1) / self.ranks * gradient_bytes(self.parts)
+        self.traffic.uncompressed += 2 * (self.ranks - 1) / self.ranks * self._full
         if step % self.every == 0:
             self.agree()
 

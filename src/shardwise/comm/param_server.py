@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.comm.base import Sync, gradient_bytes
+from shardwise.comm.base import Sync
 
 HEADER, GRADIENT, PARAMETERS = 1, 2, 3  # message tags
 BYE = -1
@@ -279,7 +279,7 @@ class AsyncSync(Sync):
             p.copy_(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
         self.traffic.steps += 1
-        self.traffic.uncompressed += 2 * (self.ranks - 1) / self.ranks * gradient_bytes(self.parts)
+        self.traffic.uncompressed += 2 * (self.ranks - 1) / self.ranks * self._full
         if last:
             self.close()
 
