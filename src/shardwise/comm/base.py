@@ -15,6 +15,7 @@ counted.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +84,14 @@ def local_tensor(p: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor (a DTensor's local shard), or the tensor itself."""
     to_local = getattr(p, "to_local", None)
     return to_local() if to_local is not None else p
+
+
+def start_together(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Every rank of `group` takes its first rank's values (DDP does this when it wraps; the
+    modes without a wrapper do it here)."""
+    source = dist.get_process_group_ranks(group)[0]
+    for t in tensors:
+        dist.broadcast(t.data, src=source, group=group)
 
 
 class Sync:

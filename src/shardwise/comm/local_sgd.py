@@ -29,8 +29,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardwise.comm.base import Sync, local_tensor
-from shardwise.comm.compression import HALF, Int8
+from shardwise.comm.base import Sync, local_tensor, start_together
+from shardwise.comm.compression import HALF, Codec, Half, Int8
 
 Named = list[tuple[str, torch.Tensor]]
 
@@ -53,14 +53,7 @@ class LocalSGD(Sync):
             (n, b) for part in parts for n, b in part.named_buffers() if b.is_floating_point()
         ]
         self._tensors = [local_tensor(t) for _, t in self.params + self.buffers]
-        self._bytes = sum(t.numel() * t.element_size() for t in self._tensors)
-        self._agree_on_start()
-
-    def _agree_on_start(self) -> None:
-        """Every rank starts from rank 0's parameters (DDP does this when it wraps)."""
-        source = dist.get_process_group_ranks(self.group)[0]
-        for t in self._tensors:
-            dist.broadcast(t.data, src=source, group=self.group)
+        start_together(self._tensors, group)
 
     def micro_batch(
         self, part: nn.Module, *, last: bool, step: int
@@ -84,19 +77,21 @@ class LocalSGD(Sync):
     @torch.no_grad()
     def agree(self) -> None:
         """Average the parameters and buffers over the data-parallel ranks."""
+        _unflatten(self._average(count=True), self._tensors)
+
+    def _average(self, *, count: bool) -> torch.Tensor:
+        """The ranks' mean of every parameter and buffer, flat (`count`: as traffic; a
+        checkpoint's consensus is not training's)."""
         flat = torch.cat([t.detach().flatten().float() for t in self._tensors])
         dist.all_reduce(flat, group=self.group)
-        self.traffic.all_reduce(flat.numel() * 4, self.ranks)
-        flat.div_(self.ranks)
-        _unflatten(flat, self._tensors)
+        if count:
+            self.traffic.all_reduce(flat.numel() * 4, self.ranks)
+        return flat.div_(self.ranks)
 
     @torch.no_grad()
     def consensus(self, model_state: dict[str, Any]) -> dict[str, Any]:
-        flat = torch.cat([t.detach().flatten().float() for t in self._tensors])
-        dist.all_reduce(flat, group=self.group)
-        flat.div_(self.ranks)
         copies = [torch.empty_like(t) for t in self._tensors]
-        _unflatten(flat, copies)
+        _unflatten(self._average(count=False), copies)
         names = [n for n, _ in self.params + self.buffers]
         return _replaced(model_state, dict(zip(names, copies, strict=True)))
 
@@ -174,20 +169,16 @@ class DiLoCo(LocalSGD):
             _unflatten(flat.div_(self.ranks), [local_tensor(b) for _, b in self.buffers])
 
     def _mean(self, delta: torch.Tensor) -> torch.Tensor:
-        """The ranks' mean change, sent as `compression` says."""
+        """The ranks' mean change, sent by the codec `compression` names (compression.py)."""
+        codec: Codec
         if self.compression == "int8":
             codec = Int8(self)
             codec.sizes = [g.numel() for g in self.outer_params]
-            total, _ = codec(delta, self.group, self.ranks)
         elif self.compression in HALF:
-            low = delta.to(HALF[self.compression])
-            dist.all_reduce(low, group=self.group)
-            self.traffic.all_reduce(low.numel() * low.element_size(), self.ranks)
-            total = low.float()
+            codec = Half(self, HALF[self.compression])
         else:
-            dist.all_reduce(delta, group=self.group)
-            self.traffic.all_reduce(delta.numel() * 4, self.ranks)
-            total = delta
+            codec = Codec(self)
+        total, _ = codec(delta, self.group, self.ranks)
         return total.div_(self.ranks)
 
     def consensus(self, model_state: dict[str, Any]) -> dict[str, Any]:

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.comm.base import Sync
+from shardwise.comm.base import Sync, start_together
 
 HEADER, GRADIENT, PARAMETERS = 1, 2, 3  # message tags
 BYE = -1
@@ -224,9 +224,7 @@ class AsyncSync(Sync):
         self.params = [p for p in self.part.parameters() if p.requires_grad]
         self.steps, self.staleness = steps, staleness
         self.rank = dist.get_rank(group)
-        source = dist.get_process_group_ranks(group)[0]
-        for p in self.params:  # every worker starts from rank 0's parameters
-            dist.broadcast(p.data, src=source, group=group)
+        start_together(self.params, group)
         self.p2p = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
         self.base = 0  # the version this worker's parameters are
         self.closed = False
