@@ -41,6 +41,7 @@ def test_digits_job_trains_tracks_and_resumes(tmp_path):
     done = shardwise(*job)
     assert done.returncode == 0, done.stderr
     assert "derived: world size 2" in done.stdout
+    assert "Warning" not in done.stdout + done.stderr  # a clean run prints none
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["metrics"]["eval/accuracy"] >= 0.95
     assert summary["step"] == 300

@@ -92,8 +92,8 @@ class Int8(Codec):
         lost[dist.get_rank(group)] += (part - dequantize(q2, scale2, widths))[0]
         all_q = torch.empty(ranks, q2.shape[1], dtype=torch.int8, device=flat.device)
         all_scale = torch.empty(ranks, scale2.shape[1], dtype=scale.dtype, device=flat.device)
-        dist.all_gather_into_tensor(all_q, q2, group=group)
-        dist.all_gather_into_tensor(all_scale, scale2, group=group)
+        dist.all_gather_single(all_q, q2, group=group)
+        dist.all_gather_single(all_scale, scale2, group=group)
         payload = q.numel() + scale.numel() * 4  # int8 values and a scale per chunk
         self.traffic.scatter_or_gather(payload, ranks)
         self.traffic.scatter_or_gather(payload, ranks)

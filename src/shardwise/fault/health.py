@@ -73,7 +73,7 @@ class RankHealth:
         world = dist.get_world_size()
         sent = torch.tensor([own, step, 1.0 if self._signalled else 0.0], dtype=torch.float64)
         gathered = torch.empty(world * 3, dtype=torch.float64)
-        dist.all_gather_into_tensor(gathered, sent, group=self._group)
+        dist.all_gather_single(gathered, sent, group=self._group)
         seconds, steps, flags = gathered.view(world, 3).unbind(1)
         health = Health(stop=bool(flags.max() > 0))
         slowest = float(steps.max())

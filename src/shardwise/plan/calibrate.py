@@ -220,7 +220,7 @@ def _collective_seconds(rank: int, results: dict[Any, float]) -> None:
         whole, half = torch.zeros(size // 4), torch.zeros(size // 8)
         kinds: dict[str, Callable[[], object]] = {
             "all_reduce": lambda: dist.all_reduce(whole),  # noqa: B023
-            "all_gather": lambda: dist.all_gather_into_tensor(whole, half),  # noqa: B023
+            "all_gather": lambda: dist.all_gather_single(whole, half),  # noqa: B023
             "reduce_scatter": lambda: dist.reduce_scatter_single(half, whole),  # noqa: B023
         }
         for kind, collective in kinds.items():
