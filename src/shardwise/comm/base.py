@@ -99,6 +99,9 @@ class Sync:
     micro-batch; the optimizer then applies the same update on every rank."""
 
     name = "every_step"
+    meets_every_step = True
+    """Whether the ranks wait for each other every step (False: asynchronous updates, where
+    the trainer's own collectives are kept to the reporting steps)."""
 
     def __init__(
         self, parts: list[nn.Module], group: dist.ProcessGroup, *, reduce_bytes: int = 4

@@ -206,6 +206,7 @@ class AsyncSync(Sync):
     """A worker's side: push the gradient, pull a version, train on it."""
 
     name = "async"
+    meets_every_step = False
 
     def __init__(
         self,

@@ -85,6 +85,7 @@ def train(
         straggler_windows=config.fault.straggler_windows,
         every=config.tracking.log_every,
         interval_s=config.fault.check_interval_s,
+        adaptive=run.sync.meets_every_step,
     )
     watchdog = Watchdog(config.run_dir / "hangs", rank=run.rank, timeout_s=config.fault.timeout_s)
     try:
