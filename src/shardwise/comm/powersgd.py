@@ -80,10 +80,19 @@ class PowerSGDSync(CompressedSync):
             total, _ = self.topology.all_reduce(flat, Codec(self), self.traffic)
             return total.div_(self.ranks)
         params, grads = bucket.parameters(), bucket.gradients()
+        named = [(self.names[p], g) for p, g in zip(params, grads, strict=True)]
+        self.average(named)
+        out: torch.Tensor = bucket.buffer()
+        return out
+
+    def average(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Each gradient (named as its parameter) replaced in place by the ranks' mean: the
+        matrices' through their low-rank factors, the rest as they are; with error feedback,
+        what was lost last step added first and what is lost now kept. The hook's work, and
+        what `shardwise plan --calibrate` times."""
         matrices: list[tuple[str, torch.Tensor]] = []
         vectors: list[tuple[str, torch.Tensor]] = []
-        for p, g in zip(params, grads, strict=True):
-            name = self.names[p]
+        for name, g in named:
             if self.error_feedback:
                 g.add_(self.residuals[name])
             (matrices if name in self.qs else vectors).append((name, g))
@@ -98,8 +107,6 @@ class PowerSGDSync(CompressedSync):
                     self.residuals[name].zero_()
                 g.copy_(total[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
-        out: torch.Tensor = bucket.buffer()
-        return out
 
     def _low_rank(self, matrices: list[tuple[str, torch.Tensor]]) -> None:
         if not matrices:
