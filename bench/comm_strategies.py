@@ -265,8 +265,8 @@ def predict(job: Path, modes: dict[str, list[str]], link: dict[str, Any]) -> dic
 
 def shared_profile() -> Any:
     """This machine's calibrated profile with each rank's share of the cores: its per-core
-    rates (matrix multiplies, memory, the codecs) times cores / ranks, since the two nodes'
-    ranks share this machine's cores."""
+    rates (matrix multiplies, memory, the codecs) times cores / ranks, and its times (PowerSGD's
+    per matrix) divided by it, since the two nodes' ranks share this machine's cores."""
     from dataclasses import replace
 
     from shardwise.plan.hardware import THIS_MACHINE, lookup
@@ -274,6 +274,7 @@ def shared_profile() -> Any:
     profile = lookup(THIS_MACHINE)
     share = min(1.0, len(os.sched_getaffinity(0)) / (NPROC * NNODES))
     half, int8 = profile.half_codec_rate, profile.int8_codec_rate
+    powersgd, matrix = profile.powersgd_codec_rate, profile.powersgd_matrix_seconds
     return replace(
         profile,
         name=f"{THIS_MACHINE}-shared",
@@ -281,6 +282,8 @@ def shared_profile() -> Any:
         memory_bandwidth=profile.memory_bandwidth * share,
         half_codec_rate=half and half * share,
         int8_codec_rate=int8 and int8 * share,
+        powersgd_codec_rate=powersgd and powersgd * share,
+        powersgd_matrix_seconds=matrix and matrix / share,
         gpus_per_node=NPROC,
     )
 

@@ -29,6 +29,9 @@ def test_calibrate_then_plan_the_job_on_this_machine(tmp_path):
     for kind in ("all_gather", "reduce_scatter"):  # gloo's kinds, each measured
         assert profile[f"{kind}_latency"] > 0 and profile[f"{kind}_bandwidth"] > 1e7
     assert 0 < profile["tensor_parallel_efficiency"] <= 1
+    assert profile["half_codec_rate"] > 1e7 and profile["int8_codec_rate"] > 1e6
+    assert profile["powersgd_codec_rate"] > 1e7 and 0 < profile["powersgd_matrix_seconds"] < 0.1
+    assert "PowerSGD r=4" in calibrated.stdout + calibrated.stderr
     planned = subprocess.run(
         [SHARDWISE, "plan", "examples/text-gpt.toml", "--nproc", "2", "--json"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,

@@ -248,7 +248,9 @@ def test_a_calibrated_profile_keeps_every_measured_field(tmp_path, monkeypatch):
     measured = replace(
         PRESETS["l40s"], name="this-machine", all_gather_latency=2e-3, all_gather_bandwidth=5e8,
         reduce_scatter_latency=3e-3, reduce_scatter_bandwidth=4e8,
-        tensor_parallel_efficiency=0.8, runtime_memory=22 * 2**20, calibrated=True,
+        tensor_parallel_efficiency=0.8, runtime_memory=22 * 2**20, half_codec_rate=1e9,
+        int8_codec_rate=1e8, powersgd_codec_rate=6e8, powersgd_matrix_seconds=8e-5,
+        calibrated=True,
     )  # fmt: skip
     save_profile(measured)
     assert lookup("this-machine") == measured

@@ -187,6 +187,60 @@ def test_a_codec_costs_its_measured_rate_where_calibrated_else_its_passes():
     )
 
 
+def test_ddp_buckets_hold_1_mib_then_25_mib_from_the_last_tensor_back():
+    tensors = Tensors(((1024, 1024), (1000,), (512, 512), (64,), (2048, 4096), (8,)))
+    buckets = tensors.buckets(4)
+    assert [b.shapes for b in buckets] == [
+        ((8,), (2048, 4096)),  # reached 1 MiB
+        ((64,), (512, 512), (1000,), (1024, 1024)),  # the rest: under 25 MiB
+    ]
+    assert sum(b.elements for b in buckets) == tensors.elements
+    assert len(transformer_tensors(MODEL).buckets(4)) == 2  # 7.6 MB of fp32 gradients
+
+
+def test_every_bucket_runs_the_modes_collectives_and_pays_their_latency():
+    """On a link of (nearly) unlimited bandwidth a hooked mode's time is its latencies: one
+    all-reduce per bucket for bf16, three for PowerSGD (P, Q and the uncompressed rest)."""
+    fast, wide = Network(1e8, 5.0), replace(CPU, intra_bandwidth=1e16)
+    ring = 2 * (4 - 1) * fast.apply(wide).inter_latency  # a ring all-reduce's messages
+    for buckets, model in ((2, MODEL), (3, replace(MODEL, layers=16))):
+        assert len(transformer_tensors(model).buckets(4)) == buckets
+        by = costs(fast, hardware=wide, model=model, job=Mode("powersgd", powersgd_rank=4))
+        assert by["bf16"].comm == pytest.approx(buckets * ring, rel=0.01)
+        assert by["powersgd r=4"].comm == pytest.approx(3 * buckets * ring, rel=0.01)
+
+
+def test_powersgd_costs_its_calibrated_rate_and_time_per_matrix():
+    measured = replace(CPU, powersgd_codec_rate=5e8, powersgd_matrix_seconds=1e-4)
+    tensors = transformer_tensors(MODEL)
+    for rank in (2, 4, 8):
+        by = costs(SLOW, hardware=measured, job=Mode("powersgd", powersgd_rank=rank))
+        cost = by[f"powersgd r={rank}"]
+        matrices = (tensors.elements - tensors.powersgd(rank)[2]) * MODEL.params
+        flops = 6 * (rank - 4) * matrices / tensors.elements / (CPU.peak_flops * CPU.utilisation)
+        work = MODEL.params * 4 / 5e8 + tensors.compressed(rank) * 1e-4 + flops
+        assert cost.exposed - cost.comm == pytest.approx(work, rel=1e-9)
+    assert tensors.compressed(4) == 4 * 6 + 3  # q, k, v, projection and the MLP's two; embeddings
+
+
+def test_async_rank_0_serves_the_parameters_and_the_slower_side_paces_the_step():
+    by = costs(SLOW, job=Mode(sync="async", max_staleness=3))
+    params = MODEL.params * 4
+    served = by["async k=3"]
+    assert served.sent == pytest.approx(3 * params)  # to each other worker
+    assert served.across == pytest.approx(2 * params)  # the other node's two, each way
+    linked = SLOW.apply(CPU)
+    far = linked.inter_latency + params / linked.inter_bandwidth
+    near = linked.intra_latency + params / linked.intra_bandwidth
+    rest = by["ddp"].step - by["ddp"].exposed
+    assert served.step == pytest.approx(max(rest + 2 * far, 2 * far + near))
+    zero = costs(SLOW, job=Mode(sync="async", max_staleness=0))["async k=0"]
+    assert zero.step == pytest.approx(rest + 2 * far + near + far)  # waits for the last push
+    assert served.step > by["ddp"].step  # more bytes than a ring, on this balanced job
+    zero3 = costs(SLOW, Layout(dp=4, zero=3, micro_batch=4, microbatches=1))
+    assert "plain data parallelism" in zero3["async k=4"].why_not
+
+
 def test_modes_that_do_not_apply_say_why():
     zero3 = Layout(dp=4, zero=3, micro_batch=4, microbatches=1)
     by = costs(SLOW, zero3)
@@ -206,7 +260,7 @@ def test_a_jobs_own_mode_is_listed_once_by_what_tells_it_apart():
     time = step_time(MODEL, DP4, FP32, linked)
     plain = compare(MODEL, DP4, FP32, linked, time, job=Mode(sync_every=8, powersgd_rank=4))
     names = [c.mode.name() for c in plain.costs]
-    assert len(names) == len(set(names)) == 12
+    assert len(names) == len(set(names)) == 13
     assert "local_sgd H=8" in names and "powersgd r=4" in names  # the job's settings
     assert plain.baseline.step == pytest.approx(time.total, rel=1e-12)
     fp16 = compare(MODEL, DP4, FP32, linked, time, job=Mode("fp16", hierarchical=True))

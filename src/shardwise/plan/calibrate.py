@@ -23,6 +23,11 @@ caches and memory bandwidth, so one busy core alone is faster than each of two;
 - `half_codec_rate`, `int8_codec_rate`: fp32 gradient bytes per second through comm/'s bf16 and
   int8 codecs with error feedback, on the LAYER block's tensors, on every core at once (the
   codecs' own collectives on a group of one rank, which copy);
+- `powersgd_codec_rate`, `powersgd_matrix_seconds`: comm/powersgd.py's own work at rank
+  `POWERSGD_RANK` with error feedback (the factors, their orthonormalisation, the
+  approximation, what it lost), timed on two one-layer GPTs of the same tensors, widths 512 and
+  64, and split into a cost per gradient byte and one per compressed matrix (the small matrices
+  of a small model cost mostly the latter: a few dozen small operations each);
 - `memory`: RAM divided by the cores.
 """
 
@@ -38,12 +43,13 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from shardwise.plan.hardware import THIS_MACHINE, Hardware
+from shardwise.plan.hardware import POWERSGD_RANK, THIS_MACHINE, Hardware
 from shardwise.plan.timing import Link, all_reduce
 
 SIZES = [4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20, 32 << 20]
 LAYER = {"hidden": 512, "heads": 8, "seq": 128, "batch": 2}
 """The transformer layer measured (fp32)."""
+POWERSGD_WIDTHS = (512, 64)
 
 
 def _best_seconds(fn: Callable[[], object], repeats: int = 5, inner: int = 3) -> float:
@@ -104,10 +110,11 @@ def memory_bandwidth() -> float:
     return 3 * 4 * n / _best_seconds(lambda: torch.add(a, b, out=c))
 
 
-def codec_rates() -> tuple[float, float]:
+def codec_rates() -> tuple[float, float, float, float]:
     """fp32 gradient bytes per second through comm/'s bf16 and int8 codecs as a DDP hook runs
     them (the residual added, the codec, what was lost kept, the mean taken), on the LAYER
-    block's tensors; their collectives run on a process group of this one rank."""
+    block's tensors; then PowerSGD's bytes per second and seconds per matrix
+    (`powersgd_costs`). Their collectives run on a process group of this one rank."""
     import torch.distributed as dist
 
     from shardwise.comm.base import Sync
@@ -136,9 +143,40 @@ def codec_rates() -> tuple[float, float]:
 
                 return 4 * flat.numel() / _best_seconds(once)
 
-            return rate(Half(sync, torch.bfloat16)), rate(int8)
+            half, eight = rate(Half(sync, torch.bfloat16)), rate(int8)
+            return half, eight, *powersgd_costs(group)
         finally:
             dist.destroy_process_group()
+
+
+def powersgd_costs(group: Any) -> tuple[float, float]:
+    """comm/powersgd.py's `average` on every gradient of a one-layer GPT at each width of
+    POWERSGD_WIDTHS (the same tensors, so the same matrices: m of them), on `group` (one rank):
+    t = m·a + bytes / rate, solved for the rate (bytes/s) and a (seconds per matrix)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from shardwise.comm.hierarchical import Topology
+    from shardwise.comm.powersgd import PowerSGDSync
+    from shardwise.models.gpt import build_gpt
+
+    points = []
+    for width in POWERSGD_WIDTHS:
+        block = build_gpt(layers=1, heads=LAYER["heads"], hidden=width, seq_len=LAYER["seq"])
+        model = DistributedDataParallel(block, process_group=group)
+        topology = Topology(group=group, ranks=1)
+        sync = PowerSGDSync(
+            [model], group, topology, rank=POWERSGD_RANK, start_step=0, error_feedback=True, seed=0
+        )
+        try:
+            named = [(name, torch.randn_like(p)) for p, name in sync.names.items()]
+            seconds = _best_seconds(lambda: sync.average(named))  # noqa: B023
+        finally:
+            sync.close()
+        points.append((sum(4 * g.numel() for _, g in named), len(sync.qs), seconds))
+    (big, matrices, t_big), (small, _, t_small) = points
+    per_byte = max(0.0, (t_big - t_small) / (big - small))
+    per_matrix = max(0.0, (t_small - small * per_byte) / matrices)
+    return (1 / per_byte if per_byte > 0 else 1e18), per_matrix
 
 
 def _per_core_worker(rank: int, barrier: Any, results: Any, codecs: bool) -> None:
@@ -156,7 +194,7 @@ def per_core_rates(cores: int) -> tuple[float, float, float]:
 
 
 def _on_every_core(cores: int, *, codecs: bool) -> tuple[float, ...]:
-    """`per_core_rates`, and with `codecs` the bf16 and int8 codecs' rates after them."""
+    """`per_core_rates`, and with `codecs` the codecs' costs after them (`codec_rates`)."""
     with mp.Manager() as manager:
         barrier, results = manager.Barrier(cores), manager.dict()
         mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
@@ -309,11 +347,13 @@ def ram_bytes() -> int:
 def calibrate(progress: Callable[[str], None] = lambda line: None) -> Hardware:
     cores = len(os.sched_getaffinity(0))
     progress(f"matrix multiplies, a transformer layer and memory bandwidth on {cores} cores…")
-    peak, achieved, bandwidth, half, int8 = _on_every_core(cores, codecs=True)
+    peak, achieved, bandwidth, half, int8, powersgd, matrix = _on_every_core(cores, codecs=True)
     progress(
         f"  per core: {peak / 1e9:.1f} GFLOP/s matmul, {achieved / 1e9:.1f} GFLOP/s in a layer, "
-        f"{bandwidth / 1e9:.1f} GB/s, gradients through the bf16 codec {half / 1e9:.2f} GB/s and "
-        f"the int8 codec {int8 / 1e9:.2f} GB/s; collectives between two gloo ranks…"
+        f"{bandwidth / 1e9:.1f} GB/s, gradients through the bf16 codec {half / 1e9:.2f} GB/s, "
+        f"the int8 codec {int8 / 1e9:.2f} GB/s and PowerSGD r={POWERSGD_RANK} "
+        f"{powersgd / 1e9:.2f} GB/s + {matrix * 1e6:.0f} µs per matrix; collectives between "
+        "two gloo ranks…"
     )
     fits = collective_fits()
     progress(
@@ -343,5 +383,7 @@ def calibrate(progress: Callable[[str], None] = lambda line: None) -> Hardware:
         overlap=0.0,
         half_codec_rate=half,
         int8_codec_rate=int8,
+        powersgd_codec_rate=powersgd,
+        powersgd_matrix_seconds=matrix,
         calibrated=True,
     )

@@ -71,6 +71,12 @@ class Hardware:
     passes `network.CODEC_PASSES` counts."""
     int8_codec_rate: float | None = None
     """Likewise through the int8 codec (quantising per chunk, summing, quantising again)."""
+    powersgd_codec_rate: float | None = None
+    """Bytes of fp32 gradients per second through comm/powersgd.py's own work at rank
+    POWERSGD_RANK, beside a cost per matrix:"""
+    powersgd_matrix_seconds: float | None = None
+    """seconds of that work per compressed matrix, whatever its size (a few dozen small
+    operations). None (either): memory bandwidth over `network.CODEC_PASSES` and the FLOPs."""
     calibrated: bool = False
 
 
@@ -95,6 +101,8 @@ FIELDS: dict[str, Bound] = {
     "runtime_memory": Bound(0, 1e18, means="bytes"),
     "half_codec_rate": _RATE,
     "int8_codec_rate": _RATE,
+    "powersgd_codec_rate": _RATE,
+    "powersgd_matrix_seconds": _LATENCY,
 }
 """The range of each numeric field of `Hardware` (a file's, or a calibrated profile's)."""
 
@@ -121,6 +129,8 @@ PRESETS: dict[str, Hardware] = {
 }
 ALIASES = {"a100": "a100-80gb", "h100-sxm": "h100", "h100-80gb": "h100"}
 THIS_MACHINE = "this-machine"
+POWERSGD_RANK = 4
+"""The rank calibration times PowerSGD's work at (`powersgd_codec_rate`)."""
 
 
 def profile_path() -> Path:

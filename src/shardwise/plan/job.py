@@ -208,4 +208,6 @@ def mode_of(config: JobConfig) -> Mode | None:
             sync_every=train.sync_every,
             powersgd_rank=par.powersgd_rank,
         )
+    if train.sync == "async":
+        return Mode(sync="async", max_staleness=train.max_staleness)
     return None

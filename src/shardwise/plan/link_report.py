@@ -52,7 +52,8 @@ def modes_notes(plan: Plan, found: Comparison, *, job: bool) -> list[str]:
         f"overlap: every every-step mode's collectives hide behind backward up to the "
         f"hardware's overlap ({hidden:.0%} of it here; the compression and hierarchical hooks on "
         "shardwise's communication thread), a codec's own work does not; local SGD and DiLoCo "
-        "synchronise after the optimizer step: none of theirs hides"
+        "synchronise after the optimizer step: none of theirs hides; an async worker pushes and "
+        "pulls after its backward, and rank 0's server sends and receives one worker at a time"
     )
     skipped: dict[str, list[str]] = {}
     for cost in found.costs:

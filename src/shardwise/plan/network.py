@@ -25,7 +25,14 @@ gradients (e bytes per value: 4 in shardwise's jobs, whose parameters stay fp32 
   nodes, what the node's k ranks send to the others together, k(n−k)/n of the payload (more
   than one rank's (n−1)/n, which is what comm/ counts);
 - local_sgd, diloco: an fp32 all-reduce of the parameters every H = sync_every steps (diloco's
-  outer all-reduce optionally bf16 or int8), so everything ÷ H per step.
+  outer all-reduce optionally bf16 or int8), so everything ÷ H per step;
+- async (a parameter server on rank 0, comm/param_server.py): every step each worker pushes its
+  fp32 gradient (P bytes) and pulls the parameters (P); rank 0 sends (n−1)·P, and its node
+  (n−k)·P across each way, to and from the other nodes' workers.
+
+DDP hands a comm hook its gradients in buckets (the first of 1 MiB, the others of 25 MiB, from
+the last parameter back, as torch fills them): every bucket runs the mode's collectives (PowerSGD
+its P, Q and the rest), so every bucket pays their latencies.
 
 Time per step = the layout's step without its data-parallel traffic (compute, pipeline bubble,
 tensor-parallel and pipeline traffic, optimizer step: timing.py) + the part of the mode's
@@ -33,6 +40,11 @@ traffic not hidden + its codec's own work (`CODEC_PASSES`, or the calibrated cod
 collective costs latency × its sequential messages (a ring all-reduce 2(n−1), an all-gather or
 all-to-all n−1, a reduce or broadcast inside a node k−1) + its bytes over the slowest link it
 crosses: the network once it spans nodes, else the node's own link.
+
+Async has a time of its own: a worker computes, pushes and pulls, one after the other; rank 0's
+server receives the pushes one at a time and sends the pulls one at a time (a thread each), so
+the slower of a worker's cycle and the server's n−1 transfers each way paces the step, plus one
+more transfer where max_staleness is 0 (every worker then waits for the round's last push).
 
 Overlap, stated: every every-step mode's collectives overlap backward as timing.py models any
 layout's (up to the hardware's `overlap` of two thirds of the compute: all of it on GPUs, none on
@@ -42,9 +54,10 @@ shardwise's communication thread while backward computes the next buckets. A cod
 does not hide (it takes the same device, or the same cores). Local SGD and DiLoCo synchronise
 after the optimizer step: none of theirs hides.
 
-Not modelled: DDP's buckets (one collective per step stands for one per bucket; each further
-bucket adds the collectives' latencies), PowerSGD's uncompressed first steps (this is the
-steady state), and buffers local SGD averages along with the parameters (BatchNorm statistics).
+Not modelled: plain DDP's own buckets (its all-reduce is timing.py's one collective; the
+hooked modes' buckets are counted), PowerSGD's uncompressed first steps (this is the steady
+state), buffers local SGD averages along with the parameters (BatchNorm statistics), and the
+async server's own work (summing n gradients and the optimizer step, beside its transfers).
 """
 
 from __future__ import annotations
@@ -55,7 +68,7 @@ from typing import Literal
 
 from shardwise.config import ConfigError
 from shardwise.plan.bounds import Bound, shown
-from shardwise.plan.hardware import Hardware
+from shardwise.plan.hardware import POWERSGD_RANK, Hardware
 from shardwise.plan.layout import Layout, Precision
 from shardwise.plan.model import Transformer
 from shardwise.plan.timing import (
@@ -127,7 +140,9 @@ def parse_link(text: str, label: str = "--link") -> Network:
 
 
 Compression = Literal["none", "bf16", "fp16", "int8", "powersgd"]
-SyncKind = Literal["every_step", "local_sgd", "diloco"]
+SyncKind = Literal["every_step", "local_sgd", "diloco", "async"]
+FIRST_BUCKET, BUCKET = 2**20, 25 * 2**20
+"""DDP's bucket sizes (torch's defaults, which shardwise keeps), in bytes of gradients."""
 
 
 @dataclass(frozen=True)
@@ -140,9 +155,13 @@ class Mode:
     sync: SyncKind = "every_step"
     sync_every: int = 16
     powersgd_rank: int = 2
+    max_staleness: int = 4
 
     def name(self) -> str:
-        """What tells it apart: e.g. `ddp`, `hierarchical + powersgd r=4`, `diloco H=16 + int8`."""
+        """What tells it apart: e.g. `ddp`, `hierarchical + powersgd r=4`, `diloco H=16 + int8`,
+        `async k=4`."""
+        if self.sync == "async":
+            return f"async k={self.max_staleness}"
         if self.sync != "every_step":
             rest = [] if self.compression == "none" else [self.compression]
             return " + ".join([f"{self.sync} H={self.sync_every}", *rest])
@@ -209,6 +228,31 @@ class Tensors:
             else:
                 plain += n * m
         return p, q, plain
+
+    def compressed(self, rank: int) -> int:
+        """How many matrices PowerSGD sends as factors."""
+        return sum(
+            1
+            for s in self.shapes
+            if len(s) >= 2
+            and min(rank, s[0], math.prod(s[1:])) * (s[0] + math.prod(s[1:])) <= math.prod(s)
+        )
+
+    def buckets(self, value_bytes: int) -> list[Tensors]:
+        """DDP's buckets: tensors from the last back, a bucket closed once it holds its size
+        (FIRST_BUCKET, then BUCKET each)."""
+        found: list[Tensors] = []
+        current: list[tuple[int, ...]] = []
+        size = 0
+        for shape in reversed(self.shapes):
+            current.append(shape)
+            size += math.prod(shape) * value_bytes
+            if size >= (BUCKET if found else FIRST_BUCKET):
+                found.append(Tensors(tuple(current)))
+                current, size = [], 0
+        if current or not found:
+            found.append(Tensors(tuple(current)))
+        return found
 
     def int8(self, ranks: int) -> tuple[int, int]:
         """Int8's all-to-all payload over `ranks`: each tensor padded to `ranks` equal chunks,
@@ -321,7 +365,9 @@ class Comparison:
         return min((c for c in self.costs if c.applies), key=lambda c: c.step, default=None)
 
 
-def modes(rank: int = 2, every: int = 16, job: Mode | None = None) -> list[Mode]:
+def modes(
+    rank: int = 2, every: int = 16, job: Mode | None = None, staleness: int = 4
+) -> list[Mode]:
     """ddp first, then every mode of comm/ worth comparing (fp16 sends what bf16 does: listed
     only as a job's own), the job's own mode last if it is none of them."""
     found = [
@@ -337,6 +383,7 @@ def modes(rank: int = 2, every: int = 16, job: Mode | None = None) -> list[Mode]
         Mode(sync="diloco", sync_every=every),
         Mode("bf16", sync="diloco", sync_every=every),
         Mode("int8", sync="diloco", sync_every=every),
+        Mode(sync="async", max_staleness=staleness),
     ]
     if job is not None and job.name() not in {m.name() for m in found}:
         found.append(job)
@@ -366,11 +413,12 @@ def compare(
     """Every mode of `modes` on `layout` (whose step time is `time`), ddp first."""
     rank = job.powersgd_rank if job else 2
     every = job.sync_every if job else 16
+    staleness = job.max_staleness if job else 4
     where = placement(layout, hardware)
     shapes = tensors or transformer_tensors(model)
     costs = [
         _cost(mode, model, layout, precision, hardware, time, where, shapes)
-        for mode in modes(rank, every, job)
+        for mode in modes(rank, every, job, staleness)
     ]
     return Comparison(where, costs)
 
@@ -394,6 +442,8 @@ def _cost(
     intra, inter = node_links(hardware)
     flat = Group(where.ranks, where.per_node, dp_link)
     wrapped = layout.zero > 0 or layout.tp > 1 or layout.pp > 1
+    if mode.sync == "async":
+        return _served(mode, psi, rest, where, intra, inter)
     if mode.sync != "every_step":
         traffic, passes = _occasional(mode, psi, flat, hardware, tensors)
         exposed = traffic.seconds + passes
@@ -421,6 +471,8 @@ def _why_not(mode: Mode, layout: Layout, where: Placement) -> str:
     ddp = layout.zero == 0 and layout.tp == 1 and layout.pp == 1
     if layout.dp <= 1:
         return "one data-parallel rank: nothing to synchronise"
+    if mode.sync == "async" and not ddp:
+        return "a parameter server of whole replicas: plain data parallelism only"
     if mode.sync != "every_step" and layout.zero > 0:
         return "keeps a whole replica on every rank: ZeRO 0 only"
     if (
@@ -462,21 +514,23 @@ def _hooked(
     where: Placement,
     tensors: Tensors,
 ) -> Traffic:
-    """DDP's comm hook: each sum (PowerSGD: P, Q and the rest; otherwise the gradients) by the
-    mode's codec, across all ranks or through the nodes' leaders."""
-    if mode.compression == "powersgd":
-        scale = grads / tensors.elements
-        sums = [(n * scale, "none") for n in tensors.powersgd(mode.powersgd_rank)]
-    else:
-        sums = [(grads, str(mode.compression))]
+    """DDP's comm hook, bucket by bucket: each sum (PowerSGD: P, Q and the rest; otherwise the
+    gradients) by the mode's codec, across all ranks or through the nodes' leaders."""
+    scale = grads / tensors.elements  # bytes per element of the model's own tensors
     traffic = Traffic()
-    for nbytes, codec in sums:
-        if not mode.hierarchical:
-            _codec(traffic, codec, nbytes, value_bytes, flat, tensors)
-            continue
-        traffic.inside_node(nbytes, where.per_node, intra, leader_sends=False)
-        _codec(traffic, codec, nbytes, value_bytes, leaders, tensors)
-        traffic.inside_node(nbytes, where.per_node, intra, leader_sends=True)
+    for bucket in tensors.buckets(value_bytes):
+        if mode.compression == "powersgd":
+            numbers = bucket.powersgd(mode.powersgd_rank)
+            sums = [(n * scale, "none") for n in numbers if n]
+        else:
+            sums = [(bucket.elements * scale, str(mode.compression))]
+        for nbytes, codec in sums:
+            if not mode.hierarchical:
+                _codec(traffic, codec, nbytes, value_bytes, flat, bucket)
+                continue
+            traffic.inside_node(nbytes, where.per_node, intra, leader_sends=False)
+            _codec(traffic, codec, nbytes, value_bytes, leaders, bucket)
+            traffic.inside_node(nbytes, where.per_node, intra, leader_sends=True)
     return traffic
 
 
@@ -508,12 +562,17 @@ def _codec_seconds(
     rate = {"bf16": half, "fp16": half, "int8": int8}.get(mode.compression)
     if rate is not None:
         return nbytes / rate
-    seconds = CODEC_PASSES[mode.compression] * nbytes / hardware.memory_bandwidth
-    if mode.compression == "powersgd":
-        matrices = tensors.elements - tensors.powersgd(mode.powersgd_rank)[2]
-        flops = 6 * mode.powersgd_rank * matrices * psi / tensors.elements
-        seconds += flops / flops_rate(hardware)
-    return seconds
+    if mode.compression != "powersgd":
+        return CODEC_PASSES[mode.compression] * nbytes / hardware.memory_bandwidth
+    r = mode.powersgd_rank
+    matrices = (tensors.elements - tensors.powersgd(r)[2]) * psi / tensors.elements
+    per_byte, per_matrix = hardware.powersgd_codec_rate, hardware.powersgd_matrix_seconds
+    if per_byte is None or per_matrix is None:
+        seconds = CODEC_PASSES["powersgd"] * nbytes / hardware.memory_bandwidth
+        return seconds + 6 * r * matrices / flops_rate(hardware)
+    # measured at POWERSGD_RANK; another rank's factors cost its FLOPs more or less
+    seconds = nbytes / per_byte + tensors.compressed(r) * per_matrix
+    return max(0.0, seconds + 6 * (r - POWERSGD_RANK) * matrices / flops_rate(hardware))
 
 
 def _occasional(
@@ -527,3 +586,27 @@ def _occasional(
     work = SYNC_PASSES[mode.sync] * params / hardware.memory_bandwidth
     work += _codec_seconds(mode, psi, 4, hardware, tensors)  # DiLoCo's outer compression
     return traffic.scaled(1 / mode.sync_every), work / mode.sync_every
+
+
+def _served(
+    mode: Mode, psi: float, rest: float, where: Placement, intra: Link, inter: Link
+) -> ModeCost:
+    """Async: a worker's compute, push and pull in turn; rank 0's server receiving the pushes
+    one at a time and sending the pulls one at a time; the slower paces the step."""
+    params = psi * 4  # fp32 gradients pushed, fp32 parameters pulled
+    n, k = where.ranks, min(where.per_node, where.ranks)
+    remote, local = n - k, k - 1
+    far = inter.latency + params / inter.bandwidth
+    near = intra.latency + params / intra.bandwidth
+    server = remote * far + local * near  # each way
+    slowest = far if remote else near
+    # with no staleness every pull waits for the round's last push
+    step = rest + server + slowest if mode.max_staleness == 0 else max(rest + 2 * slowest, server)
+    return ModeCost(
+        mode,
+        sent=(n - 1) * params,
+        across=remote * params,
+        comm=server,
+        exposed=step - rest,
+        step=step,
+    )
