@@ -215,28 +215,20 @@ class Tensors:
         return max(1, sum(math.prod(s) for s in self.shapes))
 
     def powersgd(self, rank: int) -> tuple[int, int, int]:
-        """Numbers in P, in Q, and sent uncompressed: comm/powersgd.py's `_compressible`."""
+        """Numbers in P, in Q, and sent uncompressed."""
         p = q = plain = 0
         for shape in self.shapes:
-            if len(shape) < 2:
+            factors = _factors(shape, rank)
+            if factors is None:
                 plain += math.prod(shape)
-                continue
-            n, m = shape[0], math.prod(shape[1:])
-            r = min(rank, n, m)
-            if r * (n + m) <= n * m:
-                p, q = p + r * n, q + r * m
             else:
-                plain += n * m
+                r, n, m = factors
+                p, q = p + r * n, q + r * m
         return p, q, plain
 
     def compressed(self, rank: int) -> int:
         """How many matrices PowerSGD sends as factors."""
-        return sum(
-            1
-            for s in self.shapes
-            if len(s) >= 2
-            and min(rank, s[0], math.prod(s[1:])) * (s[0] + math.prod(s[1:])) <= math.prod(s)
-        )
+        return sum(_factors(shape, rank) is not None for shape in self.shapes)
 
     def buckets(self, value_bytes: int) -> list[Tensors]:
         """DDP's buckets: tensors from the last back, a bucket closed once it holds its size
@@ -259,6 +251,16 @@ class Tensors:
         one byte a value; and one fp32 scale per chunk of each tensor."""
         values = sum(ranks * math.ceil(math.prod(s) / ranks) for s in self.shapes)
         return values, 4 * ranks * len(self.shapes)
+
+
+def _factors(shape: tuple[int, ...], rank: int) -> tuple[int, int, int] | None:
+    """PowerSGD's rank, rows and columns for a tensor it compresses (comm/powersgd.py's
+    `_compressible`: a matrix whose factors are no larger than it); None for one sent whole."""
+    if len(shape) < 2:
+        return None
+    n, m = shape[0], math.prod(shape[1:])
+    r = min(rank, n, m)
+    return (r, n, m) if r * (n + m) <= n * m else None
 
 
 def transformer_tensors(model: Transformer) -> Tensors:
