@@ -94,6 +94,15 @@ def start_together(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) ->
         dist.broadcast(t.data, src=source, group=group)
 
 
+def views(flat: torch.Tensor, like: Sequence[torch.Tensor | torch.Size]) -> list[torch.Tensor]:
+    """`flat`'s first elements cut into consecutive views shaped as `like` (tensors or shapes):
+    the inverse of concatenating their flattened values."""
+    shapes = [t.shape if isinstance(t, torch.Tensor) else t for t in like]
+    sizes = [s.numel() for s in shapes]
+    pieces = torch.split(flat[: sum(sizes)], sizes)
+    return [piece.view(shape) for piece, shape in zip(pieces, shapes, strict=True)]
+
+
 class Sync:
     """Every step: DDP's all-reduce or FSDP2's reduce-scatter in backward, after the last
     micro-batch; the optimizer then applies the same update on every rank."""

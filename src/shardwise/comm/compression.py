@@ -24,7 +24,7 @@ from torch import nn
 from torch._C._distributed_c10d import GradBucket
 from torch.nn.parallel import DistributedDataParallel
 
-from shardwise.comm.base import Sync, gradient_bytes
+from shardwise.comm.base import Sync, gradient_bytes, views
 from shardwise.comm.hierarchical import Topology
 
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -193,14 +193,13 @@ class CompressedSync(Sync):
         return total.div_(self.ranks)
 
     def _keep(self, params: list[torch.Tensor], lost: torch.Tensor | None) -> None:
-        offset = 0
-        for p in params:
+        kept = views(lost, params) if lost is not None else [None] * len(params)
+        for p, value in zip(params, kept, strict=True):
             residual = self.residuals[self.names[p]]
-            if lost is None:
+            if value is None:
                 residual.zero_()
             else:
-                residual.copy_(lost[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+                residual.copy_(value)
 
     def state_dict(self, rank: int) -> dict[str, Any]:
         if not self.residuals:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardwise.comm.base import Sync, local_tensor, start_together
+from shardwise.comm.base import Sync, local_tensor, start_together, views
 from shardwise.comm.compression import HALF, Codec, Half, Int8
 
 Named = list[tuple[str, torch.Tensor]]
@@ -154,10 +154,8 @@ class DiLoCo(LocalSGD):
             [(g - p.float()).flatten() for g, p in zip(self.outer_params, locals_, strict=True)]
         )
         delta = self._mean(delta)
-        offset = 0
-        for g in self.outer_params:
-            g.grad = delta[offset : offset + g.numel()].view_as(g).clone()
-            offset += g.numel()
+        for g, change in zip(self.outer_params, views(delta, self.outer_params), strict=True):
+            g.grad = change.clone()
         self.outer.step()
         self.outer.zero_grad(set_to_none=True)
         for g, p in zip(self.outer_params, locals_, strict=True):
@@ -228,7 +226,5 @@ def _replaced(model_state: dict[str, Any], values: dict[str, torch.Tensor]) -> d
 
 
 def _unflatten(flat: torch.Tensor, into: list[torch.Tensor]) -> None:
-    offset = 0
-    for t in into:
-        t.copy_(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
+    for t, value in zip(into, views(flat, into), strict=True):
+        t.copy_(value)

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.comm.base import Sync, start_together
+from shardwise.comm.base import Sync, start_together, views
 
 HEADER, GRADIENT, PARAMETERS = 1, 2, 3  # message tags
 BYE = -1
@@ -104,10 +104,8 @@ class Server:
         for w in range(1, self.workers):
             total += grads[w]
         total /= self.workers
-        offset = 0
-        for p in self.params:
-            p.grad = total[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
+        for p, grad in zip(self.params, views(total, self.params), strict=True):
+            p.grad = grad
         for i, group in enumerate(self.optimizer.param_groups):  # step `version`'s rate
             group["lr"] = self.scheduler.base_lrs[i] * self.scheduler.lr_lambdas[i](self.version)
         self.optimizer.step()
@@ -273,10 +271,8 @@ class AsyncSync(Sync):
             flat, version = message[:-1].to(grad.device), int(message[-1])
             self.traffic.sent += grad.numel() * 4
         self.base = version
-        offset = 0
-        for p in self.params:
-            p.copy_(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+        for p, value in zip(self.params, views(flat, self.params), strict=True):
+            p.copy_(value)
         self.traffic.steps += 1
         self.traffic.uncompressed += 2 * (self.ranks - 1) / self.ranks * self._full
         if last:
@@ -318,11 +314,10 @@ class AsyncSync(Sync):
         )
         dist.broadcast(flat, src=dist.get_process_group_ranks(self.group)[0], group=self.group)
         names = [n for n, p in self.part.named_parameters() if p.requires_grad]
-        out, offset = dict(model_state), 0
-        for name, p in zip(names, self.params, strict=True):
+        out = dict(model_state)
+        for name, value in zip(names, views(flat, self.params), strict=True):
             if name in out:
-                out[name] = flat[offset : offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
+                out[name] = value.clone()
         return out
 
     def _numel(self) -> int:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._C._distributed_c10d import GradBucket
 
+from shardwise.comm.base import views
 from shardwise.comm.compression import Codec, CompressedSync
 from shardwise.comm.hierarchical import Topology
 
@@ -101,12 +102,10 @@ class PowerSGDSync(CompressedSync):
             flat = torch.cat([g.flatten() for _, g in vectors])
             total, _ = self.topology.all_reduce(flat, Codec(self), self.traffic)
             total.div_(self.ranks)
-            offset = 0
-            for name, g in vectors:
+            for (name, g), mean in zip(vectors, views(total, [g for _, g in vectors]), strict=True):
                 if self.error_feedback:
                     self.residuals[name].zero_()
-                g.copy_(total[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+                g.copy_(mean)
 
     def _low_rank(self, matrices: list[tuple[str, torch.Tensor]]) -> None:
         if not matrices:
@@ -114,10 +113,10 @@ class PowerSGDSync(CompressedSync):
         ms = [g.view(g.shape[0], -1) for _, g in matrices]
         ps = [m @ self.qs[name] for (name, _), m in zip(matrices, ms, strict=True)]
         summed = self._sum([p.flatten() for p in ps])
-        ps = [orthonormal(p) for p in _split(summed, [p.shape for p in ps])]
+        ps = [orthonormal(p) for p in views(summed, ps)]
         qs = [m.t() @ p for m, p in zip(ms, ps, strict=True)]
         summed = self._sum([q.flatten() for q in qs])
-        qs = _split(summed, [q.shape for q in qs])
+        qs = views(summed, qs)
         for (name, _), m, p, q in zip(matrices, ms, ps, qs, strict=True):
             approx = p @ q.t() / self.ranks
             if self.error_feedback:
@@ -145,12 +144,3 @@ def orthonormal(p: torch.Tensor) -> torch.Tensor:
     P too, since P = Q·R puts P's columns in Q's span)."""
     basis: torch.Tensor = torch.linalg.qr(p, mode="reduced").Q
     return basis
-
-
-def _split(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for shape in shapes:
-        size = shape.numel()
-        out.append(flat[offset : offset + size].view(shape))
-        offset += size
-    return out
