@@ -25,6 +25,7 @@ from torch._C._distributed_c10d import GradBucket
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.comm.base import Sync, gradient_bytes, views
+from shardwise.comm.collectives import all_gather_single
 from shardwise.comm.hierarchical import Topology
 
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -92,8 +93,8 @@ class Int8(Codec):
         lost[dist.get_rank(group)] += (part - dequantize(q2, scale2, widths))[0]
         all_q = torch.empty(ranks, q2.shape[1], dtype=torch.int8, device=flat.device)
         all_scale = torch.empty(ranks, scale2.shape[1], dtype=scale.dtype, device=flat.device)
-        dist.all_gather_single(all_q, q2, group=group)
-        dist.all_gather_single(all_scale, scale2, group=group)
+        all_gather_single(all_q, q2, group=group)
+        all_gather_single(all_scale, scale2, group=group)
         payload = q.numel() + scale.numel() * 4  # int8 values and a scale per chunk
         self.traffic.scatter_or_gather(payload, ranks)
         self.traffic.scatter_or_gather(payload, ranks)

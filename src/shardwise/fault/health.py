@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardwise.comm.collectives import all_gather_single
+
 
 @dataclass
 class Health:
@@ -83,7 +85,7 @@ class RankHealth:
         world = dist.get_world_size()
         sent = torch.tensor([own, step, 1.0 if self._signalled else 0.0], dtype=torch.float64)
         gathered = torch.empty(world * 3, dtype=torch.float64)
-        dist.all_gather_single(gathered, sent, group=self._group)
+        all_gather_single(gathered, sent, group=self._group)
         seconds, steps, flags = gathered.view(world, 3).unbind(1)
         health = Health(stop=bool(flags.max() > 0))
         slowest = float(steps.max())

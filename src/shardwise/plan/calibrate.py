@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from shardwise.comm.collectives import all_gather_single, reduce_scatter_single
 from shardwise.plan.hardware import POWERSGD_RANK, THIS_MACHINE, Hardware
 from shardwise.plan.timing import Link, all_reduce
 
@@ -258,8 +259,8 @@ def _collective_seconds(rank: int, results: dict[Any, float]) -> None:
         whole, half = torch.zeros(size // 4), torch.zeros(size // 8)
         kinds: dict[str, Callable[[], object]] = {
             "all_reduce": lambda: dist.all_reduce(whole),  # noqa: B023
-            "all_gather": lambda: dist.all_gather_single(whole, half),  # noqa: B023
-            "reduce_scatter": lambda: dist.reduce_scatter_single(half, whole),  # noqa: B023
+            "all_gather": lambda: all_gather_single(whole, half),  # noqa: B023
+            "reduce_scatter": lambda: reduce_scatter_single(half, whole),  # noqa: B023
         }
         for kind, collective in kinds.items():
             iteration(collective)  # warm up
