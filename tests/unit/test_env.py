@@ -59,3 +59,34 @@ def test_srun():
 )
 def test_first_host(nodelist, first):
     assert first_host(nodelist) == first
+
+
+@pytest.mark.parametrize(
+    ("choice", "ranks", "gpus", "message"),
+    [
+        ("auto", 2, 1, "--nproc 2 ranks on this node but 1 GPU is visible"),
+        ("cuda", 4, 2, "--nproc 4 ranks on this node but 2 GPUs are visible"),
+        ("cuda", 1, 0, "job.device = 'cuda' but no GPU is visible"),
+    ],
+)
+def test_a_gpu_job_needs_a_gpu_for_each_rank_of_a_node(choice, ranks, gpus, message):
+    """Refused before launch, in one line (a GPU for rank 1 of a one-GPU machine ended in a
+    CUDA 'invalid device ordinal' traceback from the worker)."""
+    from shardwise.config import ConfigError
+    from shardwise.launch.local import check_devices
+
+    with pytest.raises(ConfigError, match=message) as error:
+        check_devices(choice, ranks, gpus=gpus)
+    said = str(error.value)
+    assert "\n" not in said
+    if gpus:
+        assert f"use --nproc {gpus}" in said and "job.device = 'cpu'" in said
+
+
+@pytest.mark.parametrize(
+    ("choice", "ranks", "gpus"), [("auto", 4, 0), ("cpu", 4, 1), ("auto", 2, 2), ("cuda", 1, 8)]
+)
+def test_a_job_with_a_gpu_per_rank_or_on_the_cpu_is_let_through(choice, ranks, gpus):
+    from shardwise.launch.local import check_devices
+
+    check_devices(choice, ranks, gpus=gpus)

@@ -233,7 +233,7 @@ def train(
         )
     per_node = nproc or 1
     world_size = worker.world_size if worker else per_node * (nodes.count if nodes else 1)
-    _check_job(config, world_size)
+    _check_job(config, world_size, worker.local_world_size if worker else per_node)
     if worker is not None:
         # Every rank runs this; the ranks decide where to start together, once joined.
         return run_worker(config.model_dump(mode="json"), resume, dry_run, decided=False)
@@ -278,7 +278,7 @@ def _with_overrides(
     return validate(raw)
 
 
-def _check_job(config: JobConfig, world_size: int) -> None:
+def _check_job(config: JobConfig, world_size: int, per_node: int) -> None:
     """Everything that can be checked before a worker starts, in this process."""
     derived = derive(config, world_size)
     builders.check(config)
@@ -286,7 +286,21 @@ def _check_job(config: JobConfig, world_size: int) -> None:
     if config.model.init_from:
         with torch.device("meta"):
             check_weights(config.model.init_from, builders.build_model(config))
-    pick_device(config.job.device, local_rank=0)
+    check_devices(config.job.device, per_node)
+
+
+def check_devices(choice: str, per_node: int, *, gpus: int | None = None) -> None:
+    """Before launch: a job on GPUs needs one for each of a node's `per_node` ranks (`gpus`:
+    how many this machine shows; CUDA's count by default). `auto` with no GPU is the CPU."""
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    if choice == "cuda" and gpus == 0:
+        raise ConfigError("job.device = 'cuda' but no GPU is visible; use 'auto' or 'cpu'")
+    if choice != "cpu" and 0 < gpus < per_node:
+        shown = "1 GPU is visible" if gpus == 1 else f"{gpus} GPUs are visible"
+        raise ConfigError(
+            f"--nproc {per_node} ranks on this node but {shown} (one rank per GPU): "
+            f"use --nproc {gpus}, or job.device = 'cpu' to train on the CPU"
+        )
 
 
 def _preempted_summary(config: JobConfig, *, since: float) -> TrainSummary | None:
@@ -490,10 +504,8 @@ def _decided_by_rank_0(decide: Callable[[], str | None]) -> str | None:
 
 def pick_device(choice: str, *, local_rank: int) -> torch.device:
     """`auto`: this rank's GPU when CUDA is present, else the CPU."""
-    has_cuda = torch.cuda.is_available()
-    if choice == "cuda" and not has_cuda:
-        raise ConfigError("job.device = 'cuda' but no GPU is visible; use 'auto' or 'cpu'")
-    if choice == "cpu" or not has_cuda:
+    check_devices(choice, local_rank + 1)  # also where the launcher is not shardwise's
+    if choice == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
