@@ -305,6 +305,9 @@ class TrackingSection(Section):
     """MLflow experiment name; "" means the job name."""
     log_every: int = Field(10, gt=0)
     """Reduce, print and record training metrics every k steps."""
+    system_metrics_s: float = Field(10.0, ge=0)
+    """Sample rank 0's machine (CPU, memory; GPU where NVIDIA's library sees one) into MLflow
+    as `system/…` metrics every this many seconds; 0 turns it off."""
 
 
 class FaultSection(Section):

@@ -1,3 +1,4 @@
+import time
 import warnings
 
 from mlflow.tracking import MlflowClient
@@ -52,6 +53,35 @@ def test_mlflow_records_params_metrics_and_reopens_the_run(tmp_path):
     assert again.run_id == tracker.run_id
     assert client.get_run(tracker.run_id).data.params["train.steps"] == "5"
     assert len(client.get_metric_history(tracker.run_id, "loss")) == 2501
+
+
+def test_mlflow_samples_the_machine_while_the_run_is_open(tmp_path):
+    """CPU and memory of the trainer's machine (GPU too where one is), as MLflow's system
+    metrics, sampled in the tracking process; `system_metrics_s = 0` turns them off."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    sampled = MlflowTracker(
+        uri=uri, experiment="exp", run_name="on", artifact_dir=None, system_metrics_s=0.5
+    )
+    sampled.log_metrics({"loss": 1.0}, 1)
+    deadline = time.monotonic() + 30
+    client = MlflowClient(tracking_uri=uri)
+    while time.monotonic() < deadline:  # the run exists once the tracking process opened it
+        run_id = sampled.run_id
+        if run_id and "system/cpu_utilization_percentage" in client.get_run(run_id).data.metrics:
+            break
+        time.sleep(0.5)
+    sampled.close("FINISHED")
+    metrics = client.get_run(sampled.run_id).data.metrics
+    assert "system/cpu_utilization_percentage" in metrics
+    assert metrics["system/system_memory_usage_megabytes"] > 0
+
+    quiet = MlflowTracker(
+        uri=uri, experiment="exp", run_name="off", artifact_dir=None, system_metrics_s=0
+    )
+    quiet.log_metrics({"loss": 1.0}, 1)
+    time.sleep(1.5)
+    quiet.close("FINISHED")
+    assert not any(k.startswith("system/") for k in client.get_run(quiet.run_id).data.metrics)
 
 
 def test_mlflow_down_warns_and_never_raises(monkeypatch):

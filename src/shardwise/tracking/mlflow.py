@@ -7,6 +7,11 @@ in batches. It is a process rather than a thread because MLflow's work is Python
 request handling) that would otherwise hold the trainer's GIL: as a thread it slowed a 2-rank run
 of the digits example by a quarter while it opened its store, and by several percent after.
 
+The child also samples the machine (CPU and memory, and GPU utilisation and memory where NVIDIA's
+management library sees a GPU) as MLflow's system metrics (`system/…`) every
+`system_metrics_s` seconds while the run is open: the trainer's node as it trains, at no cost to
+the trainer's process.
+
 If anything about MLflow fails, the child reports it once and drops what follows: training goes
 on with a warning, and metrics.jsonl still has everything. If the trainer dies, the child notices
 that its parent is gone, marks the run failed and exits.
@@ -14,12 +19,14 @@ that its parent is gone, marks the run failed and exits.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
 import queue
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,14 +52,18 @@ class MlflowTracker:
         artifact_dir: Path | None,
         run_id: str | None = None,
         id_file: Path | None = None,
+        system_metrics_s: float = 0.0,
     ) -> None:
         """`artifact_dir` places artifacts of a new experiment (for a local store); `run_id`
-        reopens an earlier run, as a resumed job does; `id_file` records the run id once known."""
+        reopens an earlier run, as a resumed job does; `id_file` records the run id once known;
+        `system_metrics_s` > 0 samples the machine that often (0: not at all)."""
         self._run_id: str | None = run_id
         context = multiprocessing.get_context("spawn")
         self._requests: Any = context.Queue()
         self._replies: Any = context.Queue()
-        settings = (uri, experiment, run_name, artifact_dir, run_id, id_file, os.getpid())
+        settings = (
+            uri, experiment, run_name, artifact_dir, run_id, id_file, os.getpid(), system_metrics_s
+        )  # fmt: skip
         self._process = context.Process(
             target=_serve,
             args=(self._requests, self._replies, settings),
@@ -107,13 +118,15 @@ class MlflowTracker:
 def _serve(requests: Any, replies: Any, settings: tuple[Any, ...]) -> None:
     """The tracking process: open the store, then batch what the trainer sends until it closes
     the run. After a failure, keep reading (and dropping) until then."""
-    uri, experiment, run_name, artifact_dir, run_id, id_file, parent = settings
+    uri, experiment, run_name, artifact_dir, run_id, id_file, parent, every = settings
     os.nice(_NICENESS)
     with redacting_output():  # MLflow prints the tracking URI ("View run at …")
         try:
+            resumed = run_id is not None
             client, run_id = _open(uri, experiment, run_name, artifact_dir, run_id, id_file)
             replies.put(("run_id", run_id))
-            _record(client, run_id, requests, parent)
+            with _sampling(uri, run_id, every, resumed=resumed):
+                _record(client, run_id, requests, parent)
         except Exception as e:  # any failure of the store must not reach training
             replies.put(
                 (
@@ -123,6 +136,25 @@ def _serve(requests: Any, replies: Any, settings: tuple[Any, ...]) -> None:
                 )
             )
             _drain(requests, parent)
+
+
+@contextlib.contextmanager
+def _sampling(uri: str, run_id: str, every: float, *, resumed: bool) -> Iterator[None]:
+    """MLflow's system-metrics monitor on this run while the body runs (`every` seconds; 0: off).
+    It samples on a thread of its own and logs through its own client."""
+    if every <= 0:
+        yield
+        return
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(
+        run_id, sampling_interval=every, resume_logging=resumed, tracking_uri=uri
+    )
+    monitor.start()
+    try:
+        yield
+    finally:
+        monitor.finish()
 
 
 def _record(client: Any, run_id: str, requests: Any, parent: int) -> None:

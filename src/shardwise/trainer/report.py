@@ -224,6 +224,7 @@ def _open_mlflow(cfg: JobConfig, resumed: bool) -> MlflowTracker:
         artifact_dir=None if cfg.tracking.uri else cfg.run_dir / "artifacts",
         run_id=previous,
         id_file=id_file,
+        system_metrics_s=cfg.tracking.system_metrics_s,
     )
 
 
