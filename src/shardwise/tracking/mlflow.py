@@ -9,8 +9,8 @@ of the digits example by a quarter while it opened its store, and by several per
 
 The child also samples the machine (CPU and memory, and GPU utilisation and memory where NVIDIA's
 management library sees a GPU) as MLflow's system metrics (`system/…`) every
-`system_metrics_s` seconds while the run is open: the trainer's node as it trains, at no cost to
-the trainer's process.
+`system_metrics_s` seconds while the run is open: the trainer's node as it trains, sampled
+outside the trainer's process (the first sample comes one interval after the run is open).
 
 If anything about MLflow fails, the child reports it once and drops what follows: training goes
 on with a warning, and metrics.jsonl still has everything. If the trainer dies, the child notices
