@@ -4,22 +4,12 @@ names where torch has them (no deprecation warning) and under the old ones where
 
 from __future__ import annotations
 
-import os
 import warnings
 
-import pytest
 import torch
 import torch.distributed as dist
 
 from shardwise.comm.collectives import all_gather_single, reduce_scatter_single
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    store = dist.FileStore(os.fspath(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def run_both() -> tuple[torch.Tensor, torch.Tensor]:

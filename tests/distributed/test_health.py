@@ -3,20 +3,7 @@ ranks meet every step anyway, the reporting interval where they do not (async)."
 
 from __future__ import annotations
 
-import os
-
-import pytest
-import torch.distributed as dist
-
 from shardwise.fault.health import RankHealth
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    store = dist.FileStore(os.fspath(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def health(*, adaptive: bool) -> RankHealth:
