@@ -194,13 +194,12 @@ class CompressedSync(Sync):
         return total.div_(self.ranks)
 
     def _keep(self, params: list[torch.Tensor], lost: torch.Tensor | None) -> None:
-        kept = views(lost, params) if lost is not None else [None] * len(params)
-        for p, value in zip(params, kept, strict=True):
-            residual = self.residuals[self.names[p]]
-            if value is None:
-                residual.zero_()
-            else:
-                residual.copy_(value)
+        if lost is None:
+            for p in params:
+                self.residuals[self.names[p]].zero_()
+            return
+        for p, value in zip(params, views(lost, params), strict=True):
+            self.residuals[self.names[p]].copy_(value)
 
     def state_dict(self, rank: int) -> dict[str, Any]:
         if not self.residuals:
