@@ -5,6 +5,7 @@ skipped or stop the run with the step named; SIGTERM saves at a step boundary an
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import shutil
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 import shardwise
-from helpers import gpt_job, listening_sockets, load_params, losses
+from helpers import digits_job, gpt_job, listening_sockets, load_params, losses
 from shardwise.checkpoint.export import export_safetensors, load_exported
 from shardwise.checkpoint.layout import problem
 from shardwise.tracking.metrics import read_metrics
@@ -83,6 +84,45 @@ def test_nan_gradients_stop_the_run_naming_the_step(tmp_path, monkeypatch):
     assert "saved the state before it as step_00000005" in str(info.value)
     saved, good = (load_params(tmp_path / "checkpoints" / f"step_0000000{s}") for s in (5, 4))
     assert all(torch.equal(saved[n], good[n]) for n in good)
+
+
+def test_nan_found_at_a_later_log_step_is_stopped_at_its_own_step(tmp_path, monkeypatch):
+    """The device keeps the verdict until the next reporting step (step 8 here): no update
+    after the bad step 5 is applied, and the checkpoint saved holds the state before it with
+    step 5's data position and schedule; resuming from it trains steps 6-8 bitwise as the run
+    that skipped step 5 did."""
+    monkeypatch.setenv("SHARDWISE_FAULT", "nan:step=5")
+    job = {"train": {"steps": 8}, "checkpoint": {"every_steps": 4}, "tracking": {"log_every": 4}}
+    with pytest.raises(shardwise.WorkerFailed) as info:
+        shardwise.train(digits_job(tmp_path / "stop", **job), nproc=2)
+    assert "step 5: the gradient norm is nan" in str(info.value)
+    assert "(found at step 8; no update after it was applied)" in str(info.value)
+    assert "saved the state before it as step_00000005" in str(info.value)
+    checkpoints = tmp_path / "stop" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_00000004", "step_00000005"]
+    saved, good = (load_params(checkpoints / f"step_0000000{s}") for s in (5, 4))
+    assert all(torch.equal(saved[n], good[n]) for n in good)
+
+    skip = {"train": {"steps": 8}, "fault": {"on_nonfinite": "skip"}}
+    shardwise.train(digits_job(tmp_path / "skip", **skip), nproc=2)
+    monkeypatch.delenv("SHARDWISE_FAULT")
+    resumed = shardwise.train(
+        digits_job(tmp_path / "stop", train={"steps": 8}), nproc=2, resume="auto"
+    )
+    assert resumed is not None and resumed.resumed_from == 5
+    want, got = losses(tmp_path / "skip"), losses(tmp_path / "stop")
+    assert [got[s] for s in (6, 7, 8)] == [want[s] for s in (6, 7, 8)]
+
+
+def test_skipped_steps_are_counted_at_the_log_step(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDWISE_FAULT", "nan:step=5,nan:step=6")
+    job = {"fault": {"on_nonfinite": "skip"}, "tracking": {"log_every": 4}}
+    summary = shardwise.train(digits_job(tmp_path, train={"steps": 12}, **job), nproc=2)
+    assert summary is not None
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    counted = [(r["step"], r["fault/skipped_steps"]) for r in records if "fault/skipped_steps" in r]
+    assert counted == [(8, 2.0)]
+    assert all(math.isfinite(r["loss"]) for r in records if "loss" in r)
 
 
 def test_sigterm_saves_at_a_step_boundary_exits_0_and_resumes_exactly(tmp_path, uninterrupted):

@@ -130,15 +130,17 @@ class Sync:
         return gradient_sync(part, enabled=last)
 
     def apply(
-        self, optimizers: list[torch.optim.Optimizer], scaler: Any, step: int, *, finite: bool
+        self,
+        optimizers: list[torch.optim.Optimizer],
+        scaler: Any,
+        step: int,
+        *,
+        finite: torch.Tensor | None,
     ) -> None:
         """The step's update, once its gradients are final (reduced, clipped, checked). Called
-        every step: with `finite` false (a NaN or infinite gradient norm) the optimizer does not
-        step, but a mode that synchronises on a schedule keeps it."""
-        if finite:
-            for optimizer in optimizers:
-                scaler.step(optimizer)
-            scaler.update()
+        every step: where `finite` (a boolean on the device; None when unchecked) is false the
+        optimizer does not step, but a mode that synchronises on a schedule keeps it."""
+        step_optimizers(optimizers, scaler, finite)
         self.count(step)
 
     def count(self, step: int) -> None:
@@ -173,3 +175,37 @@ class Sync:
 
     def close(self) -> None:
         """The run's last step is done (or it stops early, on SIGTERM): every rank calls this."""
+
+
+def step_optimizers(
+    optimizers: list[torch.optim.Optimizer], scaler: Any, finite: torch.Tensor | None
+) -> None:
+    """Step each optimizer unless `finite` (a boolean tensor) is false, without the host reading
+    it where the optimizer can skip on the device: fused AdamW and SGD take the verdict as
+    `found_inf`, as they do from a gradient scaler, and leave parameters, moments and their step
+    count untouched. Other optimizers (foreach ones) make the host wait for the verdict."""
+    if finite is None:  # unchecked: fp16, whose scaler skips steps itself
+        for optimizer in optimizers:
+            scaler.step(optimizer)
+        scaler.update()
+        return
+    apply: bool | None = None
+    for optimizer in optimizers:
+        if skips_on_device(optimizer):
+            optimizer.grad_scale, optimizer.found_inf = None, (~finite).float()  # type: ignore[attr-defined]
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
+            continue
+        if apply is None:
+            apply = bool(finite)
+        if apply:
+            optimizer.step()
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer skips a step on the device when given `found_inf` (fused ones)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and bool(
+        optimizer.defaults.get("fused")
+    )

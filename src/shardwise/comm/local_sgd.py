@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardwise.comm.base import Sync, local_tensor, start_together, views
+from shardwise.comm.base import Sync, local_tensor, start_together, step_optimizers, views
 from shardwise.comm.compression import HALF, Codec, Half, Int8
 
 Named = list[tuple[str, torch.Tensor]]
@@ -61,14 +61,16 @@ class LocalSGD(Sync):
         return contextlib.nullcontext()  # nothing to reduce: there is no wrapper
 
     def apply(
-        self, optimizers: list[torch.optim.Optimizer], scaler: Any, step: int, *, finite: bool
+        self,
+        optimizers: list[torch.optim.Optimizer],
+        scaler: Any,
+        step: int,
+        *,
+        finite: torch.Tensor | None,
     ) -> None:
         """A rank's own verdict on its gradient (nobody else sees it): a rank whose gradient is
         not finite skips its update, and every rank still meets at the agreement."""
-        if finite:
-            for optimizer in optimizers:
-                scaler.step(optimizer)
-            scaler.update()
+        step_optimizers(optimizers, scaler, finite)
         self.traffic.steps += 1
         self.traffic.uncompressed += 2 * (self.ranks - 1) / self.ranks * self._full
         if step % self.every == 0:

@@ -248,17 +248,21 @@ class AsyncSync(Sync):
 
     @torch.no_grad()
     def apply(
-        self, optimizers: list[torch.optim.Optimizer], scaler: Any, step: int, *, finite: bool
+        self,
+        optimizers: list[torch.optim.Optimizer],
+        scaler: Any,
+        step: int,
+        *,
+        finite: torch.Tensor | None,
     ) -> None:
         """Push this step's gradient (zeros when it is not finite: the update is then the other
         workers' alone, scaled as usual), pull the parameters the protocol allows."""
         clock, last = step - 1, step == self.steps
         grad = torch.cat(
-            [
-                (p.grad if p.grad is not None and finite else torch.zeros_like(p)).flatten()
-                for p in self.params
-            ]
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in self.params]
         )
+        if finite is not None:
+            grad = torch.where(finite, grad, 0.0)
         if self.server is not None:
             self.server.push(0, clock, self.base, grad)
             flat, version = self.server.pull(0, clock, last)

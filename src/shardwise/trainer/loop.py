@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -38,6 +39,7 @@ from shardwise.trainer import report
 from shardwise.trainer import state as train_state
 from shardwise.trainer.data import GlobalBatchSampler, StepLoader, eval_loader
 from shardwise.trainer.memory import current_bytes, state_bytes
+from shardwise.trainer.nonfinite import NonFiniteGuard
 from shardwise.trainer.optim import build_optimizer, build_scheduler
 from shardwise.trainer.precision import DTYPES, grad_scaler
 from shardwise.trainer.step import Run, evaluate, mean_loss, train_step
@@ -164,6 +166,7 @@ def build_run(config: JobConfig, device: torch.device, *, node: int = 0) -> Run:
         tokens_per_sample=_tokens_per_sample(train_set[0]),
         mesh=mesh,
         sync=sync,
+        nonfinite=NonFiniteGuard(device, stop=config.fault.on_nonfinite == "stop"),
     )
 
 
@@ -240,11 +243,14 @@ class Progress:
     checkpoint: str | None
     metrics: dict[str, float] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)
+    applied: list[torch.Tensor] = field(default_factory=list)
+    """Whether each of the window's steps was applied (on the device; empty when unchecked)."""
     clock: float = field(default_factory=time.perf_counter)
     window_start: int = 0
     rates: list[float] = field(default_factory=list)
     memory: list[dict[str, Any]] = field(default_factory=list)
     skipped: int = 0
+    """Steps skipped for a non-finite gradient norm, as of the last reporting step."""
     failed_saves: int = 0
     grad_norm: torch.Tensor | None = None
     """The last step's gradient norm (reported at the end of the window)."""
@@ -269,11 +275,14 @@ def loop(
         _nothing_left(run, reporter, progress)
     for part in run.parts:
         part.train()
+    run.nonfinite.begin(start)
     preempted_at = None
     for step in range(start + 1, steps + 1):
         watchdog.started(step)
         _step(run, step, progress, reporter, health)
         stop = _health(run, step, reporter, health)
+        if stop or _reporting(run.config, step):
+            _skipped(run, step, progress, reporter)
         _log(run, step, progress, reporter)
         # Checkpoint, then evaluate (a failing evaluation loses nothing that was trained).
         if _due(step, run.config.checkpoint.every_steps, steps) or stop:
@@ -318,11 +327,10 @@ def _step(
     health.add(fetched + run.forward_seconds, time.perf_counter() - began)
     for scheduler in run.schedulers:
         scheduler.step()
-    if applied:
-        progress.losses.append(loss)
-    else:
-        progress.skipped += 1
-        _nonfinite(run, reporter, step, loss, grad_norm, progress.skipped)
+    progress.losses.append(loss)
+    if applied is not None:
+        progress.applied.append(applied)
+        run.nonfinite.remember(step, _position(run))
     progress.grad_norm = grad_norm
     if step == progress.start + 1:  # warm-up: shape inference, allocations; not in the bubble
         if run.layout.pipeline is not None:
@@ -350,12 +358,11 @@ def _log(run: Run, step: int, progress: Progress, reporter: report.Reporter) -> 
     if step % run.config.tracking.log_every != 0 and step != run.config.train.steps:
         return
     elapsed = time.perf_counter() - progress.clock
-    stats = _train_stats(
-        run, progress.losses, progress.grad_norm, elapsed, step - progress.window_start
-    )
+    stats = _train_stats(run, progress, elapsed, step - progress.window_start)
     progress.rates.append(stats["samples/s"])
     progress.metrics.update(stats)
-    progress.losses, progress.clock, progress.window_start = [], time.perf_counter(), step
+    progress.losses, progress.applied = [], []
+    progress.clock, progress.window_start = time.perf_counter(), step
     reporter.progress(stats, step)
 
 
@@ -416,26 +423,54 @@ class NonFiniteStep(RuntimeError):
     """A step's gradient norm was NaN or infinite under `fault.on_nonfinite = "stop"`."""
 
 
-def _nonfinite(
-    run: Run,
-    reporter: report.Reporter,
-    step: int,
-    loss: torch.Tensor,
-    grad_norm: torch.Tensor | None,
-    skipped: int,
-) -> None:
-    """A step whose update was not applied because its gradient norm is not finite."""
-    what = f"step {step}: the gradient norm is {float(grad_norm or 0.0)} (loss {float(loss)})"
-    if run.config.fault.on_nonfinite == "skip":
-        reporter.record({"fault/skipped_steps": float(skipped)}, step)
-        reporter.say(f"{what}; the update was skipped (fault.on_nonfinite = 'skip')")
+def _reporting(config: JobConfig, step: int) -> bool:
+    """A step where the ranks meet anyway (a log, checkpoint or evaluation step)."""
+    every = (config.tracking.log_every, config.checkpoint.every_steps, config.eval.every_steps)
+    return any(_due(step, n, config.train.steps) for n in every)
+
+
+def _skipped(run: Run, step: int, progress: Progress, reporter: report.Reporter) -> None:
+    """At a reporting step, the updates skipped since the last one for a NaN or infinite
+    gradient norm (trainer/nonfinite.py): counted under `skip`; under `stop`, the state before
+    the first of them (no later update was applied either) is saved and the run ends."""
+    seen = run.nonfinite.read()
+    if not seen.first_bad:
         return
-    path = save(run, step)
+    bad = seen.first_bad
+    what = f"step {bad}: the gradient norm is {seen.norm} (loss {seen.loss})"
+    if run.config.fault.on_nonfinite == "skip":
+        more = seen.skipped - progress.skipped - 1
+        progress.skipped = seen.skipped
+        reporter.record({"fault/skipped_steps": float(seen.skipped)}, step)
+        also = f", and {more} more up to step {step}" if more > 0 else ""
+        reporter.say(f"{what}; the update was skipped{also} (fault.on_nonfinite = 'skip')")
+        return
+    _rewind(run, run.nonfinite.position(bad))
+    path = save(run, bad)
     run.checkpoints.wait()
+    seen_at = f" (found at step {step}; no update after it was applied)" if bad < step else ""
     raise NonFiniteStep(
-        f"{what}; stopped without applying it and saved the state before it as {name_of(path)}. "
-        "Lower train.lr, check the data, or set fault.on_nonfinite = 'skip'"
+        f"{what}; stopped without applying it{seen_at} and saved the state before it as "
+        f"{name_of(path)}. Lower train.lr, check the data, or set fault.on_nonfinite = 'skip'"
     )
+
+
+def _position(run: Run) -> tuple[dict[str, int], list[dict[str, Any]]]:
+    """Where the run is between steps, apart from the model and optimizers: the data position
+    and the schedule (host-side numbers; nothing waits for the device)."""
+    return run.loader.state_dict(), [s.state_dict() for s in run.schedulers]
+
+
+def _rewind(run: Run, position: tuple[dict[str, int], list[dict[str, Any]]]) -> None:
+    """Put the data position and the schedule (with the learning rate it set) back to `position`."""
+    loader, schedules = position
+    run.loader.load_state_dict(loader)
+    for scheduler, state in zip(run.schedulers, schedules, strict=True):
+        scheduler.load_state_dict(state)
+        for group, lr in zip(
+            scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True
+        ):
+            group["lr"] = lr
 
 
 class SaveFailed(RuntimeError):
@@ -542,23 +577,18 @@ def dry_run(config: JobConfig, device: torch.device) -> None:
         report.dry_run_table(ranks, derived, layout, _tokens_per_sample(train_set[0]))
 
 
-def _train_stats(
-    run: Run,
-    losses: list[torch.Tensor],
-    grad_norm: torch.Tensor | None,
-    elapsed: float,
-    steps: int,
-) -> dict[str, float]:
-    """The window's metrics; `losses` holds the applied steps' losses (a skipped step's loss is
-    not finite and stays out), `steps` counts every step of the window."""
+def _train_stats(run: Run, progress: Progress, elapsed: float, steps: int) -> dict[str, float]:
+    """The window's metrics: the loss over its applied steps (a skipped step's loss may not be
+    finite; none when every step was skipped), its throughput over all `steps`."""
     samples = run.derived.global_batch * steps / elapsed
     stats = {"lr": float(run.schedulers[0].get_last_lr()[0]), "samples/s": samples}
-    if losses:  # the same on every rank: the skip verdict is global
-        stats["loss"] = mean_loss(run, losses)
+    loss = mean_loss(run, progress.losses, progress.applied)
+    if not math.isnan(loss):
+        stats["loss"] = loss
     if run.tokens_per_sample > 1:
         stats["tokens/s"] = samples * run.tokens_per_sample
-    if grad_norm is not None:
-        stats["grad_norm"] = float(grad_norm)
+    if progress.grad_norm is not None:
+        stats["grad_norm"] = float(progress.grad_norm)
     stats.update(run.sync.metrics())
     return stats
 

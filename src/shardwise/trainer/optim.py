@@ -6,6 +6,8 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from shardwise.config import TrainSection
 
@@ -20,8 +22,19 @@ def build_optimizer(model: nn.Module, train: TrainSection, *, lr: float) -> torc
     ]
     groups = [g for g in groups if g["params"]]
     if train.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, betas=train.betas)
-    return torch.optim.SGD(groups, lr=lr, momentum=train.momentum)
+        return torch.optim.AdamW(groups, lr=lr, betas=train.betas, fused=_fused(params, True))
+    # DTensor has no sharding rule for fused SGD: sharded parameters get the foreach one
+    fused = _fused(params, not any(isinstance(p, DTensor) for p in params))
+    return torch.optim.SGD(groups, lr=lr, momentum=train.momentum, fused=fused)
+
+
+def _fused(params: list[nn.Parameter], allowed: bool) -> bool | None:
+    """The fused implementation (one kernel for the whole update, and a skipped step costs no
+    wait: comm.base.step_optimizers) where the parameters' device has it; else torch's default."""
+    devices = {p.device.type for p in params}
+    supported = _get_fused_kernels_supported_devices()  # torch's own list (2.1 and later)
+    floating = all(p.is_floating_point() for p in params)
+    return True if allowed and floating and devices <= set(supported) else None
 
 
 def lr_factor(step: int, train: TrainSection) -> float:

@@ -28,6 +28,7 @@ from shardwise.fault.inject import FaultPlan
 from shardwise.parallel.apply import Layout
 from shardwise.parallel.pipeline import pipeline_forward
 from shardwise.trainer.data import StepLoader
+from shardwise.trainer.nonfinite import NonFiniteGuard
 from shardwise.trainer.precision import autocast
 
 
@@ -53,6 +54,10 @@ class Run:
     sync: Sync
     """How the data-parallel ranks agree (comm/): every step, compressed, every H steps, …"""
     rank: int = field(default_factory=dist.get_rank)
+    nonfinite: NonFiniteGuard = field(
+        default_factory=lambda: NonFiniteGuard(torch.device("cpu"), stop=True)
+    )
+    """The device-side record of steps not applied for a NaN or infinite gradient norm."""
     faults: FaultPlan = field(default_factory=lambda: FaultPlan([], rank=0, attempt=0))
     """Faults to inject (`SHARDWISE_FAULT`, for tests and drills); none by default."""
     forward_seconds: float = 0.0
@@ -73,12 +78,13 @@ class Run:
 
 def train_step(
     run: Run, micro_batches: list[Any], *, step: int = 0
-) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
-    """One optimizer step over this rank's micro-batches. Returns this rank's mean loss (zero on
-    pipeline ranks without the last stage); the global gradient norm before clipping (None when
-    neither clipping nor the non-finite check needs it); and whether the update was applied — it
-    is not when the gradient norm is NaN or infinite (the same verdict on every rank, as the
-    norm is global). With fp16 the gradient scaler makes that call itself."""
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One optimizer step over this rank's micro-batches, with no wait for the device. Returns
+    this rank's mean loss (zero on pipeline ranks without the last stage); the global gradient
+    norm before clipping (None when neither clipping nor the non-finite check needs it); and
+    whether the update was applied, as a boolean on the device (trainer/nonfinite.py) — it is
+    not when the gradient norm is NaN or infinite (the same verdict on every rank, as the norm
+    is global). With fp16 the gradient scaler makes that call itself, and this is None."""
     pipe = run.layout.pipeline
     if pipe is not None:
         loss = _pipeline_forward_backward(run, micro_batches)
@@ -89,13 +95,14 @@ def train_step(
         run.faults.corrupt_gradients(step, run.parameters())
     for optimizer in run.optimizers:
         run.scaler.unscale_(optimizer)
-    grad_norm = None
+    grad_norm, applied = None, None
     check = run.config.train.precision != "fp16"
     if run.config.train.grad_clip > 0 or check:
         limit = run.config.train.grad_clip or math.inf
         copies = pipe.ties.not_in_norm() if pipe is not None else set()
         grad_norm = clip_grad_norm(run.parameters(), limit, run.pp_group, copies=copies)
-    applied = not check or grad_norm is None or bool(torch.isfinite(grad_norm))
+    if check and grad_norm is not None:
+        applied = run.nonfinite.verdict(grad_norm, loss)
     run.sync.apply(run.optimizers, run.scaler, step, finite=applied)
     for optimizer in run.optimizers:
         optimizer.zero_grad(set_to_none=True)
@@ -226,10 +233,15 @@ def _forward(run: Run, inputs: Any) -> Any:
     return model(inputs)
 
 
-def mean_loss(run: Run, losses: list[torch.Tensor]) -> float:
+def mean_loss(run: Run, losses: list[torch.Tensor], applied: list[torch.Tensor]) -> float:
     """The mean training loss over these steps and over data-parallel ranks (from the last
-    pipeline stage, the only one that computes it)."""
-    loss = torch.stack(losses).mean()
+    pipeline stage, the only one that computes it). Where the steps were checked (`applied`,
+    one verdict per step), over the applied ones only, as a skipped step's loss may not be
+    finite: NaN when none was applied."""
+    loss = torch.stack(losses)
+    if applied:
+        loss = torch.where(torch.stack(applied), loss, torch.nan).nanmean()
+    loss = loss.mean()
     if run.pp_group is not None:
         dist.all_reduce(loss, group=run.pp_group)
     dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=run.dp_group)

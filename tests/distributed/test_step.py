@@ -1,0 +1,77 @@
+"""The training step never makes the host wait for the device (issue 17): the non-finite check,
+the loss and the gradient norm stay on the device until a reporting step reads them.
+
+A host-device synchronisation is a read of a tensor's value on the host: every such read (`bool`,
+`float`, `.item()`, `.tolist()` of a one-element tensor) dispatches `aten._local_scalar_dense`, on
+CPU as on CUDA, so counting those dispatches finds them on this machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from helpers import digits_job, gpt_job
+from shardwise.fault.inject import FaultPlan, parse
+from shardwise.trainer.loop import build_run
+from shardwise.trainer.step import train_step
+
+READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the host's reads of tensor values (each one a wait for the device on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in READS:
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _steps(config, steps: int = 3):
+    run = build_run(config, torch.device("cpu"))
+    run.faults = FaultPlan(parse("nan:step=2"), rank=0, attempt=0)
+    states = []
+    for step in range(1, steps + 1):
+        batch = run.loader.next_step()
+        with HostReads() as mode:
+            _, _, applied = train_step(run, batch, step=step)
+        states.append((mode.reads, applied, [p.detach().clone() for p in run.parameters()]))
+    return run, states
+
+
+@pytest.mark.parametrize("on_nonfinite", ["skip", "stop"])
+def test_a_step_reads_nothing_on_the_host_and_a_nan_step_is_skipped_on_the_device(
+    tmp_path, one_rank, on_nonfinite
+):
+    """Step 2's gradient is NaN: its update is not applied (parameters, moments and the step
+    count untouched); under `skip` step 3's is, under `stop` no later one (the run saves the
+    state before step 2 at its next reporting step)."""
+    job = digits_job(tmp_path, train={"grad_clip": 1.0}, fault={"on_nonfinite": on_nonfinite})
+    run, states = _steps(job)
+    assert all(optimizer.defaults["fused"] for optimizer in run.optimizers)
+    for reads, _, _ in states:
+        assert reads == []
+    (_, first, after_1), (_, second, after_2), (_, third, after_3) = states
+    go_on = on_nonfinite == "skip"
+    assert [bool(first), bool(second), bool(third)] == [True, False, go_on]
+    assert all(torch.equal(a, b) for a, b in zip(after_1, after_2, strict=True))
+    moved = any(not torch.equal(a, b) for a, b in zip(after_2, after_3, strict=True))
+    assert moved == go_on
+    (optimizer,) = run.optimizers
+    assert {float(s["step"]) for s in optimizer.state.values()} == {2.0 if go_on else 1.0}
+    seen = run.nonfinite.read()
+    assert (seen.skipped, seen.first_bad) == (1, 2)
+    assert math.isnan(seen.norm)
+
+
+def test_accumulation_and_clipping_on_the_gpt_read_nothing_either(tmp_path, one_rank):
+    _, states = _steps(gpt_job(tmp_path, train={"grad_clip": 1.0}), steps=2)
+    assert [reads for reads, _, _ in states] == [[], []]
