@@ -91,15 +91,25 @@ class StepLoader:
 
     Fetching goes through a torch DataLoader per epoch (so `num_workers` prefetches), but the
     position only moves when the training loop takes a step, so prefetching never skews resume.
+    With `pin_memory` (a CUDA run) batches come in page-locked memory, so that their copies to
+    the device (`non_blocking`) do not stall the host: as a step never waits for the device, the
+    host fetches and sends the next step's batch while the device still computes this one.
     """
 
     def __init__(
-        self, dataset: Dataset, sampler: GlobalBatchSampler, *, micro_batch: int, num_workers: int
+        self,
+        dataset: Dataset,
+        sampler: GlobalBatchSampler,
+        *,
+        micro_batch: int,
+        num_workers: int,
+        pin_memory: bool = False,
     ) -> None:
         self.dataset = dataset
         self.sampler = sampler
         self.micro_batch = micro_batch
         self.num_workers = num_workers
+        self.pin_memory = pin_memory
         self._micro: Iterator[Batch] | None = None
 
     def next_step(self) -> list[Batch]:
@@ -124,6 +134,7 @@ class StepLoader:
             batch_sampler=micro_batches,
             num_workers=self.num_workers,
             collate_fn=default_collate,
+            pin_memory=self.pin_memory,
             generator=_private_generator(self.sampler.seed, self.sampler.epoch),
         )
 

@@ -145,7 +145,11 @@ def build_run(config: JobConfig, device: torch.device, *, node: int = 0) -> Run:
         schedulers=schedulers,
         scaler=grad_scaler(config.train.precision, device),
         loader=StepLoader(
-            train_set, sampler, micro_batch=derived.micro_batch, num_workers=config.data.num_workers
+            train_set,
+            sampler,
+            micro_batch=derived.micro_batch,
+            num_workers=config.data.num_workers,
+            pin_memory=device.type == "cuda",
         ),
         eval_data=None
         if held_out is None
