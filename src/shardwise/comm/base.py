@@ -205,7 +205,8 @@ def step_optimizers(
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether the optimizer skips a step on the device when given `found_inf` (fused ones)."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and bool(
-        optimizer.defaults.get("fused")
+    """Whether the optimizer skips a step on the device when given `found_inf` (fused ones:
+    every parameter group's own setting, which is what its step reads)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
+        group.get("fused") for group in optimizer.param_groups
     )

@@ -21,10 +21,14 @@ def build_optimizer(model: nn.Module, train: TrainSection, *, lr: float) -> torc
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
+    sharded = [isinstance(p, DTensor) for p in params]
     if train.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, betas=train.betas, fused=_fused(params, True))
+        # one fused kernel takes plain tensors or DTensors, not both (tensor parallelism leaves
+        # the layers it does not split plain): such a mix gets the foreach implementation
+        fused = _fused(params, all(sharded) or not any(sharded))
+        return torch.optim.AdamW(groups, lr=lr, betas=train.betas, fused=fused)
     # DTensor has no sharding rule for fused SGD: sharded parameters get the foreach one
-    fused = _fused(params, not any(isinstance(p, DTensor) for p in params))
+    fused = _fused(params, not any(sharded))
     return torch.optim.SGD(groups, lr=lr, momentum=train.momentum, fused=fused)
 
 

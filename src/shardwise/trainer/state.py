@@ -38,6 +38,9 @@ from shardwise.comm.base import Sync
 from shardwise.trainer.data import StepLoader
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+IMPLEMENTATION = ("fused", "foreach")
+"""Optimizer settings that say how to compute, not what: a checkpoint's are not restored (a
+layout whose parameters mix plain tensors and DTensors cannot use the fused kernel)."""
 
 
 def capture(
@@ -90,6 +93,8 @@ def apply(
         live_optim: dict[str, Any] = get_optimizer_state_dict(part, optimizer, options=_FLAT)
         optim = {k: _like(v, live_optim.get(k)) for k, v in state["optim"].items()}
         set_optimizer_state_dict(part, optimizer, optim, options=_FLAT)
+        for group in optimizer.param_groups:  # this layout's implementation, not the saver's
+            group.update({k: optimizer.defaults[k] for k in IMPLEMENTATION if k in group})
     train = state["train"]
     for scheduler in schedulers:
         scheduler.load_state_dict(train["scheduler"])
