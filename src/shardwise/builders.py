@@ -33,7 +33,7 @@ from shardwise.datasets.text import build_text
 from shardwise.imports import import_object
 from shardwise.models import hf
 from shardwise.models.gpt import build_gpt
-from shardwise.models.vision import build_cnn, build_mlp
+from shardwise.models.vision import build_cnn, build_mlp, build_resnet
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -68,7 +68,12 @@ def mse(outputs: Any, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(model_output(outputs).float().reshape(target.shape), target.float())
 
 
-MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": build_mlp, "cnn": build_cnn, "gpt": build_gpt}
+MODELS: dict[str, Callable[..., nn.Module]] = {
+    "mlp": build_mlp,
+    "cnn": build_cnn,
+    "gpt": build_gpt,
+    "resnet": build_resnet,
+}
 DATASETS: dict[str, Callable[..., Any]] = {"digits": build_digits, "text": build_text}
 LOSSES: dict[str, LossFn] = {"cross_entropy": cross_entropy, "mse": mse}
 

@@ -1,7 +1,13 @@
-"""Small image classifiers for the built-in digits dataset (8×8 grey images, 10 classes)."""
+"""Image classifiers: small ones for the built-in digits (8×8 grey images, 10 classes), and
+ResNet-18/34/50 for images of 32×32 (the digits upsampled, `data.args.image_size = 32`)."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from typing import Literal
+
+import torch
+import torch.nn.functional as F  # noqa: N812 (the conventional name)
 from pydantic import PositiveInt
 from torch import nn
 
@@ -39,3 +45,115 @@ def build_cnn(
         nn.ReLU(),
         nn.Linear(128, classes),
     )
+
+
+class BatchNorm2d(nn.BatchNorm2d):
+    """torch's BatchNorm2d, except that in training the running statistics are updated apart
+    from the normalisation. torch's own op keeps them for its backward, so a pipeline, which
+    runs several micro-batches' forwards before their backwards (each forward updating them in
+    place), fails with "modified by an inplace operation". The update is torch's: running =
+    (1 − momentum) · running + momentum · the batch's (variance unbiased)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.running_mean is None or self.running_var is None:
+            return super().forward(x)
+        out = F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        with torch.no_grad():
+            dims = [0, 2, 3]
+            momentum = self.momentum if self.momentum is not None else 0.1
+            self.running_mean.lerp_(x.mean(dims), momentum)
+            self.running_var.lerp_(x.var(dims, unbiased=True), momentum)
+            if self.num_batches_tracked is not None:
+                self.num_batches_tracked.add_(1)
+        return out
+
+
+class BasicBlock(nn.Module):
+    """ResNet-18/34's block: two 3×3 convolutions and the identity (a 1×1 projection where the
+    shape changes) added before the last ReLU."""
+
+    expansion = 1
+
+    def __init__(self, inputs: int, width: int, stride: int) -> None:
+        super().__init__()
+        out = width * self.expansion
+        self.body = nn.Sequential(
+            nn.Conv2d(inputs, width, 3, stride=stride, padding=1, bias=False),
+            BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(width, out, 3, padding=1, bias=False),
+            BatchNorm2d(out),
+        )
+        self.shortcut = _shortcut(inputs, out, stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.body(x) + self.shortcut(x))
+
+
+class Bottleneck(BasicBlock):
+    """ResNet-50's block: 1×1 down to `width`, 3×3 (with the stride, as in torchvision's
+    "ResNet v1.5"), 1×1 up to 4 × `width`."""
+
+    expansion = 4
+
+    def __init__(self, inputs: int, width: int, stride: int) -> None:
+        nn.Module.__init__(self)
+        out = width * self.expansion
+        self.body = nn.Sequential(
+            nn.Conv2d(inputs, width, 1, bias=False),
+            BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False),
+            BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(width, out, 1, bias=False),
+            BatchNorm2d(out),
+        )
+        self.shortcut = _shortcut(inputs, out, stride)
+
+
+def _shortcut(inputs: int, out: int, stride: int) -> nn.Module:
+    if stride == 1 and inputs == out:
+        return nn.Identity()
+    return nn.Sequential(nn.Conv2d(inputs, out, 1, stride=stride, bias=False), BatchNorm2d(out))
+
+
+RESNETS: dict[int, tuple[type[BasicBlock], tuple[int, ...]]] = {
+    18: (BasicBlock, (2, 2, 2, 2)),
+    34: (BasicBlock, (3, 4, 6, 3)),
+    50: (Bottleneck, (3, 4, 6, 3)),
+}
+
+
+def build_resnet(
+    *,
+    depth: Literal[18, 34, 50] = 18,
+    classes: PositiveInt = 10,
+    channels: PositiveInt = 3,
+    width: PositiveInt = 64,
+) -> nn.Sequential:
+    """ResNet (He et al., 2016) for small images (32×32, as CIFAR): a 3×3 stem without the
+    max-pool, four stages of residual blocks (strides 1, 2, 2, 2; widths `width` × 1, 2, 4, 8),
+    global average pooling and a linear head. 18 and 50 layers have 11.2M and 23.5M parameters
+    at 10 classes. A sequence of named blocks (`stem`, `stage1_0` …, `head`), so pipeline
+    parallelism splits it between residual blocks, and FSDP and activation checkpointing work
+    block by block."""
+    kind, counts = RESNETS[depth]
+    blocks: dict[str, nn.Module] = {
+        "stem": nn.Sequential(
+            nn.Conv2d(channels, width, 3, padding=1, bias=False),
+            BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+        )
+    }
+    inputs = width
+    for stage, count in enumerate(counts):
+        planes = width * 2**stage
+        for i in range(count):
+            stride = 2 if stage > 0 and i == 0 else 1
+            blocks[f"stage{stage + 1}_{i}"] = kind(inputs, planes, stride)
+            inputs = planes * kind.expansion
+    blocks["head"] = nn.Sequential(
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(inputs, classes)
+    )
+    return nn.Sequential(OrderedDict(blocks))

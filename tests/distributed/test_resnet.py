@@ -1,0 +1,61 @@
+"""The built-in ResNet (BatchNorm, residual blocks, no torchvision) on real images (the digits
+upsampled to 3×32×32): a pipeline over its residual blocks trains it as one process does, the
+BatchNorm running statistics included; ResNet-50 has the published size.
+
+Tolerance as in test_layouts: different summation orders, fp32; the pipeline's micro-batches are
+the one process's accumulation micro-batches, so each BatchNorm sees the same batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import assert_same_training, digits_job, outcome, train_in_workers
+from shardwise.models.vision import build_resnet
+
+pytestmark = pytest.mark.slow
+STEPS = 4
+RESNET = {
+    "model": {"name": "resnet", "args": {"depth": 18, "width": 8}},
+    "data": {"name": "digits", "args": {"image_size": 32, "channels": 3}},
+    "train": {"steps": STEPS, "global_batch": 8, "micro_batch": 2, "lr": 3e-3},
+    "eval": {"max_samples": 16},
+}
+
+
+def job(run_dir, parallel):
+    return digits_job(run_dir, **RESNET, parallel=parallel).model_dump(mode="json")
+
+
+def test_a_pipeline_over_residual_blocks_matches_one_process(tmp_path):
+    failures = train_in_workers(1, [("one", job(tmp_path / "one", {}), None)])
+    failures |= train_in_workers(
+        2, [("pp", job(tmp_path / "pp", {"pp": 2, "pipeline_schedule": "GPipe"}), None)]
+    )
+    runs = {"root": tmp_path, "failures": failures}
+    one = outcome(runs, "one", STEPS)
+    assert any("running_mean" in name for name in one[1])  # buffers are compared too
+    assert_same_training(outcome(runs, "pp", STEPS), one, range(1, STEPS + 1))
+
+
+@pytest.mark.parametrize(("depth", "millions"), [(18, 11.17), (50, 23.52)])
+def test_the_networks_have_their_published_sizes(depth, millions):
+    with torch.device("meta"):
+        model = build_resnet(depth=depth)
+    assert sum(p.numel() for p in model.parameters()) / 1e6 == pytest.approx(millions, abs=0.01)
+    assert list(model._modules)[:2] == ["stem", "stage1_0"] and "head" in model._modules
+
+
+def test_its_batch_norm_is_torchs_with_the_statistics_updated_apart():
+    from torch import nn
+
+    from shardwise.models.vision import BatchNorm2d
+
+    ours, theirs = BatchNorm2d(4), nn.BatchNorm2d(4)
+    x = torch.randn(3, 4, 5, 5) * 2 + 1
+    for _ in range(3):
+        torch.testing.assert_close(ours(x), theirs(x))
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(ours, name), getattr(theirs, name))
+    ours.eval(), theirs.eval()
+    torch.testing.assert_close(ours(x), theirs(x))
