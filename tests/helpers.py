@@ -111,7 +111,7 @@ def digits_job(run_dir: Path, **sections: dict[str, Any]) -> JobConfig:
         "model": {"name": "mlp", "args": {"hidden": 32}},
         "data": {"name": "digits"},
         "train": {"steps": 20, "global_batch": 32, "lr": 1e-2, "warmup_steps": 2},
-        "tracking": {"mlflow": False, "log_every": 1},
+        "tracking": {"mlflow": False, "log_every": 1, "report": False},
     }
     for name, values in sections.items():
         raw.setdefault(name, {}).update(values)
@@ -129,7 +129,7 @@ def gpt_job(run_dir: Path, **sections: dict[str, Any]) -> JobConfig:
         "data": {"name": "text", "args": {"seq_len": 32, "max_bytes": 20_000}},
         "train": {"steps": 40, "global_batch": 16, "micro_batch": 4, "lr": 3e-3},
         "eval": {"max_samples": 64},
-        "tracking": {"mlflow": False, "log_every": 1},
+        "tracking": {"mlflow": False, "log_every": 1, "report": False},
     }
     for name, values in sections.items():
         raw.setdefault(name, {}).update(values)

@@ -10,6 +10,7 @@ import argparse
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from shardwise import __version__
@@ -125,6 +126,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("output", help="the .safetensors file to write")
     export.add_argument("--debug", action="store_true", help="show tracebacks for every error")
+    report = commands.add_parser(
+        "report",
+        help="write a training run's report: one HTML page with its charts",
+        description="Loss and evaluation, throughput and MFU, memory per rank, pipeline "
+        "bubble, where step time goes, and restarts, skipped steps and stragglers, from a "
+        "run's own files (written at the end of every run too).",
+    )
+    report.add_argument("run_dir", help="the run's directory (job.run_dir)")
+    report.add_argument("--out", help="where to write report.html and the PNGs (RUN_DIR/report)")
+    report.add_argument("--debug", action="store_true", help="show tracebacks for every error")
     return parser
 
 
@@ -140,6 +151,7 @@ def _run(args: argparse.Namespace) -> int:
             "export": _export,
             "many-models": _many_models,
             "plan": _plan,
+            "report": _report,
         }
         return commands[args.command](args)
     except ConfigError as e:
@@ -217,6 +229,17 @@ def _many_models(args: argparse.Namespace) -> int:
 
 class _Terminated(KeyboardInterrupt):
     signum = signal.SIGTERM
+
+
+def _report(args: argparse.Namespace) -> int:
+    from shardwise.tracking.run_report import write_report
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise ConfigError(f"{run_dir} is not a directory; give a training run's job.run_dir")
+    page = write_report(run_dir, Path(args.out) if args.out else None)
+    print(f"report: {page}")
+    return 0
 
 
 def _terminated(signum: int, frame: object) -> None:

@@ -165,6 +165,9 @@ class TrainSection(Section):
     grad_clip: float = Field(1.0, ge=0)
     """Clip the global gradient norm to this value; 0 turns clipping off."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    compile: bool = False
+    """torch.compile each block's forward (parallel/compile.py); composes with every layout.
+    The first step compiles (its time is reported as compile/seconds, apart from step times)."""
     loss: str = "cross_entropy"
     """A built-in loss (`cross_entropy`, `mse`) or `package.module:function`."""
     sync: Literal["every_step", "local_sgd", "diloco", "async"] = "every_step"
@@ -308,6 +311,14 @@ class TrackingSection(Section):
     system_metrics_s: float = Field(10.0, ge=0)
     """Sample rank 0's machine (CPU, memory; GPU where NVIDIA's library sees one) into MLflow
     as `system/…` metrics every this many seconds; 0 turns it off."""
+    profile_step: int = Field(10, ge=0)
+    """Record a torch.profiler window from this step (0: none) for the report's split of step
+    time into compute, communication and data (profile/rank<r>.json); those steps are left
+    out of the throughput."""
+    profile_steps: int = Field(2, gt=0)
+    report: bool = True
+    """Write the run report (report/report.html and PNGs) at the end of the run, and log it to
+    MLflow; `shardwise report RUN_DIR` writes it at any time."""
 
 
 class FaultSection(Section):

@@ -56,6 +56,10 @@ def test_digits_job_trains_tracks_and_resumes(tmp_path):
     assert "config.toml" in [a.path for a in client.list_artifacts(run.info.run_id)]
     assert (run_dir / "config.toml").read_text().count("[train]") == 1
     assert len([r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]) == 12
+    assert "FLOPs per step (counted); peak" in done.stdout and "MFU" in done.stdout
+    mfu = [r["mfu"] for r in read_metrics(run_dir / "metrics.jsonl") if "mfu" in r]
+    assert len(mfu) == 12 and all(0 < m < 100 for m in mfu)
+    assert len(client.get_metric_history(run.info.run_id, "tflops")) == 12
 
     again = shardwise(*job)
     assert again.returncode == 2

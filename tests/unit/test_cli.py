@@ -9,7 +9,7 @@ def test_cli_flags_are_pinned():
     """Adding a flag is a decision: change this test with it."""
     parser = build_parser()
     commands = parser._subparsers._group_actions[0].choices
-    assert sorted(commands) == ["export", "many-models", "plan", "train"]
+    assert sorted(commands) == ["export", "many-models", "plan", "report", "train"]
     flags = sorted(o for a in commands["train"]._actions for o in a.option_strings)
     assert flags == sorted(
         [
@@ -19,6 +19,8 @@ def test_cli_flags_are_pinned():
     )
     flags = sorted(o for a in commands["export"]._actions for o in a.option_strings)
     assert flags == sorted(["-h", "--help", "--debug"])
+    flags = sorted(o for a in commands["report"]._actions for o in a.option_strings)
+    assert flags == sorted(["-h", "--help", "--out", "--debug"])
     flags = sorted(o for a in commands["many-models"]._actions for o in a.option_strings)
     assert flags == sorted(
         [

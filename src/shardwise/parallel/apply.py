@@ -5,7 +5,8 @@ The transforms apply in a fixed order, each to what the previous one produced:
 1. pipeline split: which blocks live on this rank (one copy of the model per local stage, the
    other stages' blocks removed), because every later step works per stage;
 2. tensor parallel: shards the linear layers of the plain modules (it must see them unwrapped);
-3. activation checkpointing: wraps whole blocks, which may now hold DTensor parameters;
+3. activation checkpointing: wraps whole blocks, which may now hold DTensor parameters; then
+   `compile` compiles each block's own forward inside its wrapper (parallel/compile.py);
 4. data parallel, last, so its gradient hooks cover every parameter of the final module tree:
    FSDP2 `fully_shard` per block and then the root (ZeRO-3, or ZeRO-2 with
    `reshard_after_forward = false`; HSDP when both data-parallel axes are > 1), FSDP2's
@@ -34,6 +35,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.config import Derived, ParallelSection
+from shardwise.parallel.compile import apply_compile
 from shardwise.parallel.pipeline import (
     Pipeline,
     group_blocks,
@@ -94,9 +96,11 @@ def parallelize(
     block_costs: list[float] | None = None,
     example: Any = None,
     every_step: bool = True,
+    compile: bool = False,
 ) -> Layout:
     """`example` is one micro-batch of inputs, which a pipeline traces models that are not a
-    sequence of blocks with; `every_step` false leaves replicas unwrapped (train.sync)."""
+    sequence of blocks with; `every_step` false leaves replicas unwrapped (train.sync);
+    `compile` compiles each block (train.compile)."""
     degrees = derived.degrees
     ties = tied_groups(model)
     all_blocks = model_blocks(model)
@@ -109,7 +113,7 @@ def parallelize(
     parts = [pipe.modules[i] for i in sorted(pipe.modules)] if pipe else [model]
     wrapper = data_parallel_wrapper(degrees, every_step=every_step)
     held = [b for part in parts for b in all_blocks if has_submodule(part, b)]
-    applied = describe(model, held, degrees, parallel, wrapper)
+    applied = describe(model, held, degrees, parallel, wrapper, compile=compile)
     for part in parts:
         blocks = [b for b in all_blocks if has_submodule(part, b)]
         # 2. Tensor parallel (which gives each name of a tied weight a parameter of its own).
@@ -120,6 +124,8 @@ def parallelize(
             retie(part, ties)
         # 3. Activation checkpointing.
         apply_activation_checkpointing(part, blocks, parallel.activation_checkpoint)
+        if compile:
+            apply_compile(part, blocks)
         # 4a. FSDP2 or its replicate mode.
         if wrapper in ("fsdp", "replicate"):
             shard(part, blocks, mesh, degrees, parallel, param_dtype=param_dtype)
@@ -148,15 +154,11 @@ def describe(
     degrees: dict[str, int],
     parallel: ParallelSection,
     wrapper: str,
+    *,
+    compile: bool = False,
 ) -> list[str]:
     """One line per transform: what it applies to on this rank (nothing is silently skipped)."""
-    if has_blocks(model):
-        units = f"{len(blocks)} blocks ({span(blocks)})"
-    elif blocks:
-        kind = type(model.get_submodule(blocks[0])).__name__
-        units = f"{len(blocks)} repeated {kind} layers ({span(blocks)}, found in the model)"
-    else:
-        units = ""
+    units = _units(model, blocks)
     name = type(model).__name__
     lines = []
     if degrees["tp"] > 1:
@@ -170,6 +172,12 @@ def describe(
     if parallel.activation_checkpoint != "none":
         lines.append(
             f"activation checkpointing ({parallel.activation_checkpoint}) recomputes {units}"
+        )
+    if compile:
+        lines.append(
+            f"torch.compile compiles the forward of {units}; the rest runs eagerly"
+            if units
+            else f"torch.compile compiles {name} whole, since it has no blocks"
         )
     if wrapper == "fsdp":
         zero = "ZeRO-3" if parallel.reshard_after_forward else "ZeRO-2"
@@ -185,6 +193,16 @@ def describe(
     elif wrapper == "ddp":
         lines.append("data parallel (DDP): every rank holds the whole model")
     return lines
+
+
+def _units(model: nn.Module, blocks: list[str]) -> str:
+    """The blocks a transform applies to, in words ("" when the model has none)."""
+    if has_blocks(model):
+        return f"{len(blocks)} blocks ({span(blocks)})"
+    if blocks:
+        kind = type(model.get_submodule(blocks[0])).__name__
+        return f"{len(blocks)} repeated {kind} layers ({span(blocks)}, found in the model)"
+    return ""
 
 
 def span(names: list[str]) -> str:

@@ -65,4 +65,8 @@ def _format(key: str, value: float) -> str:
         return f"{key} {value:,.0f}"
     if key == "lr":
         return f"lr {value:.2e}"
+    if key == "mfu":
+        return f"MFU {value:.1f}%"
+    if key == "tflops":
+        return f"TFLOP/s {value:.3g}"
     return f"{key} {value:.4f}"

@@ -35,13 +35,14 @@ from shardwise.parallel.apply import Layout, parallelize
 from shardwise.parallel.init import initializer, materialize, supports_meta_init
 from shardwise.parallel.mesh import build_mesh, dp_group, dp_position, pp_group
 from shardwise.parallel.pipeline import example_batch, measure_block_costs
-from shardwise.trainer import report
+from shardwise.trainer import flops, report
 from shardwise.trainer import state as train_state
 from shardwise.trainer.data import GlobalBatchSampler, StepLoader, eval_loader
 from shardwise.trainer.memory import current_bytes, state_bytes
 from shardwise.trainer.nonfinite import NonFiniteGuard
 from shardwise.trainer.optim import build_optimizer, build_scheduler
 from shardwise.trainer.precision import DTYPES, grad_scaler
+from shardwise.trainer.profile import StepProfiler, data_range
 from shardwise.trainer.step import Run, evaluate, mean_loss, train_step
 
 
@@ -93,13 +94,16 @@ def train(
     try:
         summary = loop(run, start, reporter, resumed_from=resume, health=health, watchdog=watchdog)
         status = "KILLED" if summary.preempted else "FINISHED"
+        summary.resumed_from = start if resume else None
+        if run.rank == 0 and config.tracking.report:
+            (config.run_dir / "summary.json").write_text(_json(asdict(summary)))
+            report.run_report(reporter, config.run_dir)
     finally:
         watchdog.close()
         health.close()
         reporter.close(status)
     if summary is not None and run.rank == 0:
         summary.mlflow_run_id = reporter.mlflow_run_id()
-        summary.resumed_from = start if resume else None
         (config.run_dir / "summary.json").write_text(_json(asdict(summary)))
     return summary if run.rank == 0 else None
 
@@ -171,6 +175,15 @@ def build_run(config: JobConfig, device: torch.device, *, node: int = 0) -> Run:
         mesh=mesh,
         sync=sync,
         nonfinite=NonFiniteGuard(device, stop=config.fault.on_nonfinite == "stop"),
+        utilisation=flops.for_run(
+            lambda: builders.build_model(config),
+            loss_fn,
+            train_set[0],
+            micro_batch=derived.micro_batch,
+            global_batch=derived.global_batch,
+            device=device,
+            dtype=DTYPES.get(config.train.precision, torch.float32),
+        ),
     )
 
 
@@ -235,6 +248,7 @@ def build_layout(
         block_costs=costs,
         example=example,
         every_step=config.train.sync == "every_step",
+        compile=config.train.compile,
     )
 
 
@@ -258,10 +272,19 @@ class Progress:
     failed_saves: int = 0
     grad_norm: torch.Tensor | None = None
     """The last step's gradient norm (reported at the end of the window)."""
+    first_step_s: float = 0.0
+    mfu_flagged: bool = False
+    untimed: int = 0
+    """Steps of the window left out of its throughput (compiling, profiled)."""
 
     def exclude(self, began: float) -> None:
         """Move the time since `began` (a checkpoint, an evaluation) out of the throughput."""
         self.clock += time.perf_counter() - began
+
+    def untime(self, seconds: float) -> None:
+        """Leave one step that took `seconds` out of the window's throughput."""
+        self.clock += seconds
+        self.untimed += 1
 
 
 def loop(
@@ -280,10 +303,18 @@ def loop(
     for part in run.parts:
         part.train()
     run.nonfinite.begin(start)
+    tracking = run.config.tracking
+    profiler = StepProfiler(
+        run.config.run_dir, run.rank, first=tracking.profile_step, count=tracking.profile_steps
+    )
     preempted_at = None
     for step in range(start + 1, steps + 1):
         watchdog.started(step)
-        _step(run, step, progress, reporter, health)
+        began = time.perf_counter()
+        with profiler.step(step):
+            _step(run, step, progress, reporter, health)
+        if profiler.wants(step):
+            progress.untime(time.perf_counter() - began)
         stop = _health(run, step, reporter, health)
         if stop or _reporting(run.config, step):
             _skipped(run, step, progress, reporter)
@@ -325,7 +356,8 @@ def _step(
     delay counts as this rank's own work, as a slow rank's would)."""
     began = time.perf_counter()
     run.faults.before_step(step)
-    batch = run.loader.next_step()
+    with data_range():
+        batch = run.loader.next_step()
     fetched, run.forward_seconds = time.perf_counter() - began, 0.0
     loss, grad_norm, applied = train_step(run, batch, step=step)
     health.add(fetched + run.forward_seconds, time.perf_counter() - began)
@@ -336,13 +368,30 @@ def _step(
         progress.applied.append(applied)
         run.nonfinite.remember(step, _position(run))
     progress.grad_norm = grad_norm
+    took = time.perf_counter() - began
     if step == progress.start + 1:  # warm-up: shape inference, allocations; not in the bubble
         if run.layout.pipeline is not None:
             run.layout.pipeline.reset_timers()
+        progress.first_step_s = took
+        if run.config.train.compile:  # it compiled: not in the throughput either
+            progress.untime(took)
     else:
-        run.step_seconds += time.perf_counter() - began
+        run.step_seconds += took
+    if step == progress.start + 2 and run.config.train.compile:
+        _compiled(reporter, step, progress.first_step_s, took)
     if step == min(progress.start + 2, run.config.train.steps):  # optimizer state in place
         progress.memory = report.memory(run, reporter, step)
+
+
+def _compiled(reporter: report.Reporter, step: int, first: float, second: float) -> None:
+    """The compile time: what the first step (which compiled the blocks' forward and backward)
+    took beyond the second."""
+    seconds = max(first - second, 0.0)
+    reporter.record({"compile/seconds": seconds}, step)
+    reporter.say(
+        f"torch.compile: {seconds:.1f} s (the first step took {first:.2f} s, the second "
+        f"{second:.3f} s); throughput is measured from the second step"
+    )
 
 
 def _health(run: Run, step: int, reporter: report.Reporter, health: RankHealth) -> bool:
@@ -362,10 +411,17 @@ def _log(run: Run, step: int, progress: Progress, reporter: report.Reporter) -> 
     if step % run.config.tracking.log_every != 0 and step != run.config.train.steps:
         return
     elapsed = time.perf_counter() - progress.clock
-    stats = _train_stats(run, progress, elapsed, step - progress.window_start)
-    progress.rates.append(stats["samples/s"])
+    stats = _train_stats(run, progress, elapsed, step - progress.window_start - progress.untimed)
+    if "samples/s" in stats:
+        progress.rates.append(stats["samples/s"])
+    if stats.get("mfu", 0.0) > 100 and not progress.mfu_flagged:
+        progress.mfu_flagged = True
+        reporter.say(
+            f"step {step}: MFU {stats['mfu']:.0f}% is above 100%: the measured peak is too low "
+            "(the device was busy when it was measured) or the FLOP count too high"
+        )
     progress.metrics.update(stats)
-    progress.losses, progress.applied = [], []
+    progress.losses, progress.applied, progress.untimed = [], [], 0
     progress.clock, progress.window_start = time.perf_counter(), step
     reporter.progress(stats, step)
 
@@ -583,14 +639,18 @@ def dry_run(config: JobConfig, device: torch.device) -> None:
 
 def _train_stats(run: Run, progress: Progress, elapsed: float, steps: int) -> dict[str, float]:
     """The window's metrics: the loss over its applied steps (a skipped step's loss may not be
-    finite; none when every step was skipped), its throughput over all `steps`."""
-    samples = run.derived.global_batch * steps / elapsed
-    stats = {"lr": float(run.schedulers[0].get_last_lr()[0]), "samples/s": samples}
+    finite; none when every step was skipped), its throughput over its timed `steps` (none
+    when the only step compiled)."""
+    stats = {"lr": float(run.schedulers[0].get_last_lr()[0])}
     loss = mean_loss(run, progress.losses, progress.applied)
     if not math.isnan(loss):
         stats["loss"] = loss
-    if run.tokens_per_sample > 1:
-        stats["tokens/s"] = samples * run.tokens_per_sample
+    if steps > 0:
+        stats["samples/s"] = run.derived.global_batch * steps / elapsed
+        if run.tokens_per_sample > 1:
+            stats["tokens/s"] = stats["samples/s"] * run.tokens_per_sample
+        if isinstance(run.utilisation, flops.Utilisation):
+            stats.update(run.utilisation.window(steps, elapsed, run.derived.world_size))
     if progress.grad_norm is not None:
         stats["grad_norm"] = float(progress.grad_norm)
     stats.update(run.sync.metrics())

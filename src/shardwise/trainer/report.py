@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import tomli_w
@@ -19,6 +20,7 @@ from shardwise.parallel.apply import Layout, span
 from shardwise.tracking.metrics import JsonlTracker, Tracker, Trackers
 from shardwise.tracking.mlflow import MlflowTracker
 from shardwise.tracking.progress import ProgressDisplay
+from shardwise.trainer.flops import Utilisation
 from shardwise.trainer.memory import peak_bytes, state_bytes
 from shardwise.trainer.step import Run
 
@@ -141,6 +143,11 @@ class Reporter:
         if self.display is not None:
             self.display.report(step, metrics)
 
+    def artifact(self, path: Path) -> None:
+        """A file or directory for the trackers that keep files (MLflow)."""
+        if self.tracker is not None:
+            self.tracker.log_artifact(path)
+
     def say(self, text: str) -> None:
         if self.display is not None:
             self.display.print(text)
@@ -179,6 +186,7 @@ def start(run: Run, start: int, *, resumed: bool) -> Reporter:
     console.print(derived_line(derived, run.tokens_per_sample), highlight=False, soft_wrap=True)
     for line in run.layout.applied:
         console.print(f"layout: {line}", highlight=False, soft_wrap=True)
+    console.print(utilisation_line(run.utilisation), highlight=False, soft_wrap=True)
     pipe = run.layout.pipeline
     if pipe is not None:
         stages = ", ".join(
@@ -200,6 +208,26 @@ def start(run: Run, start: int, *, resumed: bool) -> Reporter:
     tracker.log_artifact(cfg.run_dir / "config.toml")
     display = ProgressDisplay(total_steps=cfg.train.steps, start_step=start, console=console)
     return Reporter(tracker, display)
+
+
+def utilisation_line(utilisation: Utilisation | str | None) -> str:
+    if isinstance(utilisation, Utilisation):
+        return f"utilisation: {utilisation.describe()}; MFU = model FLOPs / time / peak"
+    return f"utilisation: MFU is not reported: {utilisation or 'not measured'}"
+
+
+def run_report(reporter: Reporter, run_dir: Path) -> None:
+    """Write the run report (tracking/run_report.py) and log its directory to MLflow; a report
+    that cannot be written is said, and the run still succeeds."""
+    from shardwise.tracking.run_report import write_report
+
+    try:
+        page = write_report(run_dir)
+    except (OSError, ValueError, RuntimeError) as e:
+        reporter.say(f"the run report could not be written ({e}); `shardwise report` retries")
+        return
+    reporter.artifact(page.parent)
+    reporter.say(f"report: {page}")
 
 
 def holds(layout: Layout) -> str:

@@ -28,6 +28,7 @@ from shardwise.fault.inject import FaultPlan
 from shardwise.parallel.apply import Layout
 from shardwise.parallel.pipeline import pipeline_forward
 from shardwise.trainer.data import StepLoader
+from shardwise.trainer.flops import Utilisation
 from shardwise.trainer.nonfinite import NonFiniteGuard
 from shardwise.trainer.precision import autocast
 
@@ -64,6 +65,8 @@ class Run:
     """Time in forward passes during the current step (this rank's own work, for stragglers)."""
     step_seconds: float = 0.0
     """Time spent in training steps after the first (for the measured pipeline bubble)."""
+    utilisation: Utilisation | str | None = None
+    """FLOPs per step and the measured peak, for MFU (trainer/flops.py); or why there is none."""
     baseline_bytes: int = 0
     """Memory the process held before the run was built (CPU: the interpreter, torch, the
     process group), so `peak - baseline` is what training itself took."""

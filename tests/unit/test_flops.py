@@ -1,0 +1,81 @@
+"""FLOPs are counted on the meta device for any model, and agree with the closed form where one
+exists; the peak is measured, not looked up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from shardwise.builders import LOSSES
+from shardwise.models.gpt import build_gpt
+from shardwise.trainer.flops import (
+    Peak,
+    Utilisation,
+    count_flops,
+    for_run,
+    measure_peak,
+    meta_batch,
+    transformer_flops,
+)
+
+CROSS_ENTROPY = LOSSES["cross_entropy"]
+
+
+@pytest.mark.parametrize(("layers", "hidden", "seq"), [(2, 64, 32), (4, 256, 128)])
+def test_the_gpt_count_is_6n_plus_attention(layers, hidden, seq):
+    with torch.device("meta"):
+        model = build_gpt(layers=layers, heads=4, hidden=hidden, seq_len=seq)
+    tokens = torch.zeros(seq, dtype=torch.long)
+    counted = count_flops(model, CROSS_ENTROPY, *meta_batch((tokens, tokens), 3))
+    matrices = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2)
+    lookups = model.embed.tok.weight.numel() + model.embed.pos.weight.numel()  # no multiply
+    params = matrices - lookups  # the blocks' linear layers and the output head
+    want = transformer_flops(params=params, layers=layers, hidden=hidden, seq=seq, tokens=3 * seq)
+    assert counted == want
+
+
+def test_a_convolutional_model_is_counted_too():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 8 * 8, 10))
+    image, label = torch.zeros(1, 8, 8), torch.tensor(0)
+    counted = count_flops(model, CROSS_ENTROPY, *meta_batch((image, label), 4))
+    conv = 2 * 8 * 9 * 64 * 4  # multiply-adds per output pixel × outputs × batch
+    linear = 2 * 512 * 10 * 4
+    # forward; backward: the weights' gradients of both, the activations' of the linear only
+    assert counted == 3 * linear + 2 * conv
+
+
+class ReadsAValue(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum().item() > 0:  # data-dependent: no meta tensor has a value
+            return self.layer(x)
+        return -self.layer(x)
+
+
+def test_a_model_that_cannot_run_on_meta_says_why_and_reports_no_mfu():
+    sample = (torch.zeros(4), torch.tensor(0))
+    found = for_run(
+        ReadsAValue,
+        CROSS_ENTROPY,
+        sample,
+        micro_batch=2,
+        global_batch=4,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+    )
+    assert isinstance(found, str) and "could not be counted on the meta device" in found
+
+
+def test_mfu_is_against_the_measured_peak():
+    peak = measure_peak(torch.device("cpu"), torch.float32)
+    assert 1e8 < peak.measured < 1e13 and peak.vendor is None
+    assert "measured (float32 matrix multiply)" in peak.describe()
+    use = Utilisation(flops_per_step=peak.measured, peak=Peak(2e12, torch.float32))
+    window = use.window(steps=4, seconds=2.0, devices=2)
+    assert window["tflops"] == pytest.approx(peak.measured / 1e12)
+    assert window["mfu"] == pytest.approx(100 * peak.measured / 2e12)
