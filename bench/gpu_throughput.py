@@ -15,7 +15,7 @@ between. Contenders are interleaved and the whole set repeated; medians and spre
 MFU = tokens/s × FLOPs per token (counted on the meta device, trainer/flops.py) / the matrix-
 multiply peak this script measures once at start, the same figure for every contender.
 
-    python bench/gpu_throughput.py                    # CPU: about 15 minutes on 2 cores
+    python bench/gpu_throughput.py                    # CPU: about 20 minutes on 2 cores
     python bench/gpu_throughput.py --repeats 1 --sizes small
 """
 
@@ -23,15 +23,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from ddp_overhead import timed  # the same step-line clock (bench/ is on the path)
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -48,7 +46,6 @@ SIZES = {
         "large": (6, 6, 384, 128, 4),
     },
 }
-STEP_LINE = re.compile(r"^step (\d+)")
 
 
 def job_sets(size: tuple[int, int, int, int, int], precision: str, steps: int) -> list[str]:
@@ -129,30 +126,6 @@ def hand_loop(sets: list[str], compiled: bool) -> None:
                 return
 
 
-def timed(cmd: list[str], warmup: int, steps: int) -> float:
-    """Steady-state seconds per step of a contender (from its step lines' arrival times)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        stdin=subprocess.DEVNULL,
-    )
-    assert proc.stdout is not None
-    seen: dict[int, float] = {}
-    for line in proc.stdout:
-        match = STEP_LINE.match(line)
-        if match:
-            seen.setdefault(int(match.group(1)), time.monotonic())
-    _, err = proc.communicate()
-    if proc.returncode != 0 or warmup not in seen or steps not in seen:
-        raise SystemExit(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{err[-3000:]}")
-    return (seen[steps] - seen[warmup]) / (steps - warmup)
-
-
 def flops_per_step(size: tuple[int, int, int, int, int]) -> float:
     from shardwise.builders import LOSSES
     from shardwise.models.gpt import build_gpt
@@ -172,7 +145,7 @@ def main() -> None:
     parser.add_argument("--set", dest="sets", action="append", default=[], help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sizes", nargs="+", default=None, help="names from SIZES")
-    parser.add_argument("--steps", type=int, default=None, help="per run (default 60 GPU, 30 CPU)")
+    parser.add_argument("--steps", type=int, default=None, help="per run (default 60 GPU, 40 CPU)")
     parser.add_argument("--no-compile", action="store_true", help="eager contenders only")
     args = parser.parse_args()
     if args.hand:
@@ -183,8 +156,10 @@ def main() -> None:
     kind = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(kind)
     precision = "bf16" if kind == "cuda" else "fp32"
-    steps = args.steps or (60 if kind == "cuda" else 30)
-    warmup = 20 if kind == "cuda" else 10
+    # the clock starts after the first steps: compiling (step 1) and shardwise's profiler
+    # window (tracking.profile_step, steps 10 and 11) are one-off costs, reported apart
+    warmup = 20 if kind == "cuda" else 15
+    steps = args.steps or (warmup + 40 if kind == "cuda" else warmup + 25)
     peak = measure_peak(device, torch.bfloat16 if kind == "cuda" else torch.float32)
     name = torch.cuda.get_device_name() if kind == "cuda" else f"{os.cpu_count()} CPU cores"
     print(f"{name}; torch {torch.__version__}; {precision}; {peak.describe()}")
@@ -203,7 +178,8 @@ def main() -> None:
                         ("shardwise", shardwise_cmd(sets, compiled, run_dir)),
                         ("hand loop", hand_cmd(sets, compiled)),
                     ):
-                        times.setdefault(f"{who} {mode}", []).append(timed(cmd, warmup, steps))
+                        per_step, _ = timed(cmd, warmup, steps)
+                        times.setdefault(f"{who} {mode}", []).append(per_step)
         tokens = size[3] * size[4]
         print(
             f"\nGPT {label}: layers {size[0]}, hidden {size[2]}, seq {size[3]}, "

@@ -44,6 +44,12 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "data parallel 2 (DDP)": (2, []),
     "pipeline 2 (1F1B)": (2, ["parallel.pp=2", "parallel.pipeline_schedule=1F1B"]),
     "pipeline 2 (GPipe)": (2, ["parallel.pp=2", "parallel.pipeline_schedule=GPipe"]),
+    # ResNet's parameters sit in its late stages, its compute in the early ones (at full
+    # resolution): an equal-parameter split leaves stage 0 doing most of the work
+    "pipeline 2 (1F1B), split by cost": (
+        2,
+        ["parallel.pp=2", "parallel.pipeline_schedule=1F1B", "parallel.pipeline_balance=cost"],
+    ),
     "data 2 x pipeline 2 (4 ranks)": (4, ["parallel.dp_replicate=2", "parallel.pp=2"]),
 }
 
@@ -88,14 +94,14 @@ def main() -> None:
                 run_dir = Path(tmp) / f"{repeat}-{abs(hash(name))}"
                 results[name].append(run(nproc, [*model, *sets], args.steps, run_dir))
                 got = results[name][-1]
-                print(f"  repeat {repeat + 1}: {name:<30} {got['rate']:6.1f} samples/s", flush=True)
+                print(f"  repeat {repeat + 1}: {name:<34} {got['rate']:6.1f} samples/s", flush=True)
     base = statistics.median(r["rate"] for r in results["1 process (baseline)"])
     print(
         f"\nResNet-{args.depth} on digits at 3x32x32, global batch {GLOBAL_BATCH}, micro batch "
         f"{MICRO_BATCH}, fp32, {args.steps} steps, median of {args.repeats}"
     )
     print(
-        f"  {'layout':<30} {'samples/s':>9} {'(min-max)':>15} {'speedup':>8} {'MFU':>6} "
+        f"  {'layout':<34} {'samples/s':>9} {'(min-max)':>15} {'speedup':>8} {'MFU':>6} "
         f"{'bubble':>7} {'theory':>7}"
     )
     for name, runs in results.items():
@@ -108,7 +114,7 @@ def main() -> None:
             bubble = f"{statistics.median(r['bubble'] for r in runs):.1%}"
             theory = f"{runs[0]['theory']:.1%}"
         print(
-            f"  {name:<30} {median:9.1f} {spread:>15} {median / base:7.2f}x {mfu:5.1f}% "
+            f"  {name:<34} {median:9.1f} {spread:>15} {median / base:7.2f}x {mfu:5.1f}% "
             f"{bubble:>7} {theory:>7}"
         )
 

@@ -18,30 +18,16 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
+from shardwise.parallel.pipeline import has_submodule
+
 
 def apply_compile(part: nn.Module, blocks: list[str]) -> list[str]:
     """Compile the forward of each of `blocks` held by `part` (the whole part's when it holds
     none); returns the names compiled."""
-    names = [b for b in blocks if _held(part, b)] or [""]
+    names = [b for b in blocks if has_submodule(part, b)] or [""]
     for name in names:
         module = part.get_submodule(name) if name else part
         while isinstance(module, CheckpointWrapper):
             module = module._checkpoint_wrapped_module
         module.forward = torch.compile(module.forward)
     return names
-
-
-def _held(part: nn.Module, name: str) -> bool:
-    try:
-        part.get_submodule(name)
-    except AttributeError:
-        return False
-    return True
-
-
-def compile_seconds() -> float:
-    """The time torch.compile has spent so far in this process (dynamo's own accounting: tracing,
-    AOT autograd and inductor, forward and backward graphs)."""
-    from torch._dynamo.utils import compilation_time_metrics
-
-    return float(sum(sum(times) for times in compilation_time_metrics.values()))
