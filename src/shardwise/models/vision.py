@@ -49,10 +49,12 @@ def build_cnn(
 
 class BatchNorm2d(nn.BatchNorm2d):
     """torch's BatchNorm2d, except that in training the running statistics are updated apart
-    from the normalisation. torch's own op keeps them for its backward, so a pipeline, which
-    runs several micro-batches' forwards before their backwards (each forward updating them in
-    place), fails with "modified by an inplace operation". The update is torch's: running =
-    (1 − momentum) · running + momentum · the batch's (variance unbiased)."""
+    from the normalisation. torch's own op keeps them for its backward, and a pipeline runs
+    several micro-batches' forwards (each updating them in place) before their backwards: this
+    ResNet split into two stages failed with "modified by an inplace operation" (a smaller CNN
+    with BatchNorm only in its first stage does not; which stages it hits is not pinned down).
+    The update is torch's: running = (1 − momentum) · running + momentum · the batch's
+    (variance unbiased)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.running_mean is None or self.running_var is None:
