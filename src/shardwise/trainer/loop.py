@@ -96,6 +96,8 @@ def train(
         status = "KILLED" if summary.preempted else "FINISHED"
         summary.resumed_from = start if resume else None
         if run.rank == 0 and config.tracking.report:
+            # the report reads the run's files, summary.json among them; it is written again
+            # below once MLflow (closed with the report logged) has said its run id
             (config.run_dir / "summary.json").write_text(_json(asdict(summary)))
             report.run_report(reporter, config.run_dir)
     finally:
