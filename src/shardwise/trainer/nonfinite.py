@@ -42,6 +42,8 @@ class NonFiniteGuard:
         self.stop = stop
         self._state = torch.zeros(5, dtype=dtype, device=device)
         self._positions: dict[int, Any] = {}
+        self._checked = False
+        """Whether any step was judged (fp16's gradient scaler judges its own: nothing to read)."""
 
     def begin(self, step: int) -> None:
         """Training continues after `step` (0, or the step resumed from)."""
@@ -51,6 +53,7 @@ class NonFiniteGuard:
 
     def verdict(self, grad_norm: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         """Whether this step's update may be applied (a boolean tensor on the device)."""
+        self._checked = True
         state = self._state
         state[STEP] += 1
         bad = ~torch.isfinite(grad_norm)
@@ -73,13 +76,14 @@ class NonFiniteGuard:
         """The verdicts so far: the count of skipped steps and the first bad step are the
         maximum over ranks (one small all-reduce; they differ only where ranks judge their own
         gradients, as under local SGD), the norm and loss this rank's own."""
-        counts = self._state[SKIPPED : FIRST + 1].clone()
+        if not self._checked:  # the same on every rank: checking follows the precision
+            return Verdicts(0, 0, 0.0, 0.0)
+        seen = self._state[: LOSS + 1].clone()
         if dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)
-        skipped, first = (int(v) for v in counts.tolist())
-        norm, loss = self._state[NORM : LOSS + 1].tolist()
+            dist.all_reduce(seen[: FIRST + 1], op=dist.ReduceOp.MAX, group=group)
+        skipped, first, norm, loss = seen.tolist()  # one read of the device
         if not self.stop:
             self._state[FIRST:STEP] = 0
         if not first:
             self._positions.clear()
-        return Verdicts(skipped, first, norm, loss)
+        return Verdicts(int(skipped), int(first), norm, loss)
