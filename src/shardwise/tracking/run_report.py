@@ -82,10 +82,10 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
     return steps, [by_step[s] for s in steps]
 
 
-def _figure(width: float = 7.0, height: float = 3.2) -> Any:
+def _figure() -> Any:
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(width, height), dpi=110)
+    fig, ax = plt.subplots(figsize=(7.0, 3.2), dpi=110)
     ax.grid(alpha=0.3)
     return fig, ax
 
