@@ -3,9 +3,10 @@ per rank, predicted from a profile calibrated in the same run, against measured,
 the trainer supports on 2 ranks (and 1 process), as ratios. Targets: step time within ±25%,
 memory within ±10%.
 
-Method: calibrate this machine (plan/calibrate.py: matmul rate, a transformer layer's achieved
-share of it, memory bandwidth, α/β of gloo's all-reduce, all-gather and reduce-scatter, a
-tensor-parallel layer's rate, the runtime's memory), then run `shardwise train` for each layout
+Method: calibrate this machine (plan/calibrate.py: matmul rate, a transformer layer's curve
+(its rate on large layers and its overhead per layer and micro-batch), memory bandwidth, α/β of
+gloo's all-reduce, all-gather and reduce-scatter, a tensor-parallel layer's rate, the runtime's
+memory), then run `shardwise train` for each layout
 with one thread per rank (a "device" is a core), the compute and memory rates measured again
 right before and right after each run (their mean predicts it), and compare:
 - step time: global batch / median samples/s over the logged windows after warm-up;
@@ -131,14 +132,19 @@ def recalibrated(hardware: Any) -> Any:
 
     from shardwise.plan.calibrate import per_core_rates
 
-    peak, layer, bandwidth = per_core_rates(hardware.gpus_per_node)
+    peak, layer, overhead, bandwidth = per_core_rates(hardware.gpus_per_node)
     return replace(
-        hardware, peak_flops=peak, utilisation=min(1.0, layer / peak), memory_bandwidth=bandwidth
+        hardware,
+        peak_flops=peak,
+        utilisation=min(1.0, layer / peak),
+        layer_overhead=overhead,
+        memory_bandwidth=bandwidth,
     )
 
 
 def averaged(a: Any, b: Any) -> Any:
-    """The profile with the mean of two measurements of its compute and memory rates."""
+    """The profile with the mean of two measurements of its compute and memory rates (and the
+    layer's overhead)."""
     from dataclasses import replace
 
     return replace(
@@ -146,6 +152,7 @@ def averaged(a: Any, b: Any) -> Any:
         peak_flops=(a.peak_flops + b.peak_flops) / 2,
         utilisation=(a.peak_flops * a.utilisation + b.peak_flops * b.utilisation)
         / (a.peak_flops + b.peak_flops),
+        layer_overhead=(a.layer_overhead + b.layer_overhead) / 2,
         memory_bandwidth=(a.memory_bandwidth + b.memory_bandwidth) / 2,
     )
 
@@ -180,7 +187,8 @@ def main() -> None:
                 print(
                     f"  repeat {repeat + 1}: {name:<32} {measured * 1e3:8.1f} ms/step, "
                     f"predicted {step * 1e3:8.1f} (layer rate now "
-                    f"{now.peak_flops * now.utilisation / 1e9:.1f} GFLOP/s per core)",
+                    f"{now.peak_flops * now.utilisation / 1e9:.1f} GFLOP/s per core + "
+                    f"{now.layer_overhead * 1e3:.1f} ms per layer and micro-batch)",
                     flush=True,
                 )
     print(

@@ -25,6 +25,7 @@ def test_calibrate_then_plan_the_job_on_this_machine(tmp_path):
     profile = json.loads((tmp_path / "this-machine.json").read_text())
     assert profile["calibrated"] and profile["peak_flops"] > 1e9
     assert 0 < profile["utilisation"] <= 1 and profile["intra_latency"] > 0
+    assert 0 <= profile["layer_overhead"] < 0.1  # seconds per layer and micro-batch
     assert profile["intra_bandwidth"] > 1e7 and profile["memory_bandwidth"] > 1e8
     for kind in ("all_gather", "reduce_scatter"):  # gloo's kinds, each measured
         assert profile[f"{kind}_latency"] > 0 and profile[f"{kind}_bandwidth"] > 1e7

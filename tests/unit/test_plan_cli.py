@@ -376,3 +376,19 @@ def test_a_chart_is_written_in_a_new_folder_in_the_format_its_name_says(tmp_path
     chart = tmp_path / "new" / "plan.svg"
     assert main(["plan", *BASE, "--chart", str(chart)]) == 0
     assert chart.read_text().lstrip().startswith("<?xml")
+
+
+def test_a_given_utilisation_is_a_flat_rate_and_each_layout_reports_its_share(capsys):
+    args = [*SHAPE, *RUN, "--hardware", "h200", "--global-batch", "512", "--json", "--top", "3"]
+    assert main(["plan", *args]) == 0
+    curved = json.loads(capsys.readouterr().out)
+    assert curved["hardware"]["layer_overhead"] > 0
+    assert all(0 < c["utilisation"] < curved["hardware"]["utilisation"] for c in curved["ranked"])
+    assert main(["plan", *args, "--utilisation", "0.4"]) == 0
+    flat = json.loads(capsys.readouterr().out)
+    assert flat["hardware"]["layer_overhead"] == 0 and flat["hardware"]["utilisation"] == 0.4
+    untouched = [c for c in flat["ranked"] if c["layout"]["tp"] == 1]
+    assert untouched and all(c["utilisation"] == pytest.approx(0.4) for c in untouched)
+    assert main(["plan", *SHAPE, *RUN, "--hardware", "h200", "--global-batch", "512"]) == 0
+    out = capsys.readouterr().out
+    assert "large layers at 56% of it + 1.35 ms per layer and micro-batch" in out

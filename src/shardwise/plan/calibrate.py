@@ -3,8 +3,9 @@ runs on it. On a CPU a "device" is one core (one rank per core, one thread per r
 `shardwise train --nproc <cores>` runs); the profile holds, per core:
 
 - `peak_flops`: the best fp32 matrix-multiply rate over square sizes 256–1024;
-- `utilisation`: the share of that rate a transformer layer's forward and backward reaches
-  (hidden 512, sequence 128, micro-batch 2: layer norms, attention and GeLU included);
+- `utilisation` and `layer_overhead`: a transformer layer's forward and backward (hidden 512,
+  sequence 128: layer norms, attention and GeLU included) timed at micro-batches 1 and 4, and the
+  line t = F / (utilisation · peak) + layer_overhead through them (`fit_layer_curve`);
 - `memory_bandwidth`: an element-wise a + b → c over 64 MiB arrays (what the optimizer step
   does);
 
@@ -38,6 +39,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,17 +51,43 @@ from shardwise.plan.timing import Link, all_reduce
 
 SIZES = [4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20, 32 << 20]
 LAYER = {"hidden": 512, "heads": 8, "seq": 128, "batch": 2}
-"""The transformer layer measured (fp32)."""
+"""The transformer layer measured on a CPU core (fp32); its curve at micro-batches CURVE_BATCHES."""
+CURVE_BATCHES = (1, 4)
+CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """A GPT block and its micro-batch: LAYER's unless a job's (calibrate_gpu.py)."""
+
+    hidden: int = LAYER["hidden"]
+    heads: int = LAYER["heads"]
+    seq: int = LAYER["seq"]
+    batch: int = LAYER["batch"]
+
+
 POWERSGD_WIDTHS = (512, 64)
 
 
-def _best_seconds(fn: Callable[[], object], repeats: int = 5, inner: int = 3) -> float:
-    fn()  # warm up
+def best_seconds(
+    fn: Callable[[], object],
+    repeats: int = 5,
+    inner: int = 3,
+    device: torch.device | None = None,
+) -> float:
+    """The fastest of `repeats` runs of `inner` calls, per call, after one to warm up; on a CUDA
+    `device`, from the queue empty to the last kernel done."""
+    cuda = device is not None and device.type == "cuda"
+    fn()
     times = []
     for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize(device)
         began = time.perf_counter()
         for _ in range(inner):
             fn()
+        if cuda:
+            torch.cuda.synchronize(device)
         times.append((time.perf_counter() - began) / inner)
     return min(times)
 
@@ -68,26 +96,63 @@ def matmul_flops() -> float:
     best = 0.0
     for n in (256, 512, 1024):
         a, b = torch.randn(n, n), torch.randn(n, n)
-        best = max(best, 2 * n**3 / _best_seconds(lambda: torch.mm(a, b)))  # noqa: B023
+        best = max(best, 2 * n**3 / best_seconds(lambda: torch.mm(a, b)))  # noqa: B023
     return best
 
 
-def layer_flops() -> float:
+def layer_curve(
+    shape: LayerShape | None = None,
+    batches: tuple[int, ...] = CURVE_BATCHES,
+    device: torch.device = CPU,
+) -> tuple[float, float]:
+    """A GPT block's rate on large layers (FLOP/s, the curve's asymptote) and its overhead
+    (seconds per layer and micro-batch), from its times at `batches` (LAYER's on a CPU core in
+    fp32; on CUDA under bf16 autocast)."""
     from shardwise.plan.model import Transformer
 
-    hidden, seq, batch = LAYER["hidden"], LAYER["seq"], LAYER["batch"]
-    shape = Transformer(layers=1, hidden=hidden, heads=LAYER["heads"], vocab=0, seq=seq)
-    flops = 3 * shape.forward_flops_per_token() * batch * seq
-    return flops / _layer_seconds(tp=False)
+    shape = shape or LayerShape()
+    model = Transformer(layers=1, hidden=shape.hidden, heads=shape.heads, vocab=0, seq=shape.seq)
+    per_sample = 3 * model.forward_flops_per_token() * shape.seq
+    points = [
+        (per_sample * batch, _layer_seconds(tp=False, batch=batch, shape=shape, device=device))
+        for batch in batches
+    ]
+    return curve(points)
 
 
-def _layer_seconds(*, tp: bool) -> float:
-    """The LAYER GPT block's forward and backward, whole, or split over this process group's
-    two ranks by the GPT's tensor-parallel plan (collectives included); in a process group, both
-    ranks at once."""
+def fit_layer_curve(points: list[tuple[float, float]], peak: float) -> tuple[float, float]:
+    """(utilisation, layer_overhead) of the line t = F / (utilisation · peak) + overhead through
+    (FLOPs, seconds) points of one layer at different micro-batches. Where timing noise would
+    make the overhead negative: none, at the largest layer's rate."""
+    rate, overhead = curve(points)
+    return min(1.0, rate / peak), overhead
+
+
+def curve(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """`fit_layer_curve`'s line as (FLOP/s on large layers, seconds of overhead)."""
+    intercept, slope = line(points, floor=1e-30)
+    if intercept < 0:
+        flops, seconds = max(points)
+        return flops / seconds, 0.0
+    return 1 / slope, intercept
+
+
+def _layer_seconds(
+    *,
+    tp: bool,
+    batch: int = LAYER["batch"],
+    shape: LayerShape | None = None,
+    device: torch.device = CPU,
+) -> float:
+    """A GPT block's forward and backward at micro-batch `batch` (LAYER's, fp32, by default),
+    whole, or split over this process group's two ranks by the GPT's tensor-parallel plan
+    (collectives included); in a process group, both ranks at once. On CUDA under bf16
+    autocast, as the trainer runs `precision = "bf16"`."""
     from shardwise.models.gpt import build_gpt
 
-    model = build_gpt(layers=1, heads=LAYER["heads"], hidden=LAYER["hidden"], seq_len=LAYER["seq"])
+    shape = shape or LayerShape()
+    model = build_gpt(layers=1, heads=shape.heads, hidden=shape.hidden, seq_len=shape.seq)
+    model.to(device)
     if tp:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -97,18 +162,21 @@ def _layer_seconds(*, tp: bool) -> float:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # both ranks measure at once
     block = model.layers["0"]
-    x = torch.randn(LAYER["batch"], LAYER["seq"], LAYER["hidden"], requires_grad=True)
+    x = torch.randn(batch, shape.seq, shape.hidden, device=device, requires_grad=True)
+    cuda = device.type == "cuda"
 
     def step() -> None:
-        block(x).sum().backward()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            y = block(x)
+        y.float().sum().backward()
 
-    return _best_seconds(step)
+    return best_seconds(step, device=device)
 
 
 def memory_bandwidth() -> float:
     n = 16 << 20  # 64 MiB of fp32
     a, b, c = torch.randn(n), torch.randn(n), torch.empty(n)
-    return 3 * 4 * n / _best_seconds(lambda: torch.add(a, b, out=c))
+    return 3 * 4 * n / best_seconds(lambda: torch.add(a, b, out=c))
 
 
 def codec_rates() -> tuple[float, float, float, float]:
@@ -142,7 +210,7 @@ def codec_rates() -> tuple[float, float, float, float]:
                     residual.copy_(lost if lost is not None else total)
                     total.div_(2)
 
-                return 4 * flat.numel() / _best_seconds(once)
+                return 4 * flat.numel() / best_seconds(once)
 
             half, eight = rate(Half(sync, torch.bfloat16)), rate(int8)
             return half, eight, *powersgd_costs(group)
@@ -170,7 +238,7 @@ def powersgd_costs(group: Any) -> tuple[float, float]:
         )
         try:
             named = [(name, torch.randn_like(p)) for p, name in sync.names.items()]
-            seconds = _best_seconds(lambda: sync.average(named))  # noqa: B023
+            seconds = best_seconds(lambda: sync.average(named))  # noqa: B023
         finally:
             sync.close()
         points.append((sum(4 * g.numel() for _, g in named), len(sync.qs), seconds))
@@ -183,15 +251,16 @@ def powersgd_costs(group: Any) -> tuple[float, float]:
 def _per_core_worker(rank: int, barrier: Any, results: Any, codecs: bool) -> None:
     torch.set_num_threads(1)
     barrier.wait()  # every core busy together
-    rates = (matmul_flops(), layer_flops(), memory_bandwidth())
+    rates = (matmul_flops(), *layer_curve(), memory_bandwidth())
     results[rank] = rates + (codec_rates() if codecs else ())
 
 
-def per_core_rates(cores: int) -> tuple[float, float, float]:
-    """Matmul FLOP/s, transformer-layer FLOP/s and memory bandwidth per core, with every core
-    measuring at once; the mean over cores."""
-    peak, layer, bandwidth = _on_every_core(cores, codecs=False)
-    return peak, layer, bandwidth
+def per_core_rates(cores: int) -> tuple[float, float, float, float]:
+    """Matmul FLOP/s, a transformer layer's FLOP/s on large layers and its overhead (seconds per
+    layer and micro-batch), and memory bandwidth per core, with every core measuring at once;
+    the mean over cores."""
+    peak, layer, overhead, bandwidth = _on_every_core(cores, codecs=False)
+    return peak, layer, overhead, bandwidth
 
 
 def _on_every_core(cores: int, *, codecs: bool) -> tuple[float, ...]:
@@ -309,7 +378,7 @@ def collective_fits() -> dict[str, float]:
         times = [
             (key[1], t) for key, t in measured.items() if isinstance(key, tuple) and key[0] == kind
         ]
-        intercept, slope = _line(times)
+        intercept, slope = line(times)
         fits[kind] = Link(bandwidth=volume / slope, latency=max(intercept, 1e-6) / steps)
     link = fits["all_reduce"]
     activation = LAYER["batch"] * LAYER["seq"] * LAYER["hidden"] * 4
@@ -326,14 +395,14 @@ def collective_fits() -> dict[str, float]:
     }
 
 
-def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least-squares intercept and slope (at least 1 ps per byte) of t over S."""
+def line(points: list[tuple[float, float]], floor: float = 1e-12) -> tuple[float, float]:
+    """Least-squares intercept and slope (at least `floor`: 1 ps per byte) of t over S."""
     xs, ys = [float(s) for s, _ in points], [t for _, t in points]
     mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
     slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum(
         (x - mean_x) ** 2 for x in xs
     )
-    slope = max(slope, 1e-12)
+    slope = max(slope, floor)
     return mean_y - slope * mean_x, slope
 
 
@@ -348,9 +417,11 @@ def ram_bytes() -> int:
 def calibrate(progress: Callable[[str], None] = lambda line: None) -> Hardware:
     cores = len(os.sched_getaffinity(0))
     progress(f"matrix multiplies, a transformer layer and memory bandwidth on {cores} cores…")
-    peak, achieved, bandwidth, half, int8, powersgd, matrix = _on_every_core(cores, codecs=True)
+    measured = _on_every_core(cores, codecs=True)
+    peak, achieved, overhead, bandwidth, half, int8, powersgd, matrix = measured
     progress(
-        f"  per core: {peak / 1e9:.1f} GFLOP/s matmul, {achieved / 1e9:.1f} GFLOP/s in a layer, "
+        f"  per core: {peak / 1e9:.1f} GFLOP/s matmul, {achieved / 1e9:.1f} GFLOP/s in a large "
+        f"layer + {overhead * 1e3:.2f} ms per layer and micro-batch, "
         f"{bandwidth / 1e9:.1f} GB/s, gradients through the bf16 codec {half / 1e9:.2f} GB/s, "
         f"the int8 codec {int8 / 1e9:.2f} GB/s and PowerSGD r={POWERSGD_RANK} "
         f"{powersgd / 1e9:.2f} GB/s + {matrix * 1e6:.0f} µs per matrix; collectives between "
@@ -381,6 +452,7 @@ def calibrate(progress: Callable[[str], None] = lambda line: None) -> Hardware:
         gpus_per_node=cores,
         **fits,
         utilisation=min(1.0, achieved / peak),
+        layer_overhead=overhead,
         overlap=0.0,
         half_codec_rate=half,
         int8_codec_rate=int8,

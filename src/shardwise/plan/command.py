@@ -27,6 +27,7 @@ from shardwise.plan.search import (
     search,
     seconds,
 )
+from shardwise.plan.timing import achieved_utilisation
 
 DEVICES = 2**20
 """The most devices (and any one parallel degree) planned for: past the largest clusters built,
@@ -96,7 +97,12 @@ def add_arguments(plan: argparse.ArgumentParser) -> None:
     )
     _number(where, "--memory-gib", help="override: memory per device")
     _number(where, "--peak-tflops", help="override: dense 16-bit peak")
-    _number(where, "--utilisation", help="override: fraction of peak achieved, in (0, 1]")
+    _number(
+        where,
+        "--utilisation",
+        help="override: fraction of peak every layer achieves, in (0, 1] (a flat rate, in "
+        "place of the curve by layer size)",
+    )
     _number(where, "--intra-gbs", help="override: GB/s per device in a node")
     _number(where, "--inter-gbs", help="override: GB/s per device across nodes")
     _number(
@@ -181,9 +187,7 @@ def _flag(dest: str) -> str:
 def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     if args.calibrate:
-        from shardwise.plan.calibrate import calibrate
-
-        profile = calibrate(progress=lambda line: print(line, file=sys.stderr))
+        profile = _calibrate(args)
         path = hw.save_profile(profile)
         print(f"saved {path}: {summary_of(profile)}")
         return 0
@@ -268,6 +272,32 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, Candidate | None]:
     return plan, own
 
 
+def _calibrate(args: argparse.Namespace) -> hw.Hardware:
+    """This machine's GPUs where CUDA sees any (at the job's layer and micro-batch, where a job
+    file is given), else its CPU cores."""
+    import torch
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr)
+
+    if not torch.cuda.is_available():
+        from shardwise.plan.calibrate import calibrate
+
+        return calibrate(progress=progress)
+    from shardwise.plan.calibrate import LayerShape
+    from shardwise.plan.calibrate_gpu import calibrate_gpu
+
+    shape = None
+    if args.job:
+        from shardwise.config import load_config
+        from shardwise.plan.job import plan_job
+
+        planned = plan_job(load_config(args.job, []), args.nproc or 1)
+        model = planned.model
+        shape = LayerShape(model.hidden, model.heads, model.seq, planned.layout.micro_batch)
+    return calibrate_gpu(shape, progress=progress)
+
+
 def _hardware(args: argparse.Namespace) -> hw.Hardware:
     name = args.hardware or (hw.THIS_MACHINE if args.job else None)
     if name is None:
@@ -280,6 +310,7 @@ def _hardware(args: argparse.Namespace) -> hw.Hardware:
         memory=_times(args.memory_gib, hw.GiB),
         peak_flops=_times(args.peak_tflops, 1e12),
         utilisation=args.utilisation,
+        layer_overhead=None if args.utilisation is None else 0.0,
         intra_bandwidth=_times(args.intra_gbs, 1e9),
         inter_bandwidth=_times(args.inter_gbs, 1e9),
         gpus_per_node=args.gpus_per_node,
@@ -326,12 +357,19 @@ def _nearest_divisor(n: int, near: int) -> int:
 
 def summary_of(profile: hw.Hardware) -> str:
     return (
-        f"{profile.peak_flops / 1e9:.1f} GFLOP/s per core ({profile.utilisation:.0%} reached by "
-        f"a transformer layer), memory {profile.memory_bandwidth / 1e9:.1f} GB/s, all-reduce "
+        f"{_flops(profile.peak_flops)} per device (a core on a CPU); in a transformer layer "
+        f"{_curve(profile)}; memory {profile.memory_bandwidth / 1e9:.1f} GB/s, all-reduce "
         f"latency {profile.intra_latency * 1e6:.0f} µs and bandwidth "
         f"{profile.intra_bandwidth / 1e9:.2f} GB/s, a tensor-parallel layer at "
         f"{profile.tensor_parallel_efficiency:.0%} of the layer's rate"
     )
+
+
+def _curve(hardware: hw.Hardware) -> str:
+    large = f"large layers at {hardware.utilisation:.0%} of it"
+    if not hardware.layer_overhead:
+        return f"every layer at {hardware.utilisation:.0%} of it"
+    return f"{large} + {hardware.layer_overhead * 1e3:.2f} ms per layer and micro-batch"
 
 
 def _flops(rate: float) -> str:
@@ -345,7 +383,7 @@ def render(plan: Plan, own: Candidate | None, top: int) -> None:
     console.print(f"model: {describe(plan.model)}")
     console.print(
         f"devices: {plan.devices} × {plan.hardware.name} ({gib(plan.hardware.memory)}, "
-        f"{_flops(plan.hardware.peak_flops)} peak at {plan.hardware.utilisation:.0%}, "
+        f"{_flops(plan.hardware.peak_flops)} peak, {_curve(plan.hardware)}, "
         f"{plan.hardware.gpus_per_node} per node); precision {plan.precision.name}, "
         f"{plan.optimizer}; global batch {plan.global_batch} × {plan.model.seq} tokens"
     )
@@ -418,6 +456,7 @@ def to_json(plan: Plan, own: Candidate | None, top: int) -> dict[str, Any]:
             "fits": c.fits,
             "reason": c.reason,
             "step_seconds": c.time.total,
+            "utilisation": achieved_utilisation(plan.model, c.layout, plan.hardware),
             "time": {**c.time.terms(), "data-parallel comm (total)": c.time.data_parallel},
             "memory_bytes": c.memory.as_dict(),
             "run_seconds": plan.run_seconds(c),

@@ -44,8 +44,15 @@ class Hardware:
     inter_latency: float
     gpus_per_node: int = 8
     utilisation: float = 0.5
-    """Fraction of `peak_flops` a training step achieves on the model's matrix multiplies
-    (Megatron-LM reached 44–52% of A100 peak; calibrated profiles measure it)."""
+    """Fraction of `peak_flops` a large layer's forward and backward achieve (Megatron-LM reached
+    44–52% of A100 peak); smaller layers reach less, by `layer_overhead`. Calibrated profiles
+    measure both."""
+    layer_overhead: float = 0.0
+    """Seconds one transformer layer's forward and backward take per micro-batch beyond its FLOPs
+    at `utilisation` × peak: t = F / (utilisation · peak) + layer_overhead. It is what makes a
+    small model, or a small micro-batch, reach far less of the peak than a large one (kernel
+    launches, normalisations, activations, attention's softmax). 0: a flat rate (what a given
+    `--utilisation` means)."""
     overlap: float = 1.0
     """How much of the data-parallel communication can hide behind the backward pass: 1 on
     GPUs (NCCL runs on its own streams), 0 where the same cores compute and communicate."""
@@ -92,6 +99,7 @@ FIELDS: dict[str, Bound] = {
     "inter_latency": _LATENCY,
     "gpus_per_node": Bound(1, 4096, whole=True, means="devices, or calibrated cores, per node"),
     "utilisation": Bound(0, 1, above=True, means="the fraction of peak a step achieves, e.g. 0.5"),
+    "layer_overhead": Bound(0, 60, means="seconds per layer and micro-batch"),
     "overlap": Bound(0, 1, means="the fraction of data-parallel traffic that can hide"),
     "all_gather_latency": _LATENCY,
     "all_gather_bandwidth": _RATE,
@@ -107,7 +115,25 @@ FIELDS: dict[str, Bound] = {
 """The range of each numeric field of `Hardware` (a file's, or a calibrated profile's)."""
 
 
-def _gpu(name: str, mib: int, tflops: float, hbm: float, nvlink: float, network: float) -> Hardware:
+HOPPER_UTILISATION, LAYER_OVERHEAD = 0.557, 1.35e-3
+"""The curve fitted (least squares, seconds per step) to one H200's measured steps in issue 17:
+the built-in GPT (vocabulary 256, sequence 1024, micro-batch 16, bf16 autocast, one process) at
+86M, 304M and 1.2B parameters, 38.3, 99.9 and 289.3 ms per step; the fit predicts them within 5%
+(a flat 50% predicted 0.58×, 0.76× and 0.98× of them). H100 has H200's compute and is given its
+curve; A100 and L40S keep Megatron-LM's 50% for large layers with the same overhead per layer —
+assumptions, not measurements: `shardwise plan --calibrate` on the GPU measures both."""
+
+
+def _gpu(
+    name: str,
+    mib: int,
+    tflops: float,
+    hbm: float,
+    nvlink: float,
+    network: float,
+    *,
+    utilisation: float = 0.5,
+) -> Hardware:
     return Hardware(
         name=name,
         memory=mib * 2**20,
@@ -117,14 +143,16 @@ def _gpu(name: str, mib: int, tflops: float, hbm: float, nvlink: float, network:
         intra_latency=5e-6,
         inter_bandwidth=network * 1e9,
         inter_latency=10e-6,
+        utilisation=utilisation,
+        layer_overhead=LAYER_OVERHEAD,
     )
 
 
 PRESETS: dict[str, Hardware] = {
     "a100-40gb": _gpu("a100-40gb", 40_960, 312, 1_555, 300, 25),
     "a100-80gb": _gpu("a100-80gb", 81_920, 312, 2_039, 300, 25),
-    "h100": _gpu("h100", 81_559, 989, 3_350, 450, 50),
-    "h200": _gpu("h200", 143_771, 989, 4_800, 450, 50),
+    "h100": _gpu("h100", 81_559, 989, 3_350, 450, 50, utilisation=HOPPER_UTILISATION),
+    "h200": _gpu("h200", 143_771, 989, 4_800, 450, 50, utilisation=HOPPER_UTILISATION),
     "l40s": _gpu("l40s", 46_068, 362, 864, 32, 12.5),
 }
 ALIASES = {"a100": "a100-80gb", "h100-sxm": "h100", "h100-80gb": "h100"}

@@ -11,7 +11,7 @@ from shardwise.plan.layout import RECOMPUTE, Layout, Precision, Recompute
 from shardwise.plan.memory import Memory, Traced, estimate
 from shardwise.plan.model import Transformer, divisors
 from shardwise.plan.network import Comparison, Mode, Network, Tensors, compare
-from shardwise.plan.timing import StepTime, one_device_step, step_time
+from shardwise.plan.timing import StepTime, achieved_utilisation, one_device_step, step_time
 
 MAX_LAYOUTS = 20_000
 """The most layouts one search weighs (a few seconds): real models on real clusters have a few
@@ -324,8 +324,9 @@ def explain(plan: Plan) -> list[str]:
 
 def _lever(dominant: str, best: Candidate, plan: Plan) -> str:
     if dominant == "compute":
+        share = achieved_utilisation(plan.model, best.layout, plan.hardware)
         return (
-            f"the step is compute-bound at {plan.hardware.utilisation:.0%} of peak: faster "
+            f"the step is compute-bound at {share:.0%} of peak: faster "
             "devices or more of them (with a larger batch) shorten it; parallelism choices "
             "matter little"
         )

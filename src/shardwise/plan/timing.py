@@ -1,6 +1,7 @@
-"""Time per step and per run: compute at a stated utilisation of the peak (or a calibrated rate),
-each collective with a latency–bandwidth (α–β) model on the link it crosses, and the pipeline
-bubble of the schedule.
+"""Time per step and per run: compute on a curve by layer size (each layer's forward and backward
+at `utilisation` of the peak, plus `layer_overhead` per micro-batch: small layers reach less of
+the peak than large ones), each collective with a latency–bandwidth (α–β) model on the link it
+crosses, and the pipeline bubble of the schedule.
 
 What overlaps with what (stated, not measured):
 - tensor-parallel collectives sit between dependent matrix multiplies: never overlapped. Per layer
@@ -161,7 +162,29 @@ def _slower(measured: Link | None, bandwidth: float, latency: float) -> Link | N
 
 
 def flops_rate(hardware: Hardware) -> float:
+    """The rate large matrix multiplies reach: the curve's asymptote."""
     return hardware.peak_flops * hardware.utilisation
+
+
+def compute_time(model: Transformer, layout: Layout, hardware: Hardware) -> float:
+    """Seconds of forward and backward compute per step on one device: its share of the FLOPs
+    at `flops_rate`, plus `layer_overhead` for every layer of the busiest pipeline stage and
+    every micro-batch (full recomputation replays each forward: a third more)."""
+    tokens = layout.global_batch * model.seq
+    flops = tokens * model.train_flops_per_token(layout.recompute)
+    compute = flops / layout.devices / flops_rate(hardware)
+    if layout.tp > 1:
+        compute /= hardware.tensor_parallel_efficiency
+    passes = layout.microbatches * model.layers_per_stage(layout.pp)
+    replay = 4 / 3 if layout.recompute == "full" else 1.0
+    return compute + passes * replay * hardware.layer_overhead
+
+
+def achieved_utilisation(model: Transformer, layout: Layout, hardware: Hardware) -> float:
+    """The share of the peak the step's compute reaches on the curve (recomputation's extra
+    FLOPs not counted as useful)."""
+    flops = layout.global_batch * model.seq * model.train_flops_per_token()
+    return flops / layout.devices / hardware.peak_flops / compute_time(model, layout, hardware)
 
 
 def step_time(
@@ -173,11 +196,7 @@ def step_time(
     optimizer: str = "adamw",
 ) -> StepTime:
     """Seconds per optimizer step on each device."""
-    tokens = layout.global_batch * model.seq
-    flops = tokens * model.train_flops_per_token(layout.recompute)
-    compute = flops / layout.devices / flops_rate(hardware)
-    if layout.tp > 1:
-        compute /= hardware.tensor_parallel_efficiency
+    compute = compute_time(model, layout, hardware)
     bubble = compute * bubble_fraction(
         layout.schedule, layout.pp, layout.microbatches, layout.stages_per_rank
     )
