@@ -16,7 +16,8 @@ caches and memory bandwidth, so one busy core alone is faster than each of two;
   ring model over messages of 4 KiB to 32 MiB (gloo's kinds differ: its reduce-scatter is slower
   than its all-reduce; NCCL's share one ring, so presets use one α and β);
 - `tensor_parallel_efficiency`: the same layer split over the two ranks by the GPT's
-  tensor-parallel plan, its time less its four all-reduces, against half the whole layer's;
+  tensor-parallel plan, its time less its four all-reduces, against half the whole layer's
+  (both less the layer's overhead, which the planner adds to either whole);
 - `runtime_memory`: what those two ranks' work left in a rank's resident set once its tensors
   were freed (glibc told to return freed memory, as the planner counts live tensors): library code
   paged in, kernel and communication workspaces — the part of a training process's memory that
@@ -355,11 +356,12 @@ def _return_freed_memory() -> bool:
     return bool(mallopt(m_mmap_threshold, 65536))
 
 
-def collective_fits() -> dict[str, float]:
+def collective_fits(layer_overhead: float = 0.0) -> dict[str, float]:
     """α (seconds) and β (bytes/s) of all-reduce, all-gather and reduce-scatter between two
     ranks, each from a least-squares line through its times over SIZES (a ring of two: t = 2α +
     S/β for all-reduce, α + S/(2β) for the others); and the tensor-parallel layer's compute rate
-    relative to the whole layer's (its measured time less its four all-reduces)."""
+    relative to the whole layer's (its measured time less its four all-reduces), each less
+    `layer_overhead`."""
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         results = manager.dict()
         mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
@@ -390,7 +392,10 @@ def collective_fits() -> dict[str, float]:
         "all_gather_bandwidth": fits["all_gather"].bandwidth,
         "reduce_scatter_latency": fits["reduce_scatter"].latency,
         "reduce_scatter_bandwidth": fits["reduce_scatter"].bandwidth,
-        "tensor_parallel_efficiency": min(1.0, measured["layer"] / (2 * split_compute)),
+        "tensor_parallel_efficiency": min(
+            1.0,
+            (measured["layer"] - layer_overhead) / (2 * max(split_compute - layer_overhead, 1e-9)),
+        ),
         "runtime_memory": measured["runtime"],
     }
 
@@ -427,7 +432,7 @@ def calibrate(progress: Callable[[str], None] = lambda line: None) -> Hardware:
         f"{powersgd / 1e9:.2f} GB/s + {matrix * 1e6:.0f} µs per matrix; collectives between "
         "two gloo ranks…"
     )
-    fits = collective_fits()
+    fits = collective_fits(overhead)
     progress(
         "  α, β: "
         + "; ".join(
