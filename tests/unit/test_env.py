@@ -73,7 +73,7 @@ def test_a_gpu_job_needs_a_gpu_for_each_rank_of_a_node(choice, ranks, gpus, mess
     """Refused before launch, in one line (a GPU for rank 1 of a one-GPU machine ended in a
     CUDA 'invalid device ordinal' traceback from the worker)."""
     from shardwise.config import ConfigError
-    from shardwise.launch.local import check_devices
+    from shardwise.launch.worker import check_devices
 
     with pytest.raises(ConfigError, match=message) as error:
         check_devices(choice, ranks, gpus=gpus)
@@ -87,6 +87,6 @@ def test_a_gpu_job_needs_a_gpu_for_each_rank_of_a_node(choice, ranks, gpus, mess
     ("choice", "ranks", "gpus"), [("auto", 4, 0), ("cpu", 4, 1), ("auto", 2, 2), ("cuda", 1, 8)]
 )
 def test_a_job_with_a_gpu_per_rank_or_on_the_cpu_is_let_through(choice, ranks, gpus):
-    from shardwise.launch.local import check_devices
+    from shardwise.launch.worker import check_devices
 
     check_devices(choice, ranks, gpus=gpus)

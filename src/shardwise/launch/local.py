@@ -2,15 +2,14 @@
 (the engine behind torchrun) or join the workers torchrun/Slurm started, and turn a worker's
 failure into an error that names the rank.
 
-The path from the command line to `loss.backward()`: `cli.main` → `train` (here) → `run_worker`
-(here, in every rank) → `trainer.loop.train` → `trainer.loop.train_step`.
+The path from the command line to `loss.backward()`: `cli._train` → `train` (here) →
+`worker.run_worker` (in every rank) → `trainer.loop.train` → `trainer.step.train_step`. Where a
+run starts is checkpoint/resume.py's decision, shared with every other launcher.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
-import inspect
 import json
 import logging
 import signal
@@ -20,13 +19,11 @@ import uuid
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed import DistNetworkError, PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
+from torch.distributed import DistNetworkError
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
@@ -34,37 +31,13 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from shardwise import builders
 from shardwise.checkpoint.export import check_weights
-from shardwise.checkpoint.layout import (
-    MANIFEST,
-    complete_checkpoints,
-    is_complete,
-    name_of,
-    newest_good,
-    probe_writable,
-    problem,
-    read_manifest,
-)
-from shardwise.checkpoint.safe import check_metadata
-from shardwise.config import (
-    ConfigError,
-    JobConfig,
-    apply_override,
-    derive,
-    load_config,
-    shown,
-    validate,
-)
+from shardwise.checkpoint.resume import resume_point
+from shardwise.config import ConfigError, JobConfig, apply_override, derive, load_config, validate
 from shardwise.fault.watchdog import describe as describe_hang
-from shardwise.launch.env import WorkerEnv, detect, environment, visible_cpus
-from shardwise.launch.stores import (
-    LOOPBACK,
-    RENDEZVOUS,
-    loopback_collectives,
-    register_rendezvous,
-    worker_store,
-)
+from shardwise.launch.env import detect, environment
+from shardwise.launch.stores import LOOPBACK, RENDEZVOUS, loopback_collectives, register_rendezvous
+from shardwise.launch.worker import check_devices, run_worker
 from shardwise.parallel.checks import check_layout
-from shardwise.redact import redacting_output
 
 if TYPE_CHECKING:
     from shardwise.trainer.loop import TrainSummary
@@ -289,20 +262,6 @@ def _check_job(config: JobConfig, world_size: int, per_node: int) -> None:
     check_devices(config.job.device, per_node)
 
 
-def check_devices(choice: str, per_node: int, *, gpus: int | None = None) -> None:
-    """Before launch: a job on GPUs needs one for each of a node's `per_node` ranks (`gpus`:
-    how many this machine shows; CUDA's count by default). `auto` with no GPU is the CPU."""
-    gpus = torch.cuda.device_count() if gpus is None else gpus
-    if choice == "cuda" and gpus == 0:
-        raise ConfigError("job.device = 'cuda' but no GPU is visible; use 'auto' or 'cpu'")
-    if choice != "cpu" and 0 < gpus < per_node:
-        shown = "1 GPU is visible" if gpus == 1 else f"{gpus} GPUs are visible"
-        raise ConfigError(
-            f"--nproc {per_node} ranks on this node but {shown} (one rank per GPU): "
-            f"use --nproc {gpus}, or job.device = 'cpu' to train on the CPU"
-        )
-
-
 def _preempted_summary(config: JobConfig, *, since: float) -> TrainSummary | None:
     """The summary rank 0 wrote when it stopped on SIGTERM during this launch, if it did."""
     from shardwise.trainer.loop import TrainSummary
@@ -312,200 +271,3 @@ def _preempted_summary(config: JobConfig, *, since: float) -> TrainSummary | Non
         return None
     data = json.loads(path.read_text())
     return TrainSummary(**data) if data.get("preempted") else None
-
-
-def resume_point(config: JobConfig, resume: str) -> str | None:
-    """The checkpoint to start from, or None for a fresh start; refuses to overwrite a run. The
-    checkpoint directory must take a write (checked now, not at the first save an hour in)."""
-    wrong = probe_writable(config.checkpoint_dir)
-    if wrong is not None:
-        raise ConfigError(
-            f"checkpoint.dir = {config.checkpoint_dir!r}: {wrong}; check the path or URL, and "
-            "for object stores the credentials and endpoint (AWS_ACCESS_KEY_ID, "
-            "AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL)"
-        )
-    found = complete_checkpoints(config.checkpoint_dir)
-    if resume == "never":
-        if found:
-            raise ConfigError(
-                f"{config.checkpoint_dir} already holds checkpoints of an earlier run (newest: "
-                f"{name_of(found[-1])}); pass --resume auto to continue it, or set job.run_dir "
-                "to start a new run"
-            )
-        return None
-    if resume == "auto":
-        newest = _newest_good(config)
-        if newest is not None:
-            check_model(newest, config)
-        return newest
-    path = resume
-    if not is_complete(path):
-        raise ConfigError(
-            f"--resume {resume}: not a complete checkpoint (expected a step_NNNNNNNN directory "
-            f"with {MANIFEST}); use --resume auto to pick the newest one"
-        )
-    wrong = problem(path)
-    if wrong is not None:
-        raise ConfigError(
-            f"--resume {resume}: {wrong}; use --resume auto to pick the newest good checkpoint"
-        )
-    check_metadata(path)
-    check_model(path, config)
-    return path
-
-
-def check_model(path: str, config: JobConfig) -> None:
-    """Refuse a checkpoint of another model (another builder, or other arguments) in one line,
-    before DCP fails in every rank on the first name it cannot find."""
-    saved = read_manifest(path).get("model")
-    if not saved:
-        return  # an older manifest: DCP's own check remains
-    theirs, ours = _model_label(saved), _model_label(shown(config.model))
-    if theirs != ours:
-        raise ConfigError(
-            f"{name_of(path)}: checkpoint is for model {theirs}, this job builds {ours}; resume "
-            "with the job that wrote it, or start the new model from its weights "
-            "(shardwise export, then model.init_from)"
-        )
-
-
-def _model_label(model: dict[str, Any]) -> str:
-    """`cnn(channels=16)`: the builder and its arguments, defaults filled in where the builder
-    can be found, so a default written out and one left out are the same model."""
-    name, args = str(model.get("name")), dict(model.get("args") or {})
-    try:
-        builder = builders.resolve(name, builders.MODELS, "model.name")
-        bound = inspect.signature(builder).bind_partial(**args)
-        bound.apply_defaults()
-        args = {k: v for k, v in bound.arguments.items() if not k.startswith("_")}
-    except (ConfigError, TypeError, ValueError):
-        pass  # compare as written
-    return f"{name}({', '.join(f'{k}={v!r}' for k, v in sorted(args.items()))})"
-
-
-def _newest_good(config: JobConfig) -> str | None:
-    """The newest checkpoint whose files match its manifest; a warning names each one skipped."""
-    path, skipped = newest_good(config.checkpoint_dir)
-    for message in skipped:
-        warnings.warn(
-            f"{message}; resuming from {name_of(path) if path else 'the start'}", stacklevel=3
-        )
-    if path is not None:
-        check_metadata(path)
-    return path
-
-
-def run_worker(
-    config_data: dict[str, Any],
-    resume: str | None,
-    dry_run: bool = False,
-    decided: bool = True,
-    store_host: str | None = None,
-) -> TrainSummary | None:
-    """What every rank runs: join the process group on the right device, agree where to start,
-    train, leave cleanly. `resume` is the checkpoint the launcher chose (`decided`), or, under
-    torchrun/Slurm, the user's `--resume` request, which rank 0 resolves for everyone.
-    `store_host`: shardwise's own launcher has rank 0 host the workers' store on that address
-    only (loopback on one machine; "" for the address the agent gives, across machines)."""
-    with redacting_output():  # what this rank prints, as the CLI does (redact.py)
-        env = detect()
-        assert env is not None, "run_worker runs under torch elastic or Slurm"
-        config = JobConfig.model_validate(config_data)
-        device = pick_device(config.job.device, local_rank=env.local_rank)
-        threads = config.job.threads_per_rank or max(1, visible_cpus() // env.local_world_size)
-        torch.set_num_threads(threads)
-        # A backstop: the watchdog names a hang after fault.timeout_s, before gloo/NCCL give up.
-        timeout = timedelta(seconds=config.fault.timeout_s + 60)
-        _join(env, "nccl" if device.type == "cuda" else "gloo", timeout, store_host=store_host)
-        from shardwise.trainer import loop  # here: the launching process never needs the trainer
-
-        try:
-            if dry_run:
-                loop.dry_run(config, device)
-                return None
-            restarts = _agreed_restarts(env.restart_count)
-            if restarts or not decided:
-                resume = _decided_by_rank_0(lambda: _start_point(config, resume, restarts, decided))
-            return loop.train(
-                config, device=device, resume=resume, restarts=restarts, node=env.node
-            )
-        finally:
-            # Free DDP's reducer (which holds the process group) while the group is still
-            # registered: if the group's last reference died inside the reducer's destructor,
-            # gloo's destructor would run holding the GIL while its worker thread waits for the
-            # GIL (pytorch#56297).
-            gc.collect()
-            dist.destroy_process_group()
-
-
-def _join(env: WorkerEnv, backend: str, timeout: timedelta, *, store_host: str | None) -> None:
-    """Join the job's process group."""
-    if env.restart_count and env.agent_store:
-        # Under torchrun, after a restart the agent's store still holds the previous attempt's
-        # addresses and gloo would dial the dead workers: give every attempt its own key space.
-        # (shardwise's own launcher gives every attempt a new store: see _fresh_worker_store.)
-        store: Store = PrefixStore(
-            f"shardwise/attempt_{env.restart_count}/",
-            TCPStore(env.master_addr, env.master_port, env.world_size, False, timeout=timeout),
-        )
-    elif store_host is not None:  # shardwise's launcher: rank 0's store, on that address only
-        store = worker_store(
-            rank=env.rank,
-            world_size=env.world_size,
-            host=store_host or env.master_addr,
-            port=env.master_port,
-            timeout=timeout,
-        )
-    else:  # torchrun, srun: as they set it up
-        dist.init_process_group(
-            backend,
-            init_method=env.init_method,
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=timeout,
-        )
-        return
-    dist.init_process_group(
-        backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
-    )
-
-
-def _agreed_restarts(mine: int) -> int:
-    """How many times the group has been restarted, as every rank agrees. Each node's agent
-    counts only the restarts its own workers' failures caused, so after one node's workers fail
-    the other nodes' workers start again with a count of 0: take the largest."""
-    counts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(counts, mine)
-    return int(max(counts))
-
-
-def _start_point(config: JobConfig, resume: str | None, restarts: int, decided: bool) -> str | None:
-    """The checkpoint to start from: after a restart the newest good one (the warnings name any
-    skipped), else what the launcher chose or what the `--resume` request resolves to."""
-    if restarts and (newest := _newest_good(config)):
-        return newest
-    return resume if decided else resume_point(config, resume or "never")
-
-
-def _decided_by_rank_0(decide: Callable[[], str | None]) -> str | None:
-    """What `decide` returns (or raises, for a ConfigError) on rank 0, on every rank: one look at
-    the checkpoints, one set of warnings, the same answer everywhere."""
-    outcome: list[str | ConfigError | None] = [None]
-    if dist.get_rank() == 0:
-        try:
-            outcome[0] = decide()
-        except ConfigError as e:
-            outcome[0] = e
-    dist.broadcast_object_list(outcome, src=0)
-    if isinstance(outcome[0], ConfigError):
-        raise outcome[0]
-    return outcome[0]
-
-
-def pick_device(choice: str, *, local_rank: int) -> torch.device:
-    """`auto`: this rank's GPU when CUDA is present, else the CPU."""
-    check_devices(choice, local_rank + 1)  # also where the launcher is not shardwise's
-    if choice == "cpu" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
