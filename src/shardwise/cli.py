@@ -126,6 +126,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("output", help="the .safetensors file to write")
     export.add_argument("--debug", action="store_true", help="show tracebacks for every error")
+    launch = commands.add_parser(
+        "launch",
+        help="run a job file on a cluster: Slurm (sbatch)",
+        description="Take the same job file to a cluster: an sbatch script that starts one "
+        "shardwise agent per node, resumes after preemption and requeues (--dry-run prints it, "
+        "--submit submits it).",
+    )
+    from shardwise.launch.command import add_arguments as launch_arguments
+
+    launch_arguments(launch)
     report = commands.add_parser(
         "report",
         help="write a training run's report: one HTML page with its charts",
@@ -152,6 +162,7 @@ def _run(args: argparse.Namespace) -> int:
             "many-models": _many_models,
             "plan": _plan,
             "report": _report,
+            "launch": _launch,
         }
         return commands[args.command](args)
     except ConfigError as e:
@@ -244,6 +255,12 @@ def _report(args: argparse.Namespace) -> int:
 
 def _terminated(signum: int, frame: object) -> None:
     raise _Terminated()
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from shardwise.launch.command import run
+
+    return run(args)
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -198,6 +198,8 @@ def train(
     """
     config = _with_overrides(config, overrides)
     worker = detect()
+    if worker is not None and worker.launcher == "slurm" and nodes is not None:
+        worker = None  # srun started one shardwise agent per node (launch/slurm.py), not ranks
     if worker is not None and nproc not in (None, worker.world_size):
         warnings.warn(
             f"--nproc {nproc} ignored: this process is rank {worker.rank} of {worker.world_size} "
@@ -206,7 +208,7 @@ def train(
         )
     per_node = nproc or 1
     world_size = worker.world_size if worker else per_node * (nodes.count if nodes else 1)
-    _check_job(config, world_size, worker.local_world_size if worker else per_node)
+    check_job(config, world_size, worker.local_world_size if worker else per_node)
     if worker is not None:
         # Every rank runs this; the ranks decide where to start together, once joined.
         return run_worker(config.model_dump(mode="json"), resume, dry_run, decided=False)
@@ -251,15 +253,19 @@ def _with_overrides(
     return validate(raw)
 
 
-def _check_job(config: JobConfig, world_size: int, per_node: int) -> None:
-    """Everything that can be checked before a worker starts, in this process."""
+def check_job(
+    config: JobConfig, world_size: int, per_node: int, *, devices_here: bool = True
+) -> None:
+    """Everything that can be checked before a worker starts, in this process (`devices_here`:
+    also this machine's GPUs, where the job runs here)."""
     derived = derive(config, world_size)
     builders.check(config)
     check_layout(config, derived)
     if config.model.init_from:
         with torch.device("meta"):
             check_weights(config.model.init_from, builders.build_model(config))
-    check_devices(config.job.device, per_node)
+    if devices_here:
+        check_devices(config.job.device, per_node)
 
 
 def _preempted_summary(config: JobConfig, *, since: float) -> TrainSummary | None:

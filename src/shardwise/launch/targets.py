@@ -1,0 +1,112 @@
+"""What every cluster launcher (`shardwise launch slurm`, …) checks before it submits anything: the
+job against the ranks the target will run (its mesh, its model, its layout), and a checkpoint
+directory that every node can see."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardwise.checkpoint.layout import is_local
+from shardwise.config import ConfigError, JobConfig
+
+NETWORK_FILESYSTEMS = frozenset(
+    {
+        "nfs", "nfs4", "lustre", "gpfs", "beegfs", "ceph", "cephfs", "glusterfs", "cifs",
+        "smb3", "smbfs", "wekafs", "panfs", "afs", "orangefs", "pvfs2", "9p", "virtiofs",
+        "fuse.glusterfs", "fuse.sshfs", "fuse.gcsfuse", "fuse.s3fs", "fuse.juicefs",
+        "fuse.mountpoint-s3", "fuse.cephfs", "fuse.weka",
+    }
+)  # fmt: skip
+"""Filesystem types (as /proc/mounts names them) that other machines can mount too."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """A job as a cluster will run it: `nodes` machines, `per_node` ranks on each (one per GPU
+    when `gpus_per_node`)."""
+
+    job: Path
+    """The job file, absolute: the nodes read it."""
+    config: JobConfig
+    """The job with the launch's `--set` overrides applied."""
+    overrides: tuple[str, ...]
+    nodes: int
+    per_node: int
+    gpus_per_node: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.per_node
+
+
+def check_target(target: Target, *, shared_storage: bool = False) -> None:
+    """Before submission: the job's layout on `target.world_size` ranks (the mesh, the model, its
+    blocks), GPUs for a GPU job, and a checkpoint directory the nodes share; ConfigError in one
+    line otherwise."""
+    from shardwise.launch.local import check_job
+
+    try:
+        check_job(target.config, target.world_size, target.per_node, devices_here=False)
+    except ConfigError as e:
+        raise ConfigError(
+            f"--nodes {target.nodes} × {target.per_node} ranks per node: {e}"
+        ) from None
+    device = target.config.job.device
+    if device == "cuda" and not target.gpus_per_node:
+        raise ConfigError(
+            "job.device = 'cuda' but no GPUs were asked for: add --gpus-per-node G (one rank per "
+            "GPU)"
+        )
+    if target.gpus_per_node and device == "cpu":
+        raise ConfigError(
+            f"--gpus-per-node {target.gpus_per_node} with job.device = 'cpu': drop the GPUs, or "
+            "set job.device = 'auto'"
+        )
+    if not shared_storage:
+        for what, location in (
+            ("checkpoint.dir", target.config.checkpoint_dir),
+            ("job.run_dir", str(target.config.run_dir)),
+        ):
+            problem = unshared(location, target.nodes)
+            if problem:
+                raise ConfigError(f"{what} = {location!r}: {problem}")
+
+
+def unshared(location: str, nodes: int) -> str | None:
+    """Why the nodes of a job across `nodes` machines could not all see `location`: a path on
+    this machine's own disk; None for one node, an object store, or a network filesystem."""
+    if nodes <= 1 or not is_local(location):
+        return None
+    kind = filesystem_type(Path(location))
+    if kind in NETWORK_FILESYSTEMS:
+        return None
+    return (
+        f"on this machine's own disk ({kind}), which the other nodes of {nodes} cannot see; "
+        "use a path on shared storage (NFS, Lustre, GPFS, …) or an object store "
+        "(s3://…), or pass --shared-storage if every node mounts it"
+    )
+
+
+def filesystem_type(path: Path) -> str:
+    """The type of the filesystem holding `path` (or, where it does not exist yet, its nearest
+    existing parent), from the longest matching mount point in /proc/self/mounts."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    real = os.path.realpath(path)
+    best, kind = "", "unknown"
+    try:
+        with open("/proc/self/mounts", encoding="utf-8") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                point = fields[1].replace("\\040", " ")
+                inside = real == point or real.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, kind = point, fields[2]
+    except OSError:
+        return "unknown"
+    return kind

@@ -1,0 +1,106 @@
+"""`shardwise launch slurm`: the sbatch script it writes, and the checks before anything is
+submitted (one line, exit 2). The script running on a real Slurm: tests/e2e/test_launch_slurm.py."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+import tomli_w
+
+from helpers import digits_job
+from shardwise.cli import main
+from shardwise.launch.targets import filesystem_type, unshared
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Path:
+    path = tmp_path / "job.toml"
+    config = digits_job(tmp_path / "run")
+    path.write_text(tomli_w.dumps(config.model_dump(mode="json", exclude_none=True)))
+    return path
+
+
+def launch(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(["launch", "slurm", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_dry_run_prints_the_script_and_writes_nothing(job, capsys, tmp_path):
+    code, out, _ = launch(
+        capsys, str(job), "--nodes", "2", "--nproc-per-node", "2", "--time", "04:00:00",
+        "--partition", "cpu", "--account", "ml", "--sbatch", "qos=high",
+        "--sbatch=--constraint=fast", "--cpus-per-node", "8", "--shared-storage",
+        "--set", "train.lr=0.05", "--dry-run",
+    )  # fmt: skip
+    assert code == 0
+    for line in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --cpus-per-task=8",
+        "#SBATCH --time=04:00:00",
+        "#SBATCH --partition=cpu",
+        "#SBATCH --account=ml",
+        "#SBATCH --requeue",
+        "#SBATCH --signal=B:TERM@120",
+        "#SBATCH --qos=high",
+        "#SBATCH --constraint=fast",
+        f"#SBATCH --output={tmp_path / 'run'}/launch/slurm-%j.out",
+    ):
+        assert line + "\n" in out
+    srun = next(line for line in out.splitlines() if line.startswith("srun "))
+    assert f"train {job} --nproc 2 --nnodes 2 --resume auto --set train.lr=0.05" in srun
+    assert '--rdzv-endpoint "$addr:$port"' in srun
+    assert "scontrol requeue" in out and "--gpus-per-node" not in out
+    assert not (tmp_path / "run").exists()
+
+
+def test_one_node_needs_no_rendezvous_and_gpus_are_asked_for(job, capsys, tmp_path):
+    code, out, _ = launch(capsys, str(job), "--gpus-per-node", "4", "--dry-run")
+    assert code == 0
+    assert "#SBATCH --gpus-per-node=4\n" in out and "--nproc 4 --resume auto" in out
+    assert "--nnodes" not in out and "rdzv" not in out
+
+
+def test_without_dry_run_the_script_is_written_and_runnable(job, capsys, tmp_path):
+    code, out, _ = launch(capsys, str(job))
+    script = tmp_path / "run" / "launch" / "slurm.sbatch"
+    assert code == 0 and out.strip() == f"wrote {script}; submit it with: sbatch {script}"
+    assert script.read_text().startswith("#!/bin/bash\n")
+    assert script.stat().st_mode & stat.S_IXUSR
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--nodes", "2"],
+            "checkpoint.dir = '{run}/checkpoints': on this machine's own disk (",
+        ),
+        (["--set", "parallel.tp=4"], "--nodes 1 × 1 ranks per node: "),
+        (["--gpus-per-node", "2", "--set", "job.device=cpu"], "--gpus-per-node 2 with job."),
+        (["--set", "job.device=cuda"], "job.device = 'cuda' but no GPUs were asked for"),
+        (["--sbatch", "=high"], "--sbatch '=high': expected one sbatch option"),
+        (["--nodes", "0"], "--nodes 0: need at least 1"),
+        (["--port", "70000"], "--port 70000: a port is 1–65535"),
+        (["--signal-seconds", "2"], "--signal-seconds 2: give the ranks at least 10 s"),
+    ],
+)
+def test_bad_launches_are_one_line_before_anything_is_written(
+    job, capsys, tmp_path, args, message
+):
+    code, out, err = launch(capsys, str(job), *args)
+    assert code == 2 and not out
+    assert err.startswith("shardwise: error: " + message.format(run=tmp_path / "run")), err
+    assert err.count("\n") == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_object_stores_and_network_filesystems_count_as_shared(tmp_path):
+    assert unshared("s3://bucket/checkpoints", 4) is None
+    assert unshared(str(tmp_path), 1) is None
+    assert unshared(str(tmp_path / "not" / "yet"), 2) is not None
+    assert filesystem_type(Path("/proc/self")) == "proc"
+    assert filesystem_type(tmp_path / "not" / "yet") == filesystem_type(tmp_path)
