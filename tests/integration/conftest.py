@@ -11,7 +11,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    from shardwise.manymodel.runner import loopback_ray
+    from shardwise.ray_cluster import loopback_ray
 
     here = os.path.dirname(__file__)  # the test models (bad_models.py), for the workers
     with loopback_ray():  # as `shardwise many-models` starts it

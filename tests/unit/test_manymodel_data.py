@@ -291,11 +291,11 @@ def closed_port() -> int:
 def loopback_ray_imported(monkeypatch):
     """Import ray as start_ray does (loopback only), so later tests that start Ray see it so;
     wait 1 s for an address to answer instead of 10."""
-    from shardwise.manymodel import runner
+    from shardwise import ray_cluster
 
-    with runner.loopback_ray():
+    with ray_cluster.loopback_ray():
         import ray  # noqa: F401
-    monkeypatch.setattr(runner, "RAY_CONNECT_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(ray_cluster, "RAY_CONNECT_TIMEOUT_S", 1.0)
 
 
 @pytest.mark.usefixtures("loopback_ray_imported")
@@ -312,12 +312,12 @@ def loopback_ray_imported(monkeypatch):
     ],
 )
 def test_an_unreachable_ray_address_fails_in_seconds(address, message):
-    from shardwise.manymodel.runner import check_ray_address
+    from shardwise.ray_cluster import check_ray_address
 
     port = closed_port()
     started = time.monotonic()
     with pytest.raises(ConfigError, match=message.format(port=port)):
-        check_ray_address(address.format(port=port))
+        check_ray_address(address.format(port=port), "--ray-address")
     assert time.monotonic() - started < 15
 
 
@@ -340,7 +340,7 @@ def test_cli_unreachable_ray_address_is_one_line(tmp_path):
 
 @pytest.mark.usefixtures("loopback_ray_imported")
 def test_a_head_still_starting_is_waited_for():
-    from shardwise.manymodel.runner import check_ray_address
+    from shardwise.ray_cluster import check_ray_address
 
     port = closed_port()
     with socket.socket() as head:
@@ -348,7 +348,7 @@ def test_a_head_still_starting_is_waited_for():
         head.bind(("127.0.0.1", port))
         timer = threading.Timer(0.4, head.listen)
         timer.start()
-        check_ray_address(f"127.0.0.1:{port}")  # refused at first, then answered
+        check_ray_address(f"127.0.0.1:{port}", "--ray-address")  # refused, then answered
         timer.join()
 
 

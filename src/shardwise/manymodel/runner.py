@@ -17,7 +17,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import sys
 import time
 import warnings
@@ -32,12 +31,12 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from shardwise.config import ConfigError, flatten, shown
-from shardwise.launch.env import environment
 from shardwise.manymodel.backtest import TARGET, ChunkResult, Plan, run_chunk
 from shardwise.manymodel.config import BUILTIN_MODELS, ManyModelsConfig, model_label
 from shardwise.manymodel.data import FUTURE, SERIES, SeriesTable, load_series
 from shardwise.manymodel.features import FeatureSpec, compute
 from shardwise.manymodel.models import ModelContext
+from shardwise.ray_cluster import check_ray_address, loopback_ray
 
 TABLES = ("metrics", "choices", "forecasts", "failures")
 _MAX_CHUNK = 100
@@ -46,9 +45,6 @@ _IGNORED_ON_RESUME = ("runner.", "tracking.", "features.backend", "features.spar
 """Keys a resumed run may change: where and how it runs, not what it computes."""
 _CHUNK_NAME = re.compile(r"chunk-([0-9]{6,})")
 """A finished chunk's directory (`_write_chunk`); other entries in `chunks/` are not results."""
-RAY_CONNECT_TIMEOUT_S = 10.0
-"""How long `--ray-address` may take to answer: ray.init retries an unreachable address for
-minutes."""
 THREAD_ENV = {
     name: "1"
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "POLARS_MAX_THREADS")
@@ -82,7 +78,9 @@ def run(
     ray_module = sys.modules.get("ray")
     connected = ray_module is not None and ray_module.is_initialized()  # the Python API's caller
     if config.runner.ray_address and not connected:  # fail in seconds, before reading the data
-        check_ray_address(config.runner.ray_address)
+        check_ray_address(
+            config.runner.ray_address, f"runner.ray_address = '{config.runner.ray_address}'"
+        )
     table = load_series(config)
     if table.skipped.height:
         console.print(
@@ -307,58 +305,6 @@ def task_slots(ray: Any, config: ManyModelsConfig) -> int:
     return max(slots, 1)
 
 
-def check_ray_address(address: str) -> None:
-    """Refuse, within `RAY_CONNECT_TIMEOUT_S`, a cluster address where nothing answers. The
-    address checked is the one ray.init would connect to (`auto` read from RAY_ADDRESS or the
-    last `ray start` on this machine, localhost replaced by this node's address)."""
-    from ray._private.services import canonicalize_bootstrap_address
-
-    where = f"runner.ray_address = '{address}'"
-    try:
-        if address.startswith("ray://"):  # Ray Client; its default port is 10001
-            rest = address.removeprefix("ray://")
-            target = rest if re.search(r":[0-9]+$", rest) else f"{rest}:10001"
-        else:
-            target = canonicalize_bootstrap_address(address) or ""
-    except ConnectionError:  # `auto` and no cluster to be found
-        raise ConfigError(
-            f"{where}: no running Ray cluster found (RAY_ADDRESS is unset and no `ray start` ran "
-            "on this machine); start one, or give the head node's host:port"
-        ) from None
-    except ValueError:
-        target = ""
-    host, _, port = target.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")  # [IPv6]:port
-    if not (host and port.isdigit() and 0 < int(port) < 65536):
-        raise ConfigError(
-            f"{where} is not an address; give the head node's host:port, ray://host:port or "
-            'auto ("" starts a local Ray)'
-        )
-    reason = _connect_error(host, int(port), RAY_CONNECT_TIMEOUT_S)
-    if reason:
-        raise ConfigError(
-            f"{where}: nothing answers at {host}:{port} ({reason}; waited up to "
-            f"{RAY_CONNECT_TIMEOUT_S:g} s); start the cluster (ray start --head) or fix the address"
-        )
-
-
-def _connect_error(host: str, port: int, timeout: float) -> str:
-    """Why no TCP connection to host:port opens within `timeout` ("" when one does), trying
-    again while a head that is still starting refuses it."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            with socket.create_connection((host, port), timeout=max(left, 0.01)):
-                return ""
-        except socket.gaierror as e:  # an unknown name stays unknown
-            return e.strerror or str(e)
-        except OSError as e:
-            if isinstance(e, TimeoutError) or left < 0.5:
-                return "timed out" if isinstance(e, TimeoutError) else e.strerror or str(e)
-        time.sleep(0.25)
-
-
 def start_ray(config: ManyModelsConfig) -> tuple[Any, bool]:
     """Ray, and whether this call started it (and so should stop it). Locally, workers import
     user models from the working directory, as the driver does; on a cluster, the working
@@ -403,19 +349,6 @@ def start_ray(config: ManyModelsConfig) -> tuple[Any, bool]:
             stacklevel=2,
         )
     return ray, True
-
-
-def loopback_ray() -> contextlib.AbstractContextManager[None]:
-    """A local Ray started inside listens on loopback only. This is Ray's single-machine mode
-    (its default on macOS and Windows): the node's address is 127.0.0.1, and the GCS, raylet and
-    workers bind to it instead of the machine's external address. The driver reads the switch
-    when `ray` is first imported and the processes Ray starts read it from their environment:
-    import ray inside, and start it inside."""
-    # Only inside: with it set, `ray start` refuses to join a cluster.
-    return environment({_RAY_SINGLE_MACHINE: "0"})
-
-
-_RAY_SINGLE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def _run_chunks(
