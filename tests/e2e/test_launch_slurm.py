@@ -1,0 +1,112 @@
+"""`shardwise launch slurm` against a real Slurm started on this machine (tests/slurm.py): two
+Slurm nodes, each running one shardwise agent with one rank. Both nodes are this machine, so the
+run's directory is shared in fact, though on a local disk: hence --shared-storage.
+
+A job submitted with --submit trains to the end; a job that `scontrol requeue` stops mid-run
+saves at a step boundary, is requeued by Slurm, resumes with --resume auto and ends bitwise equal
+to the uninterrupted job: same losses at every step, same parameters.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import tomli_w
+import torch
+
+import slurm
+from helpers import free_port, gpt_job, load_params, losses
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(slurm.missing() is not None, reason=slurm.missing() or ""),
+]
+SHARDWISE = str(Path(sys.executable).with_name("shardwise"))
+STEPS = 40
+SECTIONS = {
+    "train": {"steps": STEPS},
+    "checkpoint": {"every_steps": 4, "keep_last": 3},
+    "fault": {"check_interval_s": 0},  # the ranks look for SIGTERM at every step
+}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with slurm.cluster(tmp_path_factory.mktemp("slurm"), nodes=2) as running:
+        yield running
+
+
+def submit(cluster: slurm.Slurm, run_dir: Path) -> str:
+    job = run_dir.with_suffix(".toml")
+    config = gpt_job(run_dir, **SECTIONS)
+    job.write_text(tomli_w.dumps(config.model_dump(mode="json", exclude_none=True)))
+    env = {**cluster.env, "SHARDWISE_FAULT": "slow:step=1:seconds=0.15"}  # every rank alike
+    done = subprocess.run(
+        [SHARDWISE, "launch", "slurm", str(job), "--nodes", "2", "--nproc-per-node", "1",
+         "--shared-storage", "--port", str(free_port()), "--submit"],
+        env=env, cwd=run_dir.parent, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    job_id = done.stdout.strip()
+    assert job_id.isdigit() and f"submitted Slurm job {job_id}" in done.stderr
+    return job_id
+
+
+def output(run_dir: Path, job_id: str) -> str:
+    return (run_dir / "launch" / f"slurm-{job_id}.out").read_text()
+
+
+def test_a_requeued_job_resumes_and_ends_bitwise_like_an_uninterrupted_one(cluster, tmp_path):
+    straight = tmp_path / "straight"
+    job_id = submit(cluster, straight)
+    job = cluster.wait(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
+    assert job["JobState"] == "COMPLETED", output(straight, job_id)
+    assert job["NodeList"] == "n[1-2]" and job["NumNodes"] == "2"
+
+    requeued = tmp_path / "requeued"
+    job_id = submit(cluster, requeued)
+    checkpoints = requeued / "checkpoints"
+    deadline = time.monotonic() + 180
+    while not (checkpoints / "step_00000012").exists():
+        assert time.monotonic() < deadline, output(requeued, job_id)
+        time.sleep(0.2)
+    cluster.run("scontrol", "requeue", job_id)
+    cluster.wait(job_id, {"PENDING"}, timeout=120)
+    # Slurm holds a requeued job back for a while (its begin time); release it now
+    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+    job = cluster.wait(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
+    log = output(requeued, job_id)
+    assert job["JobState"] == "COMPLETED" and job["Restarts"] == "1", log
+    assert "attempt 1," in log and "attempt 2," in log
+
+    # the ranks saved at a step boundary on Slurm's SIGTERM, and the next attempt resumed there
+    stopped = re.search(r"SIGTERM: saved \S+ at step (\d+) and stopping", log)
+    assert stopped and 12 <= int(stopped.group(1)) < STEPS, log
+    assert f"resuming after step {stopped.group(1)}" in log
+    want, got = losses(straight), losses(requeued)
+    assert [got[s] for s in range(1, STEPS + 1)] == [want[s] for s in range(1, STEPS + 1)]
+    final = f"checkpoints/step_{STEPS:08d}"
+    want_params, got_params = load_params(straight / final), load_params(requeued / final)
+    for name, value in want_params.items():
+        assert torch.equal(got_params[name], value), name
+
+
+def test_without_sbatch_submission_is_one_line(tmp_path):
+    job = tmp_path / "job.toml"
+    config = gpt_job(tmp_path / "run", **SECTIONS)
+    job.write_text(tomli_w.dumps(config.model_dump(mode="json", exclude_none=True)))
+    env = {**os.environ, "PATH": str(Path(sys.executable).parent)}
+    done = subprocess.run(
+        [SHARDWISE, "launch", "slurm", str(job), "--submit"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.startswith("shardwise: error: sbatch not found") and "\n" not in (
+        done.stderr.strip()
+    )
