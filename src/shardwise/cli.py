@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING, NoReturn
 
 from shardwise import __version__
 from shardwise.config import ConfigError
+from shardwise.launch.env import kubeflow
 from shardwise.redact import redacting_output
 
 if TYPE_CHECKING:
     from shardwise.launch.local import Nodes
+    from shardwise.trainer.loop import TrainSummary
 
 
 class Parser(argparse.ArgumentParser):
@@ -128,10 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--debug", action="store_true", help="show tracebacks for every error")
     launch = commands.add_parser(
         "launch",
-        help="run a job file on a cluster: Slurm (sbatch)",
-        description="Take the same job file to a cluster: an sbatch script that starts one "
-        "shardwise agent per node, resumes after preemption and requeues (--dry-run prints it, "
-        "--submit submits it).",
+        help="run a job file on a cluster: Slurm (sbatch), Kubernetes (Kubeflow)",
+        description="Take the same job file to a cluster: slurm writes an sbatch script that "
+        "starts one shardwise agent per node, resumes after preemption and requeues (--submit "
+        "submits it); k8s prints a Kubeflow TrainJob or PyTorchJob with its ConfigMap "
+        "(--apply creates them). --dry-run prints what would be submitted.",
     )
     from shardwise.launch.command import add_arguments as launch_arguments
 
@@ -180,14 +183,17 @@ def _train(args: argparse.Namespace) -> int:
 
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: need at least 1 process")
+    nodes, nproc = _nodes(args), args.nproc
+    if nproc is None and (pod := kubeflow()) is not None:
+        nproc = pod.nproc_per_node or _gpus_or_1()
     try:
         summary = train(
             args.job,
-            nproc=args.nproc,
+            nproc=nproc,
             resume=args.resume,
             overrides=args.overrides,
             dry_run=args.dry_run,
-            nodes=_nodes(args),
+            nodes=nodes,
         )
     except Interrupted as stop:
         print(f"shardwise: {stop}; checkpoints written so far are kept", file=sys.stderr)
@@ -198,18 +204,23 @@ def _train(args: argparse.Namespace) -> int:
             print(f"--- rank {failure.rank} traceback ---\n{failure.traceback}", file=sys.stderr)
         return 1
     if summary is not None:
-        metrics = "  ".join(
-            f"{k} {v:.4f}" for k, v in summary.metrics.items() if k.startswith(("loss", "eval/"))
-        )
-        if summary.preempted:
-            print(f"preempted (SIGTERM): stopped at step {summary.step}  {metrics}")
-            print(f"checkpoint: {summary.checkpoint} (--resume auto continues from it)")
-        else:
-            print(f"done: step {summary.step}  {metrics}")
-            print(f"checkpoint: {summary.checkpoint}")
-        if summary.mlflow_run_id:
-            print(f"mlflow run: {summary.mlflow_run_id}")
+        print_summary(summary)
     return 0
+
+
+def print_summary(summary: TrainSummary) -> None:
+    """What a finished (or preempted) training run prints: its metrics and checkpoint."""
+    metrics = "  ".join(
+        f"{k} {v:.4f}" for k, v in summary.metrics.items() if k.startswith(("loss", "eval/"))
+    )
+    if summary.preempted:
+        print(f"preempted (SIGTERM): stopped at step {summary.step}  {metrics}")
+        print(f"checkpoint: {summary.checkpoint} (--resume auto continues from it)")
+    else:
+        print(f"done: step {summary.step}  {metrics}")
+        print(f"checkpoint: {summary.checkpoint}")
+    if summary.mlflow_run_id:
+        print(f"mlflow run: {summary.mlflow_run_id}")
 
 
 def _many_models(args: argparse.Namespace) -> int:
@@ -270,11 +281,14 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _nodes(args: argparse.Namespace) -> Nodes | None:
-    """The --nnodes options, checked."""
+    """The --nnodes options, checked; in a Kubeflow pod without them, the operator's (PET_*)."""
     from shardwise.launch.local import Nodes
 
     if args.nnodes < 1:
         raise ConfigError(f"--nnodes {args.nnodes}: need at least 1 node")
+    pod = kubeflow()
+    if args.nnodes == 1 and not args.rdzv_endpoint and pod is not None and pod.nnodes > 1:
+        return Nodes(pod.nnodes, pod.endpoint, run_id=args.rdzv_id, local_addr=args.local_addr)
     if args.nnodes == 1:
         extra = [f for f in ("rdzv_endpoint", "rdzv_id", "local_addr") if getattr(args, f)]
         if extra:
@@ -289,6 +303,12 @@ def _nodes(args: argparse.Namespace) -> Nodes | None:
             "free port on it; every node passes the same)"
         )
     return Nodes(args.nnodes, endpoint, run_id=args.rdzv_id, local_addr=args.local_addr)
+
+
+def _gpus_or_1() -> int:
+    import torch
+
+    return torch.cuda.device_count() or 1
 
 
 def _export(args: argparse.Namespace) -> int:

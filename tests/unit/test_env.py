@@ -90,3 +90,35 @@ def test_a_job_with_a_gpu_per_rank_or_on_the_cpu_is_let_through(choice, ranks, g
     from shardwise.launch.worker import check_devices
 
     check_devices(choice, ranks, gpus=gpus)
+
+
+KUBEFLOW = {  # what Kubeflow's training operator injects with nprocPerNode (PyTorchJob v1)
+    "PET_NNODES": "2",
+    "PET_NPROC_PER_NODE": "4",
+    "PET_NODE_RANK": "1",
+    "PET_MASTER_ADDR": "job-master-0",
+    "PET_MASTER_PORT": "23456",
+    "MASTER_ADDR": "job-master-0",
+    "MASTER_PORT": "23456",
+    "WORLD_SIZE": "2",
+    "RANK": "1",
+}
+
+
+def test_a_kubeflow_pod_is_a_node_agent_not_a_rank():
+    from shardwise.launch.env import kubeflow
+
+    assert detect(KUBEFLOW) is None  # RANK/WORLD_SIZE there count pods, not ranks
+    pod = kubeflow(KUBEFLOW)
+    assert pod is not None
+    assert (pod.nnodes, pod.nproc_per_node, pod.node_rank, pod.endpoint) == (
+        2,
+        4,
+        1,
+        "job-master-0:23456",
+    )
+    assert kubeflow({**KUBEFLOW, "PET_NPROC_PER_NODE": "auto"}).nproc_per_node is None
+    assert kubeflow({}) is None
+    # the ranks its agent starts are torch elastic's workers, whatever the pod's variables
+    worker = detect({**KUBEFLOW, "TORCHELASTIC_RUN_ID": "x", "RANK": "5", "WORLD_SIZE": "8"})
+    assert worker is not None and worker.rank == 5 and worker.world_size == 8

@@ -88,9 +88,7 @@ def test_without_dry_run_the_script_is_written_and_runnable(job, capsys, tmp_pat
         (["--signal-seconds", "2"], "--signal-seconds 2: give the ranks at least 10 s"),
     ],
 )
-def test_bad_launches_are_one_line_before_anything_is_written(
-    job, capsys, tmp_path, args, message
-):
+def test_bad_launches_are_one_line_before_anything_is_written(job, capsys, tmp_path, args, message):
     code, out, err = launch(capsys, str(job), *args)
     assert code == 2 and not out
     assert err.startswith("shardwise: error: " + message.format(run=tmp_path / "run")), err

@@ -1,4 +1,5 @@
-"""The one place that reads launcher environment variables (torchrun / torch elastic, Slurm).
+"""The one place that reads launcher environment variables (torchrun / torch elastic, Slurm,
+Kubeflow's training operator).
 
 Everything else receives a `WorkerEnv`. This module must not import torch or start anything, so it
 can be unit-tested with a plain dict standing in for `os.environ`.
@@ -39,8 +40,9 @@ class WorkerEnv:
 def detect(environ: Mapping[str, str] | None = None) -> WorkerEnv | None:
     """This worker's place in a job something else launched; None if we must launch workers."""
     env = os.environ if environ is None else environ
-    if "TORCHELASTIC_RUN_ID" in env or all(
-        k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    pod = "PET_NNODES" in env  # Kubeflow: RANK and WORLD_SIZE count pods, each a node's agent
+    if "TORCHELASTIC_RUN_ID" in env or (
+        not pod and all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
     ):
         world = int(env["WORLD_SIZE"])
         return WorkerEnv(
@@ -74,6 +76,39 @@ def detect(environ: Mapping[str, str] | None = None) -> WorkerEnv | None:
             node=int(env.get("SLURM_NODEID", "0")),
         )
     return None
+
+
+@dataclass(frozen=True)
+class KubeflowPod:
+    """A pod of a Kubeflow TrainJob (torch runtime) or PyTorchJob with `nprocPerNode`: one node of
+    the job, whose agent meets the others at the master's address (the `PET_*` variables the
+    operator sets for torchrun)."""
+
+    nnodes: int
+    nproc_per_node: int | None
+    """None for `auto`: one rank per GPU, or one on a CPU."""
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.master_addr}:{self.master_port}"
+
+
+def kubeflow(environ: Mapping[str, str] | None = None) -> KubeflowPod | None:
+    """This pod's place in a Kubeflow job, or None outside one."""
+    env = os.environ if environ is None else environ
+    if "PET_NNODES" not in env or "TORCHELASTIC_RUN_ID" in env:
+        return None
+    nproc = env.get("PET_NPROC_PER_NODE", "auto")
+    return KubeflowPod(
+        nnodes=int(env["PET_NNODES"].split(":")[-1]),  # elastic jobs give MIN:MAX
+        nproc_per_node=None if nproc == "auto" else int(nproc),
+        node_rank=int(env.get("PET_NODE_RANK", "0")),
+        master_addr=env.get("PET_MASTER_ADDR") or env.get("MASTER_ADDR", ""),
+        master_port=int(env.get("PET_MASTER_PORT") or env.get("MASTER_PORT") or 29400),
+    )
 
 
 def first_host(nodelist: str) -> str:

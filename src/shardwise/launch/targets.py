@@ -5,6 +5,7 @@ directory that every node can see."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,10 +42,9 @@ class Target:
         return self.nodes * self.per_node
 
 
-def check_target(target: Target, *, shared_storage: bool = False) -> None:
+def check_target(target: Target) -> None:
     """Before submission: the job's layout on `target.world_size` ranks (the mesh, the model, its
-    blocks), GPUs for a GPU job, and a checkpoint directory the nodes share; ConfigError in one
-    line otherwise."""
+    blocks) and GPUs for a GPU job; ConfigError in one line otherwise."""
     from shardwise.launch.local import check_job
 
     try:
@@ -64,14 +64,18 @@ def check_target(target: Target, *, shared_storage: bool = False) -> None:
             f"--gpus-per-node {target.gpus_per_node} with job.device = 'cpu': drop the GPUs, or "
             "set job.device = 'auto'"
         )
-    if not shared_storage:
-        for what, location in (
-            ("checkpoint.dir", target.config.checkpoint_dir),
-            ("job.run_dir", str(target.config.run_dir)),
-        ):
-            problem = unshared(location, target.nodes)
-            if problem:
-                raise ConfigError(f"{what} = {location!r}: {problem}")
+
+
+def check_storage(target: Target, problem: Callable[[str], str | None]) -> None:
+    """The checkpoint and run directories, each as `problem` judges it (None: every node sees
+    it); ConfigError naming the first that fails."""
+    for what, location in (
+        ("checkpoint.dir", target.config.checkpoint_dir),
+        ("job.run_dir", str(target.config.run_dir)),
+    ):
+        wrong = problem(location)
+        if wrong:
+            raise ConfigError(f"{what} = {location!r}: {wrong}")
 
 
 def unshared(location: str, nodes: int) -> str | None:

@@ -5,23 +5,26 @@ distributed by series over the cluster with no Python UDFs. Rows travel as Arrow
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
+from shardwise.launch.env import environment
 from shardwise.manymodel.features import FeatureSpec
 
 if TYPE_CHECKING:
     from shardwise.manymodel.data import Columns
 
 
-def session(master: str) -> Any:
-    """A Spark session on `master`, its driver bound to loopback for local masters."""
+def session(master: str, *, app: str = "shardwise-features", python: str | None = None) -> Any:
+    """A Spark session on `master`, its driver bound to loopback for local masters; `python`:
+    the interpreter its Python workers run (Spark's default otherwise)."""
     from pyspark.sql import SparkSession
 
     builder = (
         SparkSession.builder.master(master)
-        .appName("shardwise-features")
+        .appName(app)
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
@@ -33,7 +36,9 @@ def session(master: str) -> Any:
             .config("spark.driver.bindAddress", "127.0.0.1")
             .config("spark.sql.shuffle.partitions", "8")
         )
-    spark = builder.getOrCreate()
+    # SparkContext takes its workers' interpreter from PYSPARK_PYTHON when it starts
+    with environment({"PYSPARK_PYTHON": python}) if python else contextlib.nullcontext():
+        spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     return spark
 

@@ -1,0 +1,87 @@
+"""`shardwise launch spark JOB.toml`: the job's ranks as the tasks of one Spark barrier stage,
+through pyspark's `TorchDistributor` (Databricks' way of running PyTorch on Spark): one task per
+rank (per GPU on GPU executors), each starting torchrun with that task's rank, rank 0's executor
+as the rendezvous. Every rank runs the worker entry every other launcher runs
+(launch/worker.py: `run_worker`), with the same job file.
+
+Spark retries a failed barrier stage as a whole (`spark.stage.maxConsecutiveAttempts`, 4 by
+default); every attempt resumes from the newest good checkpoint (`--resume auto` semantics, after
+this process has refused to overwrite an earlier run where asked), so a lost executor costs the
+steps since the last checkpoint. Relative paths in the job are made absolute here and must name
+storage every executor sees.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shardwise.config import ConfigError
+from shardwise.launch.targets import Target
+
+if TYPE_CHECKING:
+    from shardwise.trainer.loop import TrainSummary
+
+
+@dataclass(frozen=True)
+class SparkOptions:
+    master: str | None = None
+    """The cluster's master URL; None: `local-cluster[nodes, ranks per node, 2048]` on this
+    machine (executors in their own processes, as on a cluster)."""
+
+
+def spark_rank(config_data: dict[str, Any], resume: str, forwarded: dict[str, str]) -> Any:
+    """What each rank runs inside the task's torchrun (picklable by reference). Each attempt of
+    the stage starts a fresh torchrun, whose restart count is 0: the rank counts its attempts
+    itself, in the run directory, so a retried stage is a restart as under the elastic agent
+    (the ranks agree on it, and injected faults fire on the first attempt only)."""
+    os.environ.update(forwarded)
+    from shardwise.launch.worker import run_worker
+
+    marks = Path(config_data["job"]["run_dir"]) / "launch" / "spark-attempts"
+    marks.mkdir(parents=True, exist_ok=True)
+    rank = os.environ.get("RANK", "0")
+    attempt = len(list(marks.glob(f"rank{rank}-*")))
+    (marks / f"rank{rank}-{attempt}").touch()
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
+    return run_worker(config_data, resume, decided=False)
+
+
+def train_on_spark(target: Target, options: SparkOptions, resume: str) -> TrainSummary | None:
+    """Run the job; rank 0's summary. `resume`: `auto`, or a checkpoint's path."""
+    from pyspark.ml.torch.distributor import TorchDistributor
+
+    from shardwise.launch.ray_actors import absolute_paths
+    from shardwise.manymodel.spark import session
+
+    master = options.master or f"local-cluster[{target.nodes},{target.per_node},2048]"
+    if target.gpus_per_node and master.startswith("local"):
+        raise ConfigError(
+            f"--gpus-per-node with --spark-master {master}: a local Spark has no GPUs"
+        )
+    local = master.startswith("local")
+    spark = session(master, app="shardwise-train", python=sys.executable if local else None)
+    try:
+        cores = int(spark.sparkContext.defaultParallelism)
+        if not target.gpus_per_node and cores < target.world_size:
+            raise ConfigError(
+                f"{target.world_size} ranks need as many Spark task slots; {master} has {cores}"
+            )
+        forwarded = {k: v for k, v in os.environ.items() if k.startswith("SHARDWISE_")}
+        config_data = absolute_paths(target)
+        shutil.rmtree(  # this run's attempts start at 0 (`spark_rank`)
+            Path(config_data["job"]["run_dir"]) / "launch" / "spark-attempts", ignore_errors=True
+        )
+        distributor = TorchDistributor(
+            num_processes=target.world_size,
+            local_mode=False,
+            use_gpu=bool(target.gpus_per_node),
+        )
+        summary: TrainSummary | None = distributor.run(spark_rank, config_data, resume, forwarded)
+        return summary
+    finally:
+        spark.stop()

@@ -1,0 +1,127 @@
+"""`shardwise launch ray` on a real Ray cluster of two nodes, started by the test on loopback (a
+head and a worker node, one CPU each, as `ray start` makes them): the job's two ranks are actors
+spread over the two nodes. Rank 1's actor dies mid-run (it SIGKILLs itself after step 10); the
+driver restarts the group, which resumes from the newest checkpoint and ends bitwise like the
+same job run without a failure."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import tomli_w
+import torch
+
+import shardwise
+from helpers import free_port, gpt_job, load_params, losses, session_processes
+
+pytestmark = pytest.mark.slow
+BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 16
+SECTIONS = {
+    "job": {"threads_per_rank": 1},  # as in the one-machine reference
+    "train": {"steps": STEPS},
+    "checkpoint": {"every_steps": 4, "keep_last": 3},
+    "fault": {"max_restarts": 2},
+}
+
+
+@contextlib.contextmanager
+def ray_cluster(env: dict[str, str]):
+    """A head and one worker node on loopback, one CPU each; stopped (every process of their
+    sessions) at the end."""
+    port = free_port()
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: unix socket paths are limited
+    common = ["--block", "--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats"]
+    head = subprocess.Popen(
+        [str(BIN / "ray"), "start", "--head", f"--port={port}", "--include-dashboard=false",
+         f"--temp-dir={temp}", *common],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+        start_new_session=True, env=env,
+    )  # fmt: skip
+    nodes = [head]
+    try:
+        _wait_for_port(port)  # the worker node joins through the head's GCS
+        worker = subprocess.Popen(
+            [str(BIN / "ray"), "start", f"--address=127.0.0.1:{port}", *common],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+            start_new_session=True, env=env,
+        )  # fmt: skip
+        nodes.append(worker)
+        alive = (
+            "import ray, time; ray.init(address='127.0.0.1:{port}', logging_level='ERROR')\n"
+            "deadline = time.monotonic() + 60\n"
+            "while sum(n['Alive'] for n in ray.nodes()) < 2 and time.monotonic() < deadline:\n"
+            "    time.sleep(0.2)\n"
+            "print(sum(n['Alive'] for n in ray.nodes()))"
+        )
+        joined = subprocess.run(
+            [sys.executable, "-c", alive.format(port=port)],
+            capture_output=True, text=True, timeout=120, env=env,
+        )  # fmt: skip
+        assert joined.stdout.strip() == "2", joined.stderr
+        yield f"127.0.0.1:{port}"
+    finally:
+        for node in reversed(nodes):
+            node.terminate()
+            node.wait(timeout=60)
+            _kill_session(node.pid)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _wait_for_port(port: int) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            assert time.monotonic() < deadline, "the Ray head did not start"
+            time.sleep(0.2)
+
+
+def _kill_session(sid: int) -> None:
+    deadline = time.monotonic() + 30
+    while (left := session_processes(sid)) and time.monotonic() < deadline:
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+    assert not session_processes(sid), "processes of a Ray node survived"
+
+
+def test_a_dead_actor_restarts_the_group_and_the_run_ends_bitwise(tmp_path):
+    reference = shardwise.train(gpt_job(tmp_path / "reference", **SECTIONS), nproc=2)
+    assert reference is not None
+    job = tmp_path / "job.toml"
+    config = gpt_job(tmp_path / "run", **SECTIONS)
+    job.write_text(tomli_w.dumps(config.model_dump(mode="json", exclude_none=True)))
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    with ray_cluster(env) as address:
+        done = subprocess.run(
+            [str(BIN / "shardwise"), "launch", "ray", str(job), "--nodes", "2",
+             "--nproc-per-node", "1", "--ray-address", address, "--placement", "spread",
+             "--shared-storage"],
+            cwd=REPO, capture_output=True, text=True, timeout=300,
+            env={**env, "SHARDWISE_FAULT": "kill:rank=1:step=10"},
+        )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "rank 1: " in done.stdout and "restarting the group (1 of 2)" in done.stdout
+    assert f"done: step {STEPS}" in done.stdout
+    want, got = losses(tmp_path / "reference"), losses(tmp_path / "run")
+    assert [got[s] for s in range(1, STEPS + 1)] == [want[s] for s in range(1, STEPS + 1)]
+    final = f"checkpoints/step_{STEPS:08d}"
+    want_params = load_params(tmp_path / "reference" / final)
+    got_params = load_params(tmp_path / "run" / final)
+    for name, value in want_params.items():
+        assert torch.equal(got_params[name], value), name

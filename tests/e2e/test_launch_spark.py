@@ -1,0 +1,44 @@
+"""`shardwise launch spark` on Spark's local-cluster mode: a master and two executors in their own
+JVMs and Python workers, as on a cluster; the job's two ranks are the tasks of one barrier stage
+(pyspark's TorchDistributor), and the run ends bitwise like the same job on one machine."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomli_w
+import torch
+
+import shardwise
+from helpers import gpt_job, load_params, losses
+
+pytestmark = pytest.mark.slow
+BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 12
+SECTIONS = {"job": {"threads_per_rank": 1}, "train": {"steps": STEPS}}
+
+
+def test_the_ranks_run_as_spark_barrier_tasks_on_two_executors(tmp_path):
+    reference = shardwise.train(gpt_job(tmp_path / "reference", **SECTIONS), nproc=2)
+    assert reference is not None
+    job = tmp_path / "job.toml"
+    config = gpt_job(tmp_path / "run", **SECTIONS)
+    job.write_text(tomli_w.dumps(config.model_dump(mode="json", exclude_none=True)))
+    done = subprocess.run(
+        [str(BIN / "shardwise"), "launch", "spark", str(job), "--nodes", "2",
+         "--nproc-per-node", "1", "--shared-storage"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"done: step {STEPS}" in done.stdout
+    want, got = losses(tmp_path / "reference"), losses(tmp_path / "run")
+    assert [got[s] for s in range(1, STEPS + 1)] == [want[s] for s in range(1, STEPS + 1)]
+    final = f"checkpoints/step_{STEPS:08d}"
+    want_params = load_params(tmp_path / "reference" / final)
+    got_params = load_params(tmp_path / "run" / final)
+    for name, value in want_params.items():
+        assert torch.equal(got_params[name], value), name
