@@ -1,9 +1,12 @@
 """`shardwise launch spark` on Spark's local-cluster mode: a master and two executors in their own
 JVMs and Python workers, as on a cluster; the job's two ranks are the tasks of one barrier stage
-(pyspark's TorchDistributor), and the run ends bitwise like the same job on one machine."""
+(pyspark's TorchDistributor). Rank 1 SIGKILLs itself after step 6: the stage fails, shardwise
+runs it again, the ranks resume from step 4, and the run ends bitwise like the same job on one
+machine without a failure."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +22,12 @@ pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 12
-SECTIONS = {"job": {"threads_per_rank": 1}, "train": {"steps": STEPS}}
+SECTIONS = {
+    "job": {"threads_per_rank": 1},
+    "train": {"steps": STEPS},
+    "checkpoint": {"every_steps": 4},
+    "fault": {"max_restarts": 1},
+}
 
 
 def test_the_ranks_run_as_spark_barrier_tasks_on_two_executors(tmp_path):
@@ -32,9 +40,12 @@ def test_the_ranks_run_as_spark_barrier_tasks_on_two_executors(tmp_path):
         [str(BIN / "shardwise"), "launch", "spark", str(job), "--nodes", "2",
          "--nproc-per-node", "1", "--shared-storage"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "SHARDWISE_FAULT": "kill:rank=1:step=6"},
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "the Spark stage failed" in done.stdout and "running it again (1 of 1)" in done.stdout
     assert f"done: step {STEPS}" in done.stdout
+    assert "resuming after step 4" in done.stdout + done.stderr  # the ranks' output
     want, got = losses(tmp_path / "reference"), losses(tmp_path / "run")
     assert [got[s] for s in range(1, STEPS + 1)] == [want[s] for s in range(1, STEPS + 1)]
     final = f"checkpoints/step_{STEPS:08d}"

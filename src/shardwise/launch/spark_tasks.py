@@ -4,8 +4,9 @@ rank (per GPU on GPU executors), each starting torchrun with that task's rank, r
 as the rendezvous. Every rank runs the worker entry every other launcher runs
 (launch/worker.py: `run_worker`), with the same job file.
 
-Spark retries a failed barrier stage as a whole (`spark.stage.maxConsecutiveAttempts`, 4 by
-default); every attempt resumes from the newest good checkpoint (`--resume auto` semantics, after
+Spark does not retry a failed barrier stage that collects its result (a "ResultStage"), so when
+a rank or its executor fails this process runs the stage again, up to `fault.max_restarts`
+times; every attempt resumes from the newest good checkpoint (`--resume auto` semantics, after
 this process has refused to overwrite an earlier run where asked), so a lost executor costs the
 steps since the last checkpoint. Relative paths in the job are made absolute here and must name
 storage every executor sees.
@@ -76,12 +77,38 @@ def train_on_spark(target: Target, options: SparkOptions, resume: str) -> TrainS
         shutil.rmtree(  # this run's attempts start at 0 (`spark_rank`)
             Path(config_data["job"]["run_dir"]) / "launch" / "spark-attempts", ignore_errors=True
         )
-        distributor = TorchDistributor(
-            num_processes=target.world_size,
-            local_mode=False,
-            use_gpu=bool(target.gpus_per_node),
-        )
-        summary: TrainSummary | None = distributor.run(spark_rank, config_data, resume, forwarded)
-        return summary
+        restarts = target.config.fault.max_restarts
+        for attempt in range(restarts + 1):
+            distributor = TorchDistributor(
+                num_processes=target.world_size,
+                local_mode=False,
+                use_gpu=bool(target.gpus_per_node),
+            )
+            try:
+                summary: TrainSummary | None = distributor.run(
+                    spark_rank, config_data, resume, forwarded
+                )
+                return summary
+            except Exception as failure:  # py4j's, pyspark's or TorchDistributor's own
+                reason = _reason(failure)
+                if attempt == restarts:
+                    from shardwise.launch.local import WorkerFailed
+
+                    raise WorkerFailed(0, 1, f"the Spark stage failed: {reason}", "") from None
+                print(
+                    f"shardwise: the Spark stage failed ({reason}); running it again "
+                    f"({attempt + 1} of {restarts}) from the newest good checkpoint",
+                    flush=True,
+                )
+        raise AssertionError("unreachable")
     finally:
         spark.stop()
+
+
+def _reason(failure: BaseException) -> str:
+    """The line of Spark's error that says what failed, or the error's first line."""
+    text = str(failure)
+    for line in text.splitlines():
+        if "failure reason" in line:
+            return line.split("failure reason:")[-1].strip()[:300]
+    return (text.strip().splitlines() or [type(failure).__name__])[0][:300]
