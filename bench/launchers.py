@@ -8,7 +8,7 @@ each, a checkpoint every 10 steps), in the same run.
 - recovery: rank 1 SIGKILLs itself right after step 25 (SHARDWISE_FAULT); from that step's
   record to the first step trained after the restart (which resumes from step 20).
 
-    python bench/launchers.py                 # about 6 minutes on 2 cores
+    python bench/launchers.py                 # about 15 minutes per repeat on 2 cores
     python bench/launchers.py --repeats 1
 """
 

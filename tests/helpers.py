@@ -187,6 +187,35 @@ def assert_same_training(
         torch.testing.assert_close(got_state[name], value, rtol=0, atol=param_atol, msg=name)
 
 
+def assert_bitwise_same_run(got: Path, want: Path, steps: int) -> None:
+    """Two runs' directories: the same loss at every step and the same parameters at the end,
+    bit for bit."""
+    want_losses, got_losses = losses(want), losses(got)
+    assert [got_losses[s] for s in range(1, steps + 1)] == [
+        want_losses[s] for s in range(1, steps + 1)
+    ]
+    final = f"checkpoints/step_{steps:08d}"
+    want_params, got_params = load_params(want / final), load_params(got / final)
+    assert got_params.keys() == want_params.keys()
+    for name, value in want_params.items():
+        assert torch.equal(got_params[name], value), name
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL whatever is left of a process session, and wait until it is gone."""
+    import contextlib
+    import signal
+    import time
+
+    deadline = time.monotonic() + 30
+    while (left := session_processes(sid)) and time.monotonic() < deadline:
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+    assert not session_processes(sid), f"processes of session {sid} survived"
+
+
 def free_port() -> int:
     """A port that was free a moment ago (for launchers that need one up front, like srun)."""
     with socket.socket() as s:

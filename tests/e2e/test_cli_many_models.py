@@ -3,7 +3,6 @@ the middle and `--resume`, and bad input."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
@@ -16,7 +15,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from helpers import free_port, session_processes
+from helpers import free_port, kill_session, session_processes
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -89,24 +88,13 @@ def test_joins_an_existing_ray_cluster_and_ships_user_code(tmp_path):
     finally:
         head.terminate()  # --block: stopping it stops the head's processes
         head.wait(timeout=60)
-        _kill_session(head.pid)
+        kill_session(head.pid)
         shutil.rmtree(temp, ignore_errors=True)
     assert done.returncode == 0, done.stderr
     assert "6 of 6 series forecast" in done.stderr
     best = pl.read_parquet(tmp_path / "best_models.parquet")
     metrics = pl.read_parquet(tmp_path / "backtest_metrics.parquet")
     assert set(metrics["model"]) == {"seasonal_naive", "croston"} and best.height == 6
-
-
-def _kill_session(sid: int) -> None:
-    """SIGKILL whatever is left of a process session, and wait until it is gone."""
-    deadline = time.monotonic() + 30
-    while (left := session_processes(sid)) and time.monotonic() < deadline:
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.2)
-    assert not session_processes(sid), "processes of the Ray head survived"
 
 
 def test_killed_run_resumes_only_unfinished_chunks(tmp_path):

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 import tomli_w
-import torch
 
 import shardwise
-from helpers import gpt_job, load_params, losses
+from helpers import assert_bitwise_same_run, gpt_job
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -79,10 +78,4 @@ def test_two_pods_with_kubeflows_environment_form_one_job(tmp_path):
         assert process.returncode == 0, err
     assert sum(f"done: step {STEPS}" in out for out, _ in outputs) == 1
     assert any("world size 2" in out for out, _ in outputs), outputs
-    want, got = losses(tmp_path / "one-machine"), losses(tmp_path / "run")
-    assert [got[s] for s in range(1, STEPS + 1)] == [want[s] for s in range(1, STEPS + 1)]
-    final = f"checkpoints/step_{STEPS:08d}"
-    want_params = load_params(tmp_path / "one-machine" / final)
-    got_params = load_params(tmp_path / "run" / final)
-    for name, value in want_params.items():
-        assert torch.equal(got_params[name], value), name
+    assert_bitwise_same_run(tmp_path / "run", tmp_path / "one-machine", STEPS)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -19,10 +18,9 @@ from pathlib import Path
 
 import pytest
 import tomli_w
-import torch
 
 import shardwise
-from helpers import free_port, gpt_job, load_params, losses, session_processes
+from helpers import assert_bitwise_same_run, free_port, gpt_job, kill_session
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -75,7 +73,7 @@ def ray_cluster(env: dict[str, str]):
         for node in reversed(nodes):
             node.terminate()
             node.wait(timeout=60)
-            _kill_session(node.pid)
+            kill_session(node.pid)
         shutil.rmtree(temp, ignore_errors=True)
 
 
@@ -88,16 +86,6 @@ def _wait_for_port(port: int) -> None:
         except OSError:
             assert time.monotonic() < deadline, "the Ray head did not start"
             time.sleep(0.2)
-
-
-def _kill_session(sid: int) -> None:
-    deadline = time.monotonic() + 30
-    while (left := session_processes(sid)) and time.monotonic() < deadline:
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.2)
-    assert not session_processes(sid), "processes of a Ray node survived"
 
 
 def test_a_dead_actor_restarts_the_group_and_the_run_ends_bitwise(tmp_path):
@@ -118,10 +106,4 @@ def test_a_dead_actor_restarts_the_group_and_the_run_ends_bitwise(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "rank 1: " in done.stdout and "restarting the group (1 of 2)" in done.stdout
     assert f"done: step {STEPS}" in done.stdout
-    want, got = losses(tmp_path / "reference"), losses(tmp_path / "run")
-    assert [got[s] for s in range(1, STEPS + 1)] == [want[s] for s in range(1, STEPS + 1)]
-    final = f"checkpoints/step_{STEPS:08d}"
-    want_params = load_params(tmp_path / "reference" / final)
-    got_params = load_params(tmp_path / "run" / final)
-    for name, value in want_params.items():
-        assert torch.equal(got_params[name], value), name
+    assert_bitwise_same_run(tmp_path / "run", tmp_path / "reference", STEPS)

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 import tomli_w
-import torch
 
 import shardwise
-from helpers import gpt_job, load_params, losses
+from helpers import assert_bitwise_same_run, gpt_job
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -46,10 +45,4 @@ def test_the_ranks_run_as_spark_barrier_tasks_on_two_executors(tmp_path):
     assert "the Spark stage failed" in done.stdout and "running it again (1 of 1)" in done.stdout
     assert f"done: step {STEPS}" in done.stdout
     assert "resuming after step 4" in done.stdout + done.stderr  # the ranks' output
-    want, got = losses(tmp_path / "reference"), losses(tmp_path / "run")
-    assert [got[s] for s in range(1, STEPS + 1)] == [want[s] for s in range(1, STEPS + 1)]
-    final = f"checkpoints/step_{STEPS:08d}"
-    want_params = load_params(tmp_path / "reference" / final)
-    got_params = load_params(tmp_path / "run" / final)
-    for name, value in want_params.items():
-        assert torch.equal(got_params[name], value), name
+    assert_bitwise_same_run(tmp_path / "run", tmp_path / "reference", STEPS)
