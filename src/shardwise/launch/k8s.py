@@ -263,33 +263,50 @@ def apply(objects: list[Manifest]) -> list[str]:
     _check_gpus(client.CoreV1Api(api), objects)
     created = []
     for obj in objects:
-        kind, meta = obj["kind"], obj["metadata"]
-        if kind == "ConfigMap":
-            utils.create_from_dict(api, obj, namespace=meta["namespace"])
-        else:
-            group, version = obj["apiVersion"].split("/")
-            plural = {"ClusterTrainingRuntime": "clustertrainingruntimes", "TrainJob": "trainjobs",
-                      "PyTorchJob": "pytorchjobs"}[kind]  # fmt: skip
-            if kind == "ClusterTrainingRuntime":
-                try:
-                    custom.create_cluster_custom_object(group, version, plural, obj)
-                except client.ApiException as e:
-                    if e.status != 409:  # it exists: the one runtime every job shares
-                        raise
-                    continue
-            else:
-                custom.create_namespaced_custom_object(
-                    group, version, meta["namespace"], plural, obj
-                )
-        created.append(f"{kind}/{meta['name']}")
+        kind, name = obj["kind"], obj["metadata"]["name"]
+        try:
+            if _create(client, utils, api, custom, obj):
+                created.append(f"{kind}/{name}")
+        except Exception as e:  # the API's errors (ApiException, FailToCreateError), one line
+            reason = getattr(e, "reason", None) or str(e).strip().splitlines()[0]
+            status = getattr(e, "status", None)
+            detail = f"{status} {reason}" if status else reason
+            raise ConfigError(
+                f"--apply: creating {kind}/{name} failed ({detail}); created so far: "
+                f"{', '.join(created) or 'nothing'}"
+            ) from None
     return created
+
+
+def _create(client: Any, utils: Any, api: Any, custom: Any, obj: Manifest) -> bool:
+    """Create one object; False where it is the shared runtime and exists already."""
+    kind, meta = obj["kind"], obj["metadata"]
+    if kind == "ConfigMap":
+        utils.create_from_dict(api, obj, namespace=meta["namespace"])
+        return True
+    group, version = obj["apiVersion"].split("/")
+    plural = {"ClusterTrainingRuntime": "clustertrainingruntimes", "TrainJob": "trainjobs",
+              "PyTorchJob": "pytorchjobs"}[kind]  # fmt: skip
+    if kind != "ClusterTrainingRuntime":
+        custom.create_namespaced_custom_object(group, version, meta["namespace"], plural, obj)
+        return True
+    try:
+        custom.create_cluster_custom_object(group, version, plural, obj)
+    except client.ApiException as e:
+        if e.status != 409:
+            raise
+        return False  # it exists: the one runtime every job shares
+    return True
 
 
 def _check_gpus(core: Any, objects: list[Manifest]) -> None:
     """A GPU job on a cluster none of whose nodes offers `nvidia.com/gpu`: refused."""
     if "nvidia.com/gpu" not in str(objects):
         return
-    nodes = core.list_node().items
+    try:
+        nodes = core.list_node().items
+    except Exception:  # no permission to list nodes: the scheduler will say
+        return
     if not any(int((n.status.allocatable or {}).get("nvidia.com/gpu", "0")) for n in nodes):
         raise ConfigError(
             f"--gpus-per-node: none of the cluster's {len(nodes)} nodes offers nvidia.com/gpu; "
