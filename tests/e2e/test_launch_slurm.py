@@ -42,14 +42,14 @@ def cluster(tmp_path_factory):
         yield running
 
 
-def submit(cluster: slurm.Slurm, run_dir: Path) -> str:
+def submit(cluster: slurm.Slurm, run_dir: Path, *extra: str, step_s: float = 0.15) -> str:
     job = run_dir.with_suffix(".toml")
     config = gpt_job(run_dir, **SECTIONS)
     job.write_text(tomli_w.dumps(config.model_dump(mode="json", exclude_none=True)))
-    env = {**cluster.env, "SHARDWISE_FAULT": "slow:step=1:seconds=0.15"}  # every rank alike
+    env = {**cluster.env, "SHARDWISE_FAULT": f"slow:step=1:seconds={step_s}"}  # every rank alike
     done = subprocess.run(
         [SHARDWISE, "launch", "slurm", str(job), "--nodes", "2", "--nproc-per-node", "1",
-         "--shared-storage", "--port", str(free_port()), "--submit"],
+         "--shared-storage", "--port", str(free_port()), "--submit", *extra],
         env=env, cwd=run_dir.parent, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -110,3 +110,25 @@ def test_without_sbatch_submission_is_one_line(tmp_path):
     assert done.stderr.startswith("shardwise: error: sbatch not found") and "\n" not in (
         done.stderr.strip()
     )
+
+
+def test_the_time_limit_warning_saves_and_the_script_requeues_the_job(cluster, tmp_path):
+    """The script's own path: a one-minute job asks for SIGTERM 55 s before its limit (Slurm
+    sends it at its next periodic check, within about 30 s); the batch shell forwards it, the
+    ranks save, and the script requeues the job, whose next attempt (given time now) resumes
+    there and finishes."""
+    run_dir = tmp_path / "limited"
+    job_id = submit(cluster, run_dir, "--time", "00:01:00", "--signal-seconds", "55", step_s=1.0)
+    cluster.wait(job_id, {"RUNNING"}, timeout=120)
+    job = cluster.wait(job_id, {"PENDING", "COMPLETED", "FAILED", "TIMEOUT"}, timeout=150)
+    log = output(run_dir, job_id)
+    assert job["JobState"] == "PENDING", log  # requeued, by the script
+    assert f"requeueing job {job_id}" in log
+    cluster.run("scontrol", "update", f"JobId={job_id}", "TimeLimit=10", "StartTime=now")
+    job = cluster.wait(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
+    log = output(run_dir, job_id)
+    assert job["JobState"] == "COMPLETED", log
+    stopped = re.search(r"SIGTERM: saved \S+ at step (\d+) and stopping", log)
+    assert stopped and int(stopped.group(1)) < STEPS, log
+    assert f"resuming after step {stopped.group(1)}" in log
+    assert (run_dir / "checkpoints" / f"step_{STEPS:08d}").exists()

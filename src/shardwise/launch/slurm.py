@@ -8,12 +8,13 @@ allocation's first node, whose address `scontrol` gives (port: 20000 + job id mo
 max_restarts`), so checkpoints must be on storage every node sees.
 
 Preemption and time limits: the script asks Slurm for SIGTERM `--signal-seconds` before the time
-limit (`--signal=B:TERM@S`, to the batch shell), forwards it to the agents through `srun`,
-whose ranks save at the next step boundary and stop; the script then requeues the job
-(`#SBATCH --requeue`), and every attempt starts with `--resume auto`, so it continues from that
-checkpoint. `scontrol requeue` of a running job does the same (Slurm sends the SIGTERM itself,
-`KillWait` seconds before SIGKILL). Output from every attempt goes to one file
-(`--open-mode=append`) in the run's `launch/` directory.
+limit (`--signal=B:TERM@S`, to the batch shell) and forwards it to the job's steps (`scancel
+--signal=TERM`; srun, signalled itself, would cancel its step). The agents' ranks save at the
+next step boundary and stop; the script then requeues the job (`#SBATCH --requeue`), and every
+attempt starts with `--resume auto`, so it continues from that checkpoint. `scontrol requeue` of
+a running job does the same (Slurm sends the SIGTERM itself, `KillWait` seconds before
+SIGKILL). Output from every attempt goes to one file (`--open-mode=append`) in the run's
+`launch/` directory.
 """
 
 from __future__ import annotations
@@ -106,8 +107,9 @@ def sbatch_script(target: Target, options: SlurmOptions, shardwise: str | None =
         f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 {command} &",
         "step=$!",
         "preempted=0",
-        "# Slurm's warning before the time limit (or a requeue): the ranks save and stop",
-        "trap 'preempted=1; kill -TERM \"$step\" 2>/dev/null' TERM",
+        "# Slurm's warning before the time limit (or a requeue): the ranks save and stop. The",
+        "# signal goes to the job's steps (srun would cancel its step if signalled itself).",
+        "trap 'preempted=1; scancel --signal=TERM \"$SLURM_JOB_ID\"' TERM",
         'wait "$step"; status=$?',
         'while kill -0 "$step" 2>/dev/null; do wait "$step"; status=$?; done',
         'if [ "$preempted" = 1 ]; then',
