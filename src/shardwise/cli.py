@@ -130,11 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--debug", action="store_true", help="show tracebacks for every error")
     launch = commands.add_parser(
         "launch",
-        help="run a job file on a cluster: Slurm (sbatch), Kubernetes (Kubeflow)",
+        help="run a job file on a cluster: Slurm, Kubernetes (Kubeflow), Ray or Spark",
         description="Take the same job file to a cluster: slurm writes an sbatch script that "
         "starts one shardwise agent per node, resumes after preemption and requeues (--submit "
         "submits it); k8s prints a Kubeflow TrainJob or PyTorchJob with its ConfigMap "
-        "(--apply creates them). --dry-run prints what would be submitted.",
+        "(--apply creates them); ray and spark run the job's ranks as Ray actors or Spark "
+        "barrier tasks from this process. --dry-run prints what would be submitted.",
     )
     from shardwise.launch.command import add_arguments as launch_arguments
 
@@ -287,8 +288,10 @@ def _nodes(args: argparse.Namespace) -> Nodes | None:
     if args.nnodes < 1:
         raise ConfigError(f"--nnodes {args.nnodes}: need at least 1 node")
     pod = kubeflow()
-    if args.nnodes == 1 and not args.rdzv_endpoint and pod is not None and pod.nnodes > 1:
-        return Nodes(pod.nnodes, pod.endpoint, run_id=args.rdzv_id, local_addr=args.local_addr)
+    if args.nnodes == 1 and not args.rdzv_endpoint and pod is not None:
+        if pod.nnodes > 1:
+            return Nodes(pod.nnodes, pod.endpoint, run_id=args.rdzv_id, local_addr=args.local_addr)
+        return None  # a one-pod job is a one-machine job: the manifest's --local-addr is moot
     if args.nnodes == 1:
         extra = [f for f in ("rdzv_endpoint", "rdzv_id", "local_addr") if getattr(args, f)]
         if extra:
