@@ -102,3 +102,22 @@ def test_object_stores_and_network_filesystems_count_as_shared(tmp_path):
     assert unshared(str(tmp_path / "not" / "yet"), 2) is not None
     assert filesystem_type(Path("/proc/self")) == "proc"
     assert filesystem_type(tmp_path / "not" / "yet") == filesystem_type(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("target", "lines"),
+    [
+        ("ray", ["placement group: 2 bundles of {'CPU': 1.0}, strategy SPREAD", "2 × shardwise"]),
+        ("spark", ["on local-cluster[2,1,2048]", "TorchDistributor(num_processes=2"]),
+    ],
+)
+def test_ray_and_spark_dry_runs_say_what_would_run_and_start_nothing(
+    job, capsys, tmp_path, target, lines
+):
+    args = ["--nodes", "2", "--shared-storage", "--dry-run"]
+    code = main(
+        ["launch", target, str(job), *args, *(["--placement", "spread"] * (target == "ray"))]
+    )
+    out = capsys.readouterr().out
+    assert code == 0 and all(line in out for line in lines), out
+    assert not (tmp_path / "run").exists()

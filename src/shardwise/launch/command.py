@@ -142,11 +142,11 @@ def run(args: argparse.Namespace) -> int:
     if args.target in ("slurm", "k8s") and args.resume != "never":
         raise ConfigError(f"--resume is for ray and spark; {args.target} jobs always resume")
     if args.target in ("ray", "spark"):
-        given = [f for f in ("submit", "apply", "dry_run") if getattr(args, f)]
+        given = [f for f in ("submit", "apply") if getattr(args, f)]
         if given:
             raise ConfigError(
-                f"--{given[0].replace('_', '-')} is not for {args.target}: `shardwise launch "
-                f"{args.target}` runs the job itself"
+                f"--{given[0]} is not for {args.target}: `shardwise launch {args.target}` runs "
+                "the job itself (--dry-run prints what it would run)"
             )
         if not args.shared_storage:
             check_storage(target, lambda location: unshared(location, target.nodes))
@@ -228,6 +228,11 @@ def _ray(args: argparse.Namespace, target: Target) -> int:
     if args.cpus_per_rank <= 0:
         raise ConfigError(f"--cpus-per-rank {args.cpus_per_rank:g}: need more than 0")
     options = RayOptions(args.ray_address, args.placement, args.cpus_per_rank)
+    if args.dry_run:
+        from shardwise.launch.ray_actors import describe
+
+        print(describe(target, options, args.resume))
+        return 0
     summary = train_on_ray(target, options, resume_point(target.config, args.resume))
     if summary is not None:
         print_summary(summary)
@@ -239,10 +244,16 @@ def _spark(args: argparse.Namespace, target: Target) -> int:
     from shardwise.cli import print_summary
     from shardwise.launch.spark_tasks import SparkOptions, train_on_spark
 
-    chosen = resume_point(target.config, args.resume)  # refuses to overwrite, checks a path
     # every attempt of the stage resumes from the newest good checkpoint, the first included,
     # unless a checkpoint other than the newest was asked for
-    resume = "auto" if args.resume in ("auto", "never") else chosen or "auto"
+    auto = args.resume in ("auto", "never")
+    if args.dry_run:
+        from shardwise.launch.spark_tasks import describe
+
+        print(describe(target, SparkOptions(args.spark_master), "auto" if auto else args.resume))
+        return 0
+    chosen = resume_point(target.config, args.resume)  # refuses to overwrite, checks a path
+    resume = "auto" if auto else chosen or "auto"
     summary = train_on_spark(target, SparkOptions(args.spark_master), resume)
     if summary is not None:
         print_summary(summary)

@@ -79,6 +79,28 @@ def absolute_paths(target: Target) -> dict[str, Any]:
     return data
 
 
+def describe(target: Target, options: RayOptions, resume: str) -> str:
+    """What `train_on_ray` would start, for --dry-run."""
+    bundle = {"CPU": options.cpus_per_rank, **({"GPU": 1} if target.gpus_per_node else {})}
+    data = absolute_paths(target)
+    return "\n".join(
+        [
+            f"# would connect to Ray at {options.address or 'a local Ray on loopback'} and run:",
+            f"placement group: {target.world_size} bundles of {bundle}, strategy "
+            f"{options.placement.upper()}",
+            f"actors: {target.world_size} × shardwise.launch.ray_actors.Rank, one per bundle, "
+            "each calling launch/worker.py's run_worker",
+            f"per rank: RANK=i WORLD_SIZE={target.world_size} LOCAL_RANK/LOCAL_WORLD_SIZE by "
+            "node, MASTER_ADDR=rank 0's node, MASTER_PORT=a free port there, "
+            "TORCHELASTIC_RESTART_COUNT=attempt",
+            f"restarts: up to {target.config.fault.max_restarts} (fault.max_restarts), each from "
+            "the newest good checkpoint",
+            f"resume: {resume}; run_dir {data['job']['run_dir']}, checkpoints "
+            f"{data['checkpoint']['dir'] or data['job']['run_dir'] + '/checkpoints'}",
+        ]
+    )
+
+
 def train_on_ray(target: Target, options: RayOptions, resume: str | None) -> TrainSummary | None:
     """Run the job; rank 0's summary. `resume`: the checkpoint chosen before launch."""
     ray = _connect(options)

@@ -52,6 +52,26 @@ def spark_rank(config_data: dict[str, Any], resume: str, forwarded: dict[str, st
     return run_worker(config_data, resume, decided=False)
 
 
+def describe(target: Target, options: SparkOptions, resume: str) -> str:
+    """What `train_on_spark` would run, for --dry-run."""
+    from shardwise.launch.ray_actors import absolute_paths
+
+    master = options.master or f"local-cluster[{target.nodes},{target.per_node},2048]"
+    data = absolute_paths(target)
+    return "\n".join(
+        [
+            f"# would start a Spark session on {master} and run:",
+            f"TorchDistributor(num_processes={target.world_size}, local_mode=False, "
+            f"use_gpu={bool(target.gpus_per_node)}).run(shardwise.launch.spark_tasks.spark_rank)",
+            f"one barrier stage of {target.world_size} tasks, each a torchrun of one rank "
+            "calling launch/worker.py's run_worker",
+            f"restarts: up to {target.config.fault.max_restarts} (fault.max_restarts), the stage "
+            "run again, from the newest good checkpoint",
+            f"resume: {resume}; run_dir {data['job']['run_dir']}",
+        ]
+    )
+
+
 def train_on_spark(target: Target, options: SparkOptions, resume: str) -> TrainSummary | None:
     """Run the job; rank 0's summary. `resume`: `auto`, or a checkpoint's path."""
     from pyspark.ml.torch.distributor import TorchDistributor
