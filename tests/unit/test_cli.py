@@ -9,7 +9,7 @@ def test_cli_flags_are_pinned():
     """Adding a flag is a decision: change this test with it."""
     parser = build_parser()
     commands = parser._subparsers._group_actions[0].choices
-    assert sorted(commands) == ["export", "many-models", "plan", "report", "train"]
+    assert sorted(commands) == ["export", "launch", "many-models", "plan", "report", "train"]
     flags = sorted(o for a in commands["train"]._actions for o in a.option_strings)
     assert flags == sorted(
         [
@@ -32,6 +32,17 @@ def test_cli_flags_are_pinned():
             "--spark-master",
             "--ray-address",
             "--debug",
+        ]
+    )
+    flags = sorted(o for a in commands["launch"]._actions for o in a.option_strings)
+    assert flags == sorted(
+        [
+            *("-h", "--help", "--nodes", "--gpus-per-node", "--nproc-per-node", "--set"),
+            *("--shared-storage", "--dry-run", "--submit", "--apply", "--debug"),
+            *("--image", "--namespace", "--api", "--memory-per-node", "--volume"),
+            *("--max-restarts", "--ray-address", "--placement", "--cpus-per-rank", "--resume"),
+            *("--spark-master", "--time", "--partition", "--account", "--cpus-per-node"),
+            *("--sbatch", "--port", "--signal-seconds"),
         ]
     )
 
