@@ -22,11 +22,10 @@ import os
 import socket
 from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardwise.config import ConfigError
-from shardwise.launch.targets import Target
+from shardwise.launch.targets import Target, absolute_paths, forwarded_env
 
 if TYPE_CHECKING:
     from shardwise.trainer.loop import TrainSummary
@@ -67,18 +66,6 @@ class Rank:
         return run_worker(config_data, resume)
 
 
-def absolute_paths(target: Target) -> dict[str, Any]:
-    """The job as the actors get it: the run and checkpoint directories absolute (as seen from
-    here), since the actors' working directory is Ray's."""
-    config = target.config
-    data = config.model_dump(mode="json")
-    data["job"]["run_dir"] = str(config.run_dir.absolute())
-    checkpoint = config.checkpoint_dir
-    if "://" not in checkpoint:
-        data["checkpoint"]["dir"] = str(Path(checkpoint).absolute())
-    return data
-
-
 def describe(target: Target, options: RayOptions, resume: str) -> str:
     """What `train_on_ray` would start, for --dry-run."""
     bundle = {"CPU": options.cpus_per_rank, **({"GPU": 1} if target.gpus_per_node else {})}
@@ -108,7 +95,7 @@ def train_on_ray(target: Target, options: RayOptions, resume: str | None) -> Tra
         _check_resources(ray, target, options)
         group = _placement_group(ray, target, options)
         config_data = absolute_paths(target)
-        forwarded = {k: v for k, v in os.environ.items() if k.startswith("SHARDWISE_")}
+        forwarded = forwarded_env()
         restarts = target.config.fault.max_restarts
         for attempt in range(restarts + 1):
             actors = _start_actors(ray, target, options, group)

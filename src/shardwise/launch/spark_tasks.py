@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardwise.config import ConfigError
-from shardwise.launch.targets import Target
+from shardwise.launch.targets import Target, absolute_paths, forwarded_env
 
 if TYPE_CHECKING:
     from shardwise.trainer.loop import TrainSummary
@@ -54,8 +54,6 @@ def spark_rank(config_data: dict[str, Any], resume: str, forwarded: dict[str, st
 
 def describe(target: Target, options: SparkOptions, resume: str) -> str:
     """What `train_on_spark` would run, for --dry-run."""
-    from shardwise.launch.ray_actors import absolute_paths
-
     master = options.master or f"local-cluster[{target.nodes},{target.per_node},2048]"
     data = absolute_paths(target)
     return "\n".join(
@@ -76,7 +74,6 @@ def train_on_spark(target: Target, options: SparkOptions, resume: str) -> TrainS
     """Run the job; rank 0's summary. `resume`: `auto`, or a checkpoint's path."""
     from pyspark.ml.torch.distributor import TorchDistributor
 
-    from shardwise.launch.ray_actors import absolute_paths
     from shardwise.manymodel.spark import session
 
     master = options.master or f"local-cluster[{target.nodes},{target.per_node},2048]"
@@ -92,7 +89,7 @@ def train_on_spark(target: Target, options: SparkOptions, resume: str) -> TrainS
             raise ConfigError(
                 f"{target.world_size} ranks need as many Spark task slots; {master} has {cores}"
             )
-        forwarded = {k: v for k, v in os.environ.items() if k.startswith("SHARDWISE_")}
+        forwarded = forwarded_env()
         config_data = absolute_paths(target)
         shutil.rmtree(  # this run's attempts start at 0 (`spark_rank`)
             Path(config_data["job"]["run_dir"]) / "launch" / "spark-attempts", ignore_errors=True

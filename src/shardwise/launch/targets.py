@@ -8,6 +8,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from shardwise.checkpoint.layout import is_local
 from shardwise.config import ConfigError, JobConfig
@@ -114,3 +115,21 @@ def filesystem_type(path: Path) -> str:
     except OSError:
         return "unknown"
     return kind
+
+
+def absolute_paths(target: Target) -> dict[str, Any]:
+    """The job as the actors get it: the run and checkpoint directories absolute (as seen from
+    here), since the actors' working directory is Ray's."""
+    config = target.config
+    data = config.model_dump(mode="json")
+    data["job"]["run_dir"] = str(config.run_dir.absolute())
+    checkpoint = config.checkpoint_dir
+    if "://" not in checkpoint:
+        data["checkpoint"]["dir"] = str(Path(checkpoint).absolute())
+    return data
+
+
+def forwarded_env() -> dict[str, str]:
+    """The SHARDWISE_* variables of this process, which the ranks a launcher starts on a
+    cluster's workers (not children of this process) are given."""
+    return {k: v for k, v in os.environ.items() if k.startswith("SHARDWISE_")}

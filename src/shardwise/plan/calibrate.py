@@ -174,10 +174,12 @@ def _layer_seconds(
     return best_seconds(step, device=device)
 
 
-def memory_bandwidth() -> float:
-    n = 16 << 20  # 64 MiB of fp32
-    a, b, c = torch.randn(n), torch.randn(n), torch.empty(n)
-    return 3 * 4 * n / best_seconds(lambda: torch.add(a, b, out=c))
+def memory_bandwidth(device: torch.device = CPU, mib: int = 64) -> float:
+    """Bytes/s of a + b → c over `mib` MiB fp32 arrays on `device`."""
+    n = (mib << 20) // 4
+    a, b = torch.randn(n, device=device), torch.randn(n, device=device)
+    c = torch.empty(n, device=device)
+    return 3 * 4 * n / best_seconds(lambda: torch.add(a, b, out=c), device=device)
 
 
 def codec_rates() -> tuple[float, float, float, float]:

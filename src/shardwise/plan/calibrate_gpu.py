@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 import torch.multiprocessing as mp
 
-from shardwise.plan.calibrate import LayerShape, best_seconds, layer_curve, line
+from shardwise.plan.calibrate import LayerShape, best_seconds, layer_curve, line, memory_bandwidth
 from shardwise.plan.hardware import PRESETS, THIS_MACHINE, Hardware
 
 DEFAULT_SHAPE = LayerShape(hidden=2048, heads=16, seq=2048, batch=4)
@@ -55,13 +55,6 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, shape: LayerShape) -> 
         seconds = best_seconds(lambda: torch.mm(a, b), device=device)  # noqa: B023
         best = max(best, 2 * m * k * n / seconds)
     return best
-
-
-def memory_bandwidth(device: torch.device, mib: int = 256) -> float:
-    n = (mib << 20) // 4
-    a, b = torch.randn(n, device=device), torch.randn(n, device=device)
-    c = torch.empty(n, device=device)
-    return 3 * 4 * n / best_seconds(lambda: torch.add(a, b, out=c), device=device)
 
 
 def curve_batches(batch: int) -> tuple[int, int]:
@@ -139,7 +132,7 @@ def calibrate_gpu(
     )
     peak = matmul_rate(device, torch.bfloat16, shape)
     rate, overhead = layer_curve(shape, curve_batches(shape.batch), device)
-    bandwidth = memory_bandwidth(device)
+    bandwidth = memory_bandwidth(device, mib=256)
     progress(
         f"  {peak / 1e12:.0f} TFLOP/s matmul, {rate / 1e12:.0f} TFLOP/s in large layers + "
         f"{overhead * 1e3:.2f} ms per layer and micro-batch, {bandwidth / 1e9:.0f} GB/s"
