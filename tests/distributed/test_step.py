@@ -9,6 +9,8 @@ CPU as on CUDA, so counting those dispatches finds them on this machine without 
 from __future__ import annotations
 
 import math
+import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,3 +77,27 @@ def test_a_step_reads_nothing_on_the_host_and_a_nan_step_is_skipped_on_the_devic
 def test_accumulation_and_clipping_on_the_gpt_read_nothing_either(tmp_path, one_rank):
     _, states = _steps(gpt_job(tmp_path, train={"grad_clip": 1.0}), steps=2)
     assert [reads for reads, _, _ in states] == [[], []]
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_the_loop_calls_train_step_and_train_step_calls_backward(tmp_path, one_rank):
+    """Issue 18's short path: in a rank, `loop.train` → `step.train_step` → `loss.backward()`,
+    with no other shardwise function between them (the launcher side is `cli._train` →
+    `launch.local.train` → `launch.worker.run_worker` → `loop.train`)."""
+    from shardwise.trainer import loop
+
+    seen: list[list[str]] = []
+
+    def record(module, grad_output):
+        frames = traceback.extract_stack()
+        ours = [f"{Path(f.filename).stem}.{f.name}" for f in frames if "/shardwise/" in f.filename]
+        seen.append(ours)
+
+    handle = torch.nn.modules.module.register_module_full_backward_pre_hook(record)
+    try:
+        loop.train(digits_job(tmp_path, train={"steps": 2}), device=torch.device("cpu"), resume=None)
+    finally:
+        handle.remove()
+    training = [path for path in seen if "loop.build_run" not in path]  # not the FLOP count's
+    assert len(training) >= 2
+    assert all(path == ["loop.train", "step.train_step"] for path in training), training[:3]

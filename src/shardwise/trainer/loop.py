@@ -13,6 +13,8 @@ import json
 import math
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -73,7 +75,52 @@ def train(
 ) -> TrainSummary | None:
     """Train to `train.steps`, resuming from the checkpoint at `resume` if given; `restarts`
     counts the times the launcher restarted the workers after a failure (reported); `node` is
-    the index of the machine this rank runs on."""
+    the index of the machine this rank runs on. The loop calls `train_step` itself, so the path
+    from the launcher to `loss.backward()` stays short."""
+    with _session(config, device, resume, restarts=restarts, node=node) as session:
+        run, progress, reporter = session.run, session.progress, session.reporter
+        _begin(run, reporter, progress)
+        profiler = StepProfiler(
+            config.run_dir,
+            run.rank,
+            first=config.tracking.profile_step,
+            count=config.tracking.profile_steps,
+        )
+        preempted_at = None
+        for step in range(progress.start + 1, config.train.steps + 1):
+            session.watchdog.started(step)
+            began = time.perf_counter()
+            with profiler.step(step):
+                batch, fetched = _next_batch(run, step)
+                stepped = train_step(run, batch, step=step)
+                _account(run, step, progress, reporter, session.health, (began, fetched), stepped)
+            if profiler.wants(step):
+                progress.untime(time.perf_counter() - began)
+            if _after_step(run, step, progress, reporter, session):
+                preempted_at = step
+                break
+        session.summary = _end(run, progress, reporter, preempted_at)
+    return session.summary if session.run.rank == 0 else None
+
+
+@dataclass
+class _Session:
+    """What one rank's run holds while it trains, opened and closed by `_session`."""
+
+    run: Run
+    reporter: report.Reporter
+    progress: Progress
+    health: RankHealth
+    watchdog: Watchdog
+    summary: TrainSummary | None = None
+
+
+@contextmanager
+def _session(
+    config: JobConfig, device: torch.device, resume: str | None, *, restarts: int, node: int
+) -> Iterator[_Session]:
+    """Build and restore the run, start its reporting and guards; afterwards write the summary
+    and the run report (rank 0), and close everything whether the run finished or failed."""
     baseline = current_bytes(device)
     run = build_run(config, device, node=node)
     run.baseline_bytes = baseline
@@ -82,7 +129,6 @@ def train(
     reporter = report.start(run, start, resumed=resume is not None)
     if restarts:
         report.restarted(reporter, restarts, start)
-    status, summary = "FAILED", None
     health = RankHealth(
         straggler_factor=config.fault.straggler_factor,
         straggler_windows=config.fault.straggler_windows,
@@ -91,8 +137,13 @@ def train(
         adaptive=run.sync.meets_every_step,
     )
     watchdog = Watchdog(config.run_dir / "hangs", rank=run.rank, timeout_s=config.fault.timeout_s)
+    progress = Progress(start=start, checkpoint=resume, window_start=start)
+    session = _Session(run, reporter, progress, health, watchdog)
+    status = "FAILED"
     try:
-        summary = loop(run, start, reporter, resumed_from=resume, health=health, watchdog=watchdog)
+        yield session
+        summary = session.summary
+        assert summary is not None, "train() sets the summary before the session closes"
         status = "KILLED" if summary.preempted else "FINISHED"
         summary.resumed_from = start if resume else None
         if run.rank == 0 and config.tracking.report:
@@ -104,10 +155,9 @@ def train(
         watchdog.close()
         health.close()
         reporter.close(status)
-    if summary is not None and run.rank == 0:
-        summary.mlflow_run_id = reporter.mlflow_run_id()
-        (config.run_dir / "summary.json").write_text(_json(asdict(summary)))
-    return summary if run.rank == 0 else None
+    if session.summary is not None and run.rank == 0:
+        session.summary.mlflow_run_id = reporter.mlflow_run_id()
+        (config.run_dir / "summary.json").write_text(_json(asdict(session.summary)))
 
 
 def build_run(config: JobConfig, device: torch.device, *, node: int = 0) -> Run:
@@ -289,57 +339,12 @@ class Progress:
         self.untimed += 1
 
 
-def loop(
-    run: Run,
-    start: int,
-    reporter: report.Reporter,
-    *,
-    resumed_from: str | None,
-    health: RankHealth,
-    watchdog: Watchdog,
-) -> TrainSummary:
-    steps = run.config.train.steps
-    progress = Progress(start=start, checkpoint=resumed_from, window_start=start)
-    if start >= steps:
+def _begin(run: Run, reporter: report.Reporter, progress: Progress) -> None:
+    if progress.start >= run.config.train.steps:
         _nothing_left(run, reporter, progress)
     for part in run.parts:
         part.train()
-    run.nonfinite.begin(start)
-    tracking = run.config.tracking
-    profiler = StepProfiler(
-        run.config.run_dir, run.rank, first=tracking.profile_step, count=tracking.profile_steps
-    )
-    preempted_at = None
-    for step in range(start + 1, steps + 1):
-        watchdog.started(step)
-        began = time.perf_counter()
-        with profiler.step(step):
-            _step(run, step, progress, reporter, health)
-        if profiler.wants(step):
-            progress.untime(time.perf_counter() - began)
-        stop = _health(run, step, reporter, health)
-        if stop or _reporting(run.config, step):
-            _skipped(run, step, progress, reporter)
-        _log(run, step, progress, reporter)
-        # Checkpoint, then evaluate (a failing evaluation loses nothing that was trained).
-        if _due(step, run.config.checkpoint.every_steps, steps) or stop:
-            _checkpoint(run, step, progress, reporter, watchdog)
-        if _due(step, run.config.eval.every_steps, steps) and run.eval_data is not None:
-            _evaluate(run, step, progress, reporter, watchdog)
-        watchdog.finished(step)
-        run.faults.after_step(step)
-        if stop:
-            preempted_at = step
-            reporter.say(
-                f"SIGTERM: saved {progress.checkpoint} at step {step} and stopping; "
-                "--resume auto continues exactly"
-            )
-            break
-    run.sync.close()
-    _wait_for_saves(run)
-    if steps > start and preempted_at is None:
-        progress.memory = report.memory(run, reporter, steps, final=True)
-    return _summary(run, progress, preempted_at)
+    run.nonfinite.begin(progress.start)
 
 
 def _nothing_left(run: Run, reporter: report.Reporter, progress: Progress) -> None:
@@ -351,17 +356,30 @@ def _nothing_left(run: Run, reporter: report.Reporter, progress: Progress) -> No
         progress.metrics.update(evaluate(run))
 
 
-def _step(
-    run: Run, step: int, progress: Progress, reporter: report.Reporter, health: RankHealth
-) -> None:
-    """One training step, timed for the straggler check and the pipeline bubble (an injected
-    delay counts as this rank's own work, as a slow rank's would)."""
+def _next_batch(run: Run, step: int) -> tuple[Any, float]:
+    """The step's batch (after any injected fault) and the seconds it took to fetch."""
     began = time.perf_counter()
     run.faults.before_step(step)
     with data_range():
         batch = run.loader.next_step()
-    fetched, run.forward_seconds = time.perf_counter() - began, 0.0
-    loss, grad_norm, applied = train_step(run, batch, step=step)
+    run.forward_seconds = 0.0
+    return batch, time.perf_counter() - began
+
+
+def _account(
+    run: Run,
+    step: int,
+    progress: Progress,
+    reporter: report.Reporter,
+    health: RankHealth,
+    timing: tuple[float, float],
+    stepped: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+) -> None:
+    """After `train_step`: the step's time for the straggler check and the pipeline bubble (an
+    injected delay counts as this rank's own work, as a slow rank's would), the schedule, and
+    what the reporting window keeps."""
+    began, fetched = timing
+    loss, grad_norm, applied = stepped
     health.add(fetched + run.forward_seconds, time.perf_counter() - began)
     for scheduler in run.schedulers:
         scheduler.step()
@@ -383,6 +401,40 @@ def _step(
         _compiled(reporter, step, progress.first_step_s, took)
     if step == min(progress.start + 2, run.config.train.steps):  # optimizer state in place
         progress.memory = report.memory(run, reporter, step)
+
+
+def _after_step(
+    run: Run, step: int, progress: Progress, reporter: report.Reporter, session: _Session
+) -> bool:
+    """Health, logging, checkpoint (then evaluation: a failing evaluation loses nothing that was
+    trained); whether the run stops here (SIGTERM: saved, --resume auto continues)."""
+    stop = _health(run, step, reporter, session.health)
+    if stop or _reporting(run.config, step):
+        _skipped(run, step, progress, reporter)
+    _log(run, step, progress, reporter)
+    steps = run.config.train.steps
+    if _due(step, run.config.checkpoint.every_steps, steps) or stop:
+        _checkpoint(run, step, progress, reporter, session.watchdog)
+    if _due(step, run.config.eval.every_steps, steps) and run.eval_data is not None:
+        _evaluate(run, step, progress, reporter, session.watchdog)
+    session.watchdog.finished(step)
+    run.faults.after_step(step)
+    if stop:
+        reporter.say(
+            f"SIGTERM: saved {progress.checkpoint} at step {step} and stopping; "
+            "--resume auto continues exactly"
+        )
+    return stop
+
+
+def _end(
+    run: Run, progress: Progress, reporter: report.Reporter, preempted_at: int | None
+) -> TrainSummary:
+    run.sync.close()
+    _wait_for_saves(run)
+    if run.config.train.steps > progress.start and preempted_at is None:
+        progress.memory = report.memory(run, reporter, run.config.train.steps, final=True)
+    return _summary(run, progress, preempted_at)
 
 
 def _compiled(reporter: report.Reporter, step: int, first: float, second: float) -> None:

@@ -92,8 +92,15 @@ def train_step(
     if pipe is not None:
         loss = _pipeline_forward_backward(run, micro_batches)
         pipe.ties.sum_gradients()  # copies of one parameter on several stages
-    else:
-        loss = _forward_backward(run, micro_batches, step)
+    else:  # forward and backward, one micro-batch at a time
+        (model,) = run.parts
+        count, losses = len(micro_batches), []
+        for i, (inputs, target) in enumerate(micro_batches):
+            with run.sync.micro_batch(model, last=i == count - 1, step=step):
+                loss = _loss(run, model, inputs, target, count)
+                run.scaler.scale(loss).backward()
+            losses.append(loss.detach())
+        loss = losses[0] if count == 1 else torch.stack(losses).sum()
     if run.faults.faults:
         run.faults.corrupt_gradients(step, run.parameters())
     for optimizer in run.optimizers:
@@ -112,23 +119,17 @@ def train_step(
     return loss, grad_norm, applied
 
 
-def _forward_backward(run: Run, micro_batches: list[Any], step: int) -> torch.Tensor:
-    (model,) = run.parts
-    precision = run.config.train.precision
-    count = len(micro_batches)
-    losses = []
-    for i, (inputs, target) in enumerate(micro_batches):
-        inputs, target = to_device(inputs, run.device), to_device(target, run.device)
-        with run.sync.micro_batch(model, last=i == count - 1, step=step):
-            began = time.perf_counter()
-            with autocast(precision, run.device):
-                loss = run.loss_fn(model(inputs), target)
-                if count > 1:  # the mean over the rank's batch: each micro-batch's share
-                    loss = loss / count
-            run.forward_seconds += time.perf_counter() - began
-            run.scaler.scale(loss).backward()
-        losses.append(loss.detach())
-    return losses[0] if count == 1 else torch.stack(losses).sum()
+def _loss(run: Run, model: nn.Module, inputs: Any, target: Any, count: int) -> torch.Tensor:
+    """One micro-batch's forward and loss, its share of the rank's mean (timed: the pipeline
+    bubble and the straggler check count it)."""
+    inputs, target = to_device(inputs, run.device), to_device(target, run.device)
+    began = time.perf_counter()
+    with autocast(run.config.train.precision, run.device):
+        loss = run.loss_fn(model(inputs), target)
+        if count > 1:  # the mean over the rank's batch: each micro-batch's share
+            loss = loss / count
+    run.forward_seconds += time.perf_counter() - began
+    return loss
 
 
 def _pipeline_forward_backward(run: Run, micro_batches: list[Any]) -> torch.Tensor:
