@@ -20,7 +20,6 @@ from shardwise.redact import redacting_output
 
 if TYPE_CHECKING:
     from shardwise.launch.local import Nodes
-    from shardwise.trainer.loop import TrainSummary
 
 
 class Parser(argparse.ArgumentParser):
@@ -180,7 +179,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from shardwise.launch.local import Interrupted, WorkerFailed, train
+    from shardwise.launch.local import Interrupted, WorkerFailed, print_summary, train
 
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: need at least 1 process")
@@ -207,21 +206,6 @@ def _train(args: argparse.Namespace) -> int:
     if summary is not None:
         print_summary(summary)
     return 0
-
-
-def print_summary(summary: TrainSummary) -> None:
-    """What a finished (or preempted) training run prints: its metrics and checkpoint."""
-    metrics = "  ".join(
-        f"{k} {v:.4f}" for k, v in summary.metrics.items() if k.startswith(("loss", "eval/"))
-    )
-    if summary.preempted:
-        print(f"preempted (SIGTERM): stopped at step {summary.step}  {metrics}")
-        print(f"checkpoint: {summary.checkpoint} (--resume auto continues from it)")
-    else:
-        print(f"done: step {summary.step}  {metrics}")
-        print(f"checkpoint: {summary.checkpoint}")
-    if summary.mlflow_run_id:
-        print(f"mlflow run: {summary.mlflow_run_id}")
 
 
 def _many_models(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ import tomli_w
 
 from helpers import digits_job
 from shardwise.cli import main
+from shardwise.config import ConfigError
 from shardwise.launch.targets import filesystem_type, unshared
 
 
@@ -121,3 +122,38 @@ def test_ray_and_spark_dry_runs_say_what_would_run_and_start_nothing(
     out = capsys.readouterr().out
     assert code == 0 and all(line in out for line in lines), out
     assert not (tmp_path / "run").exists()
+
+
+def test_restarts_number_the_attempts_and_a_config_error_is_not_retried(capsys):
+    """Ray and Spark run their ranks again through one loop: attempts are numbered from 0, each
+    failure but the last says what runs again, and a ConfigError (a bad job) stops at once."""
+    from shardwise.launch.targets import run_with_restarts
+
+    seen: list[int] = []
+
+    def flaky(n: int) -> str:
+        seen.append(n)
+        if n < 2:
+            raise RuntimeError(f"rank 1 died in attempt {n}")
+        return "done"
+
+    again = lambda failure: f"{failure}; again"  # noqa: E731
+    assert run_with_restarts(2, flaky, again=again, fatal=lambda f: f) == "done"
+    assert seen == [0, 1, 2]
+    out = capsys.readouterr().out
+    assert "rank 1 died in attempt 0; again (1 of 2) from the newest good checkpoint" in out
+    assert "(2 of 2)" in out
+
+    seen.clear()
+    with pytest.raises(ValueError, match="gave up: rank 1 died in attempt 1"):
+        run_with_restarts(1, flaky, again=again, fatal=lambda f: ValueError(f"gave up: {f}"))
+    assert seen == [0, 1]
+
+    def bad_job(n: int) -> str:
+        seen.append(n)
+        raise ConfigError("parallel.tp = 3 does not divide the 2 ranks")
+
+    seen.clear()
+    with pytest.raises(ConfigError):
+        run_with_restarts(3, bad_job, again=again, fatal=lambda f: f)
+    assert seen == [0]

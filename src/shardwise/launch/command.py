@@ -222,7 +222,7 @@ def _k8s(args: argparse.Namespace, target: Target) -> int:
 
 def _ray(args: argparse.Namespace, target: Target) -> int:
     from shardwise.checkpoint.resume import resume_point
-    from shardwise.cli import print_summary
+    from shardwise.launch.local import print_summary
     from shardwise.launch.ray_actors import RayOptions, train_on_ray
 
     if args.cpus_per_rank <= 0:
@@ -241,7 +241,7 @@ def _ray(args: argparse.Namespace, target: Target) -> int:
 
 def _spark(args: argparse.Namespace, target: Target) -> int:
     from shardwise.checkpoint.resume import resume_point
-    from shardwise.cli import print_summary
+    from shardwise.launch.local import print_summary
     from shardwise.launch.spark_tasks import SparkOptions, train_on_spark
 
     # every attempt of the stage resumes from the newest good checkpoint, the first included,

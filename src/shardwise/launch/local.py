@@ -277,3 +277,18 @@ def _preempted_summary(config: JobConfig, *, since: float) -> TrainSummary | Non
         return None
     data = json.loads(path.read_text())
     return TrainSummary(**data) if data.get("preempted") else None
+
+
+def print_summary(summary: TrainSummary) -> None:
+    """What a finished (or preempted) training run prints: its metrics and checkpoint."""
+    metrics = "  ".join(
+        f"{k} {v:.4f}" for k, v in summary.metrics.items() if k.startswith(("loss", "eval/"))
+    )
+    if summary.preempted:
+        print(f"preempted (SIGTERM): stopped at step {summary.step}  {metrics}")
+        print(f"checkpoint: {summary.checkpoint} (--resume auto continues from it)")
+    else:
+        print(f"done: step {summary.step}  {metrics}")
+        print(f"checkpoint: {summary.checkpoint}")
+    if summary.mlflow_run_id:
+        print(f"mlflow run: {summary.mlflow_run_id}")

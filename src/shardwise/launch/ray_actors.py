@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from shardwise.config import ConfigError
-from shardwise.launch.targets import Target, absolute_paths, forwarded_env
+from shardwise.launch.targets import Target, absolute_paths, forwarded_env, run_with_restarts
 
 if TYPE_CHECKING:
     from shardwise.trainer.loop import TrainSummary
@@ -96,28 +96,26 @@ def train_on_ray(target: Target, options: RayOptions, resume: str | None) -> Tra
         group = _placement_group(ray, target, options)
         config_data = absolute_paths(target)
         forwarded = forwarded_env()
-        restarts = target.config.fault.max_restarts
-        for attempt in range(restarts + 1):
+
+        def attempt(n: int) -> TrainSummary | None:
             actors = _start_actors(ray, target, options, group)
             try:
-                envs = _environments(ray, actors, target, attempt)
+                envs = _environments(ray, actors, target, n)
                 calls = [
                     actor.run.remote({**forwarded, **env}, config_data, resume)
                     for actor, env in zip(actors, envs, strict=True)
                 ]
                 return _wait_all(ray, calls)
-            except Exception as failure:
-                if isinstance(failure, ConfigError) or attempt == restarts:
-                    raise _failed(failure) from None
-                print(
-                    f"shardwise: {failure}; restarting the group ({attempt + 1} of {restarts}) "
-                    "from the newest good checkpoint",
-                    flush=True,
-                )
             finally:
                 for actor in actors:
                     ray.kill(actor)
-        raise AssertionError("unreachable")
+
+        return run_with_restarts(
+            target.config.fault.max_restarts,
+            attempt,
+            again=lambda failure: f"{failure}; restarting the group",
+            fatal=_failed,
+        )
     finally:
         if options.address is None:
             ray.shutdown()

@@ -15,14 +15,12 @@ storage every executor sees.
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardwise.config import ConfigError
-from shardwise.launch.targets import Target, absolute_paths, forwarded_env
+from shardwise.launch.targets import Target, absolute_paths, forwarded_env, run_with_restarts
 
 if TYPE_CHECKING:
     from shardwise.trainer.loop import TrainSummary
@@ -35,20 +33,17 @@ class SparkOptions:
     machine (executors in their own processes, as on a cluster)."""
 
 
-def spark_rank(config_data: dict[str, Any], resume: str, forwarded: dict[str, str]) -> Any:
+def spark_rank(
+    config_data: dict[str, Any], resume: str, forwarded: dict[str, str], attempt: int
+) -> Any:
     """What each rank runs inside the task's torchrun (picklable by reference). Each attempt of
-    the stage starts a fresh torchrun, whose restart count is 0: the rank counts its attempts
-    itself, in the run directory, so a retried stage is a restart as under the elastic agent
-    (the ranks agree on it, and injected faults fire on the first attempt only)."""
+    the stage starts a fresh torchrun, whose restart count is 0: the driver's attempt number
+    takes its place, so a stage run again is a restart as under the elastic agent (the ranks
+    agree on it, and injected faults fire on the first attempt only)."""
     os.environ.update(forwarded)
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
     from shardwise.launch.worker import run_worker
 
-    marks = Path(config_data["job"]["run_dir"]) / "launch" / "spark-attempts"
-    marks.mkdir(parents=True, exist_ok=True)
-    rank = os.environ.get("RANK", "0")
-    attempt = len(list(marks.glob(f"rank{rank}-*")))
-    (marks / f"rank{rank}-{attempt}").touch()
-    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
     return run_worker(config_data, resume, decided=False)
 
 
@@ -91,35 +86,36 @@ def train_on_spark(target: Target, options: SparkOptions, resume: str) -> TrainS
             )
         forwarded = forwarded_env()
         config_data = absolute_paths(target)
-        shutil.rmtree(  # this run's attempts start at 0 (`spark_rank`)
-            Path(config_data["job"]["run_dir"]) / "launch" / "spark-attempts", ignore_errors=True
-        )
-        restarts = target.config.fault.max_restarts
-        for attempt in range(restarts + 1):
+
+        def attempt(n: int) -> TrainSummary | None:
             distributor = TorchDistributor(
                 num_processes=target.world_size,
                 local_mode=False,
                 use_gpu=bool(target.gpus_per_node),
             )
-            try:
-                summary: TrainSummary | None = distributor.run(
-                    spark_rank, config_data, resume, forwarded
-                )
-                return summary
-            except Exception as failure:  # py4j's, pyspark's or TorchDistributor's own
-                reason = _reason(failure)
-                if attempt == restarts:
-                    from shardwise.launch.local import WorkerFailed
+            summary: TrainSummary | None = distributor.run(
+                spark_rank, config_data, resume, forwarded, n
+            )
+            return summary
 
-                    raise WorkerFailed(0, 1, f"the Spark stage failed: {reason}", "") from None
-                print(
-                    f"shardwise: the Spark stage failed ({reason}); running it again "
-                    f"({attempt + 1} of {restarts}) from the newest good checkpoint",
-                    flush=True,
-                )
-        raise AssertionError("unreachable")
+        return run_with_restarts(
+            target.config.fault.max_restarts,
+            attempt,
+            again=lambda failure: f"the Spark stage failed ({_reason(failure)}); running it again",
+            fatal=_stage_failed,
+        )
     finally:
         spark.stop()
+
+
+def _stage_failed(failure: Exception) -> Exception:
+    """What the command reports once no attempt is left (py4j's, pyspark's or TorchDistributor's
+    own error): one line naming the failure."""
+    if isinstance(failure, ConfigError):
+        return failure
+    from shardwise.launch.local import WorkerFailed
+
+    return WorkerFailed(0, 1, f"the Spark stage failed: {_reason(failure)}", "")
 
 
 def _reason(failure: BaseException) -> str:

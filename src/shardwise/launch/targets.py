@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from shardwise.checkpoint.layout import is_local
 from shardwise.config import ConfigError, JobConfig
@@ -22,6 +22,8 @@ NETWORK_FILESYSTEMS = frozenset(
     }
 )  # fmt: skip
 """Filesystem types (as /proc/mounts names them) that other machines can mount too."""
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -133,3 +135,28 @@ def forwarded_env() -> dict[str, str]:
     """The SHARDWISE_* variables of this process, which the ranks a launcher starts on a
     cluster's workers (not children of this process) are given."""
     return {k: v for k, v in os.environ.items() if k.startswith("SHARDWISE_")}
+
+
+def run_with_restarts(
+    restarts: int,
+    attempt: Callable[[int], T],
+    *,
+    again: Callable[[Exception], str],
+    fatal: Callable[[Exception], Exception],
+) -> T:
+    """`attempt(0)`, and after a failure `attempt(1)`, … up to `restarts` more times: a launcher
+    that starts its ranks again (Ray's actor group, Spark's stage) numbers the attempt, and the
+    ranks resume from the newest good checkpoint. `again(failure)` says what failed and what runs
+    again; a ConfigError, or the last failure, is raised as `fatal(failure)`."""
+    for n in range(restarts + 1):
+        try:
+            return attempt(n)
+        except Exception as failure:
+            if isinstance(failure, ConfigError) or n == restarts:
+                raise fatal(failure) from None
+            print(
+                f"shardwise: {again(failure)} ({n + 1} of {restarts}) from the newest good "
+                "checkpoint",
+                flush=True,
+            )
+    raise AssertionError("unreachable")
