@@ -95,7 +95,9 @@ def test_the_loop_calls_train_step_and_train_step_calls_backward(tmp_path, one_r
 
     handle = torch.nn.modules.module.register_module_full_backward_pre_hook(record)
     try:
-        loop.train(digits_job(tmp_path, train={"steps": 2}), device=torch.device("cpu"), resume=None)
+        loop.train(
+            digits_job(tmp_path, train={"steps": 2}), device=torch.device("cpu"), resume=None
+        )
     finally:
         handle.remove()
     training = [path for path in seen if "loop.build_run" not in path]  # not the FLOP count's
