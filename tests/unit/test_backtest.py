@@ -8,7 +8,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from shardwise.config import validate_as
+from shardwise.config import ConfigError, validate_as
 from shardwise.manymodel.backtest import _metrics, run_chunk
 from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.manymodel.data import SeriesTable, load_series
@@ -94,3 +94,10 @@ def test_memory_cap_stops_one_series_not_the_chunk(tmp_path):
     assert failures["error"].str.starts_with("MemoryError").all()
     assert failures.height == 1 and result.failed_series == 1
     assert result.tables()["choices"].height == 2
+
+
+def test_a_user_model_named_with_a_dot_is_told_the_colon_form(tmp_path):
+    """`module.Class` (issue 19) is not a module: the error suggests `module:Class`."""
+    config, table = tiny_job(tmp_path, ["misbehaving_models.FailsOnShopB"])
+    with pytest.raises(ConfigError, match="did you mean 'misbehaving_models:FailsOnShopB'"):
+        run_in_process(config, table)
