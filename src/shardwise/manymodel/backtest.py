@@ -43,7 +43,8 @@ class Plan:
     """(label, name or import path, arguments) per model."""
     level_columns: tuple[str, ...]
     spread_columns: tuple[str, ...]
-    scale: str
+    scales: dict[str, str]
+    """The target's scaling per model label: none, mean or standard."""
     horizon: int
     n_windows: int
     step: int
@@ -158,8 +159,9 @@ def _fit_predict(
     model: Model, label: str, train: pl.DataFrame, rows: pl.DataFrame, plan: Plan
 ) -> np.ndarray:
     """Fit on `train` and predict `rows`, in the target's own units (scaling undone)."""
-    loc, scale = _scaling(train[TARGET].to_numpy().astype(np.float64), plan.scale)
-    if plan.scale != "none":
+    how = plan.scales[label]
+    loc, scale = _scaling(train[TARGET].to_numpy().astype(np.float64), how)
+    if how != "none":
         train, rows = _scaled(train, plan, loc, scale), _scaled(rows, plan, loc, scale)
     predicted = as_values(model.predict(model.fit(train), rows), rows.height, label)
     return predicted * scale + loc

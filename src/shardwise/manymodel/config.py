@@ -18,7 +18,9 @@ from pydantic import Field, field_validator, model_validator
 from shardwise.config import ConfigError, RunName, Section, load_job_file
 
 BUILTIN_SOURCES = ("us_employment", "retail_synthetic")
-BUILTIN_MODELS = ("seasonal_naive", "ridge", "lightgbm", "mlp")
+STATISTICAL_MODELS = ("auto_ets", "auto_arima", "auto_theta", "mstl", "croston", "tsb", "adida")
+"""statsforecast's models (manymodel/statistical.py): they read the target only, unscaled."""
+BUILTIN_MODELS = ("seasonal_naive", "ridge", "lightgbm", "mlp", *STATISTICAL_MODELS)
 MAX_SYNTHETIC_ROWS = 100_000_000
 """`retail_synthetic` builds its table at once: this many rows take several GiB."""
 Stat = Literal["mean", "std", "min", "max"]
@@ -102,10 +104,15 @@ class FeaturesSection(Section):
 
 class ModelsSection(Section):
     names: list[str] = Field(default_factory=lambda: ["seasonal_naive", "ridge"])
-    """Built-in models (`seasonal_naive`, `ridge`, `lightgbm`, `mlp`) and user models as an
-    importable module or `module:object` with `fit(frame)` and `predict(fitted, frame)`."""
+    """Built-in models (`seasonal_naive`, `ridge`, `lightgbm`, `mlp`; statsforecast's
+    `auto_ets`, `auto_arima`, `auto_theta`, `mstl`, and for intermittent demand `croston`, `tsb`,
+    `adida`) and user models as an importable module or `module:object` with `fit(frame)` and
+    `predict(fitted, frame)`."""
     args: dict[str, dict[str, object]] = Field(default_factory=dict)
     """Keyword arguments per model name, e.g. args.lightgbm = {n_estimators = 50}."""
+    scale: dict[str, Literal["none", "mean", "standard"]] = Field(default_factory=dict)
+    """Target scaling per model name, e.g. scale.ridge = "mean"; a model not named here gets
+    `features.scale`, except the statistical models, which get "none" (they model the level)."""
 
 
 class BacktestSection(Section):
@@ -199,11 +206,16 @@ def check(config: ManyModelsConfig) -> None:
     if len(set(names)) != len(names):
         raise ConfigError(f"models.names lists a model twice: {names}")
     known = {*BUILTIN_MODELS, *(model_label(n) for n in names)}
-    unknown = sorted(set(config.models.args) - known)
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else f"; models: {', '.join(sorted(known))}"
-        raise ConfigError(f"models.args.{unknown[0]} names no model{hint}")
+    for key in ("args", "scale"):
+        unknown = sorted(set(getattr(config.models, key)) - known)
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+            hint = (
+                f"; did you mean '{close[0]}'?"
+                if close
+                else f"; models: {', '.join(sorted(known))}"
+            )
+            raise ConfigError(f"models.{key}.{unknown[0]} names no model{hint}")
 
 
 def _check_synthetic(config: ManyModelsConfig) -> None:
@@ -221,6 +233,13 @@ def _check_synthetic(config: ManyModelsConfig) -> None:
             f"rows is more than the generator makes ({MAX_SYNTHETIC_ROWS:,}); lower "
             "data.num_series or data.periods"
         )
+
+
+def model_scale(config: ManyModelsConfig, name: str) -> str:
+    """How the target is scaled for model `name` (see ModelsSection.scale)."""
+    label = model_label(name)
+    default = "none" if name in STATISTICAL_MODELS else config.features.scale
+    return config.models.scale.get(label, default)
 
 
 def model_label(name: str) -> str:

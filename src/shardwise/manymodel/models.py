@@ -19,6 +19,7 @@ import polars as pl
 from shardwise.config import ConfigError
 from shardwise.imports import import_object
 from shardwise.manymodel.config import BUILTIN_MODELS
+from shardwise.manymodel.statistical import STATISTICAL
 
 
 class Model(Protocol):
@@ -36,6 +37,8 @@ class ModelContext:
     """Features that are codes, not quantities (calendar parts): one-hot for linear models."""
     season_length: int
     seed: int
+    freq: str = ""
+    """The data's spacing (`1mo`, `1d`, …): MSTL's default seasonalities follow it."""
 
 
 def build(name: str, args: dict[str, Any], context: ModelContext) -> Model:
@@ -213,6 +216,7 @@ _BUILTINS: dict[str, Any] = {
     "ridge": Ridge,
     "lightgbm": LightGBM,
     "mlp": MLP,
+    **STATISTICAL,
 }
 
 

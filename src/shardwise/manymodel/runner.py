@@ -32,7 +32,7 @@ from rich.table import Table
 
 from shardwise.config import ConfigError, flatten, shown
 from shardwise.manymodel.backtest import TARGET, ChunkResult, Plan, run_chunk
-from shardwise.manymodel.config import BUILTIN_MODELS, ManyModelsConfig, model_label
+from shardwise.manymodel.config import BUILTIN_MODELS, ManyModelsConfig, model_label, model_scale
 from shardwise.manymodel.data import FUTURE, SERIES, SeriesTable, load_series
 from shardwise.manymodel.features import FeatureSpec, compute
 from shardwise.manymodel.models import ModelContext
@@ -156,6 +156,7 @@ def make_plan(config: ManyModelsConfig, table: SeriesTable, spec: FeatureSpec) -
         categorical=tuple(name for name, _ in spec.calendar_columns),
         season_length=table.season_length,
         seed=config.job.seed,
+        freq=table.freq,
     )
     models = tuple(
         (model_label(name), name, dict(config.models.args.get(model_label(name), {})))
@@ -172,7 +173,7 @@ def make_plan(config: ManyModelsConfig, table: SeriesTable, spec: FeatureSpec) -
         models=models,
         level_columns=tuple(level),
         spread_columns=tuple(spread),
-        scale=config.features.scale,
+        scales={model_label(name): model_scale(config, name) for name in config.models.names},
         horizon=config.backtest.horizon,
         n_windows=config.backtest.n_windows,
         step=config.backtest_step,

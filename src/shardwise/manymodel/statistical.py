@@ -1,0 +1,132 @@
+"""Statistical forecasting models, from the library made for them (statsforecast): exponential
+smoothing, ARIMA and Theta chosen by information criterion, MSTL for several seasonalities, and
+Croston, TSB and ADIDA for intermittent demand (series with many zeros).
+
+Each is a per-series model like the others (models.py): `fit` sees one series' training rows and
+`predict` forecasts the rows after them. They read only the target, in its own units: their
+default `scale` is "none" (a standardised target would hide the level that multiplicative ETS
+forms need). The season length comes from the data's frequency (`data.season_length` overrides).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import polars as pl
+
+from shardwise.config import ConfigError
+
+if TYPE_CHECKING:
+    from shardwise.manymodel.models import ModelContext
+
+_SEASONALITIES = {"1h": (24, 168), "1d": (7, 365), "1w": (52,), "7d": (52,)}
+"""Seasonal periods MSTL fits by default, by data frequency (else the one season length)."""
+
+
+def _history(frame: pl.DataFrame, target: str) -> np.ndarray:
+    """The series' target without its leading gap, inner gaps filled linearly (statsforecast's
+    models take no missing values)."""
+    y = frame[target].cast(pl.Float64).fill_nan(None)
+    y = y.slice(y.is_not_null().arg_true()[0]) if y.null_count() < y.len() else y.clear()
+    values = y.interpolate().fill_null(strategy="forward").to_numpy()
+    if values.size == 0:
+        raise ValueError("the series has no observed values to fit")
+    return np.asarray(values, dtype=np.float64)
+
+
+class Statistical:
+    """A statsforecast model fitted per series. `make(season_length, n, **args)` builds an
+    unfitted model for a series of `n` observations."""
+
+    def __init__(
+        self, context: ModelContext, make: Callable[..., Any], name: str, **args: Any
+    ) -> None:
+        self.context, self.make, self.args = context, make, args
+        try:
+            make(context.season_length, 10 * max(context.season_length, 1) + 10, **args)
+        except TypeError as e:  # a misspelt argument: say which
+            raise ConfigError(f"models.args.{name}: {e}") from None
+
+    def fit(self, frame: pl.DataFrame) -> Any:
+        y = _history(frame, self.context.target)
+        return self.make(self.context.season_length, y.size, **self.args).fit(y)
+
+    def predict(self, fitted: Any, frame: pl.DataFrame) -> np.ndarray:
+        return np.asarray(fitted.predict(h=frame.height)["mean"], dtype=np.float64)
+
+
+def _seasonal(season: int, n: int) -> int:
+    """The season length a model can estimate from `n` observations (two whole seasons), else 1."""
+    return season if season > 1 and n >= 2 * season else 1
+
+
+def _auto_ets(season: int, n: int, **args: Any) -> Any:
+    from statsforecast.models import AutoETS
+
+    return AutoETS(season_length=_seasonal(season, n), **args)
+
+
+def _auto_arima(season: int, n: int, **args: Any) -> Any:
+    from statsforecast.models import AutoARIMA
+
+    return AutoARIMA(season_length=_seasonal(season, n), **args)
+
+
+def _auto_theta(season: int, n: int, **args: Any) -> Any:
+    from statsforecast.models import AutoTheta
+
+    return AutoTheta(season_length=_seasonal(season, n), **args)
+
+
+def _mstl(season: int, n: int, seasonalities: tuple[int, ...] = (), **args: Any) -> Any:
+    from statsforecast.models import MSTL, AutoETS
+
+    periods = [s for s in seasonalities if s > 1 and n >= 2 * s]
+    if not periods:  # nothing seasonal to remove: the trend model alone
+        return AutoETS(season_length=1, model="ZZN")
+    return MSTL(season_length=periods, trend_forecaster=AutoETS(model="ZZN"), **args)
+
+
+def _croston(season: int, n: int, **args: Any) -> Any:
+    from statsforecast.models import CrostonOptimized
+
+    return CrostonOptimized(**args)
+
+
+def _tsb(season: int, n: int, alpha_d: float = 0.1, alpha_p: float = 0.1, **args: Any) -> Any:
+    from statsforecast.models import TSB
+
+    return TSB(alpha_d=alpha_d, alpha_p=alpha_p, **args)
+
+
+def _adida(season: int, n: int, **args: Any) -> Any:
+    from statsforecast.models import ADIDA
+
+    return ADIDA(**args)
+
+
+def _factory(make: Callable[..., Any], name: str) -> Callable[..., Statistical]:
+    def build(context: ModelContext, **args: Any) -> Statistical:
+        if name == "mstl":  # models.args.mstl = {seasonalities = [24, 168]} overrides
+            default = _SEASONALITIES.get(context.freq, (context.season_length,))
+            args = {**args, "seasonalities": tuple(args.get("seasonalities", default))}
+        return Statistical(context, make, name, **args)
+
+    return build
+
+
+STATISTICAL: dict[str, Callable[..., Statistical]] = {
+    name: _factory(make, name)
+    for name, make in {
+        "auto_ets": _auto_ets,
+        "auto_arima": _auto_arima,
+        "auto_theta": _auto_theta,
+        "mstl": _mstl,
+        "croston": _croston,
+        "tsb": _tsb,
+        "adida": _adida,
+    }.items()
+}
+"""The built-in statistical models by name."""

@@ -1,0 +1,116 @@
+"""statsforecast's models built into many-models (issue 19): the same forecasts as statsforecast
+run by hand on the same history, the target unscaled, intermittent-demand models on zeros."""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+import pytest
+from statsforecast.models import ADIDA, TSB, AutoETS, AutoTheta, CrostonOptimized
+
+from shardwise.config import ConfigError, validate_as
+from shardwise.manymodel.backtest import run_chunk
+from shardwise.manymodel.config import ManyModelsConfig, check
+from shardwise.manymodel.data import load_series
+from shardwise.manymodel.features import FeatureSpec, polars_features
+from shardwise.manymodel.runner import make_plan
+
+MONTHS = 72
+
+
+def _job(tmp_path, series: dict[str, np.ndarray], names: list[str], **extra):
+    rows = [
+        (name, f"{2015 + k // 12}-{k % 12 + 1:02d}-01", float(v))
+        for name, y in series.items()
+        for k, v in enumerate(y)
+    ]
+    path = tmp_path / "m.csv"
+    pl.DataFrame(rows, orient="row", schema=["item", "month", "units"]).write_csv(path)
+    raw = {
+        "data": {"source": str(path), "id_columns": ["item"], "timestamp": "month"},
+        "models": {"names": names},
+        "backtest": {"horizon": 6, "n_windows": 2},
+        **extra,
+    }
+    raw["data"]["target"] = "units"
+    config = validate_as(ManyModelsConfig, raw)
+    check(config)
+    table = load_series(config)
+    spec = FeatureSpec.from_config(config, table.season_length)
+    result = run_chunk(
+        polars_features(table.frame, spec, table.columns), make_plan(config, table, spec)
+    )
+    return config, result.tables()
+
+
+def _multiplicative() -> np.ndarray:
+    """Trend times a season whose swing grows with the level: multiplicative ETS's shape."""
+    t = np.arange(MONTHS)
+    noise = np.random.default_rng(0).normal(1.0, 0.02, MONTHS)
+    return (50 + 2.0 * t) * (1 + 0.4 * np.sin(2 * np.pi * t / 12)) * noise
+
+
+def _intermittent() -> np.ndarray:
+    rng = np.random.default_rng(1)
+    return np.where(rng.random(MONTHS) < 0.3, rng.integers(1, 9, MONTHS), 0).astype(float)
+
+
+def _by_hand(model, y: np.ndarray, h: int) -> np.ndarray:
+    return np.asarray(model.fit(y).predict(h=h)["mean"])
+
+
+def test_statistical_models_forecast_as_statsforecast_does_on_the_raw_target(tmp_path):
+    """Under the default `features.scale = "standard"`, auto_ets and auto_theta still see the
+    target in its own units: the backtest's forecasts equal statsforecast's on the same
+    history (a standardised target has negative values and would rule out multiplicative ETS)."""
+    y = _multiplicative()
+    _, tables = _job(tmp_path, {"a": y}, ["auto_ets", "auto_theta"])
+    assert tables["failures"].height == 0
+    final = tables["forecasts"]
+    for label, model in (("auto_ets", AutoETS(season_length=12)), ("auto_theta", AutoTheta(12))):
+        if label in final["model"].to_list():  # the chosen one is refitted on every row
+            expected = _by_hand(model, y, 6)
+            got = final.filter(pl.col("model") == label).sort("step")["forecast"].to_numpy()
+            np.testing.assert_allclose(got, expected, rtol=1e-9)
+    ets = AutoETS(season_length=12).fit(y[: MONTHS - 6])
+    assert ets.model_["method"].endswith("M)") or ",M" in ets.model_["method"]
+    metrics = tables["metrics"].filter((pl.col("model") == "auto_ets") & (pl.col("window") == 1))
+    expected = _by_hand(AutoETS(season_length=12), y[: MONTHS - 6], 6)
+    mae = float(np.mean(np.abs(y[MONTHS - 6 :] - expected)))
+    assert metrics["mae"][0] == pytest.approx(mae, rel=1e-9)
+
+
+def test_intermittent_demand_models_on_a_series_of_zeros(tmp_path):
+    y = _intermittent()
+    models = ["croston", "tsb", "adida", "mstl", "auto_arima"]
+    _, tables = _job(tmp_path, {"a": y, "b": _multiplicative()}, models)
+    assert tables["failures"].height == 0
+    window = tables["metrics"].filter((pl.col("window") == 1) & (pl.col("model") != "mstl"))
+    history = y[: MONTHS - 6]
+    for label, model in (
+        ("croston", CrostonOptimized()),
+        ("tsb", TSB(alpha_d=0.1, alpha_p=0.1)),
+        ("adida", ADIDA()),
+    ):
+        expected = _by_hand(model, history, 6)
+        mae = float(np.mean(np.abs(y[MONTHS - 6 :] - expected)))
+        row = window.filter(pl.col("model") == label).sort("_series")  # item a first
+        assert row["mae"][0] == pytest.approx(mae, rel=1e-9), label
+
+
+def test_a_scale_per_model_and_misspelt_arguments(tmp_path):
+    """`models.scale.<model>` overrides the default: a standardised target changes auto_ets's
+    forecasts (no multiplicative form is possible on it)."""
+    y = _multiplicative()
+    expected = _by_hand(AutoETS(season_length=12), y[: MONTHS - 6], 6)
+    mae = float(np.mean(np.abs(y[MONTHS - 6 :] - expected)))
+    scaled = {"names": ["auto_ets"], "scale": {"auto_ets": "standard"}}
+    _, tables = _job(tmp_path, {"a": y}, ["auto_ets"], models=scaled)
+    window = tables["metrics"].filter(pl.col("window") == 1)
+    assert window["mae"][0] != pytest.approx(mae, rel=1e-6)
+    misspelt = {"names": ["auto_ets"], "args": {"auto_ets": {"dampd": True}}}
+    with pytest.raises(ConfigError, match=r"models\.args\.auto_ets: .*'dampd'"):
+        _job(tmp_path, {"a": y}, ["auto_ets"], models=misspelt)
+    unknown = {"names": ["auto_ets"], "scale": {"auto_et": "none"}}
+    with pytest.raises(ConfigError, match=r"models\.scale\.auto_et names no model; did you mean"):
+        _job(tmp_path, {"a": y}, ["auto_ets"], models=unknown)
