@@ -44,9 +44,14 @@ def test_real_subset_best_beats_seasonal_naive_and_is_tracked(ray_cluster, tmp_p
     best = pl.read_parquet(run_dir / "best_models.parquet")
     forecasts = pl.read_parquet(run_dir / "forecasts.parquet")
     assert summary.series == 12 and summary.completed == 12 and summary.failed == 0
-    assert metrics.height == 12 * 3 * 2
+    # series × models × windows, and each series' held-out choice (model "selected")
+    assert metrics.height == 12 * 3 * 2 + 12
     assert forecasts.height == 12 * 12 and forecasts["forecast"].is_finite().all()
+    by_model = pl.read_parquet(run_dir / "forecasts_by_model.parquet")
+    assert set(by_model["model"]) == set(metrics["model"]) - {"selected"}
+    assert by_model.height == 12 * 12 * by_model["model"].n_unique()
     naive = metrics.filter(pl.col("model") == "seasonal_naive")["mase"].mean()
+    metrics = metrics.filter(pl.col("model") != "selected")
     chosen = metrics.join(best.select("series_id", "model"), on=["series_id", "model"])
     assert chosen["mase"].mean() < naive
     assert summary.overall["best_mean_mase"] == pytest.approx(chosen["mase"].mean())
@@ -58,6 +63,8 @@ def test_real_subset_best_beats_seasonal_naive_and_is_tracked(ray_cluster, tmp_p
     assert record.data.params["backtest.horizon"] == "12"
     assert record.data.metrics["best_mean_mase"] == pytest.approx(summary.overall["best_mean_mase"])
     assert "seasonal_naive/win_share" in record.data.metrics
+    held_out = summary.selection.held_out["per_series"]["mase"]
+    assert record.data.metrics["held_out/per_series_mase"] == pytest.approx(held_out)
     artifacts = {a.path for a in client.list_artifacts(summary.mlflow_run_id)}
     assert {"forecasts.parquet", "best_models.parquet", "backtest_metrics.parquet"} <= artifacts
 

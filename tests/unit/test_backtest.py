@@ -11,9 +11,10 @@ import pytest
 from shardwise.config import ConfigError, validate_as
 from shardwise.manymodel.backtest import _metrics, run_chunk
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.data import SeriesTable, load_series
+from shardwise.manymodel.data import SERIES, SeriesTable, load_series
 from shardwise.manymodel.features import FeatureSpec, polars_features
 from shardwise.manymodel.runner import make_plan
+from shardwise.manymodel.selection import select
 
 
 def test_metrics_by_hand():
@@ -27,7 +28,7 @@ def test_metrics_by_hand():
     assert got["mase"] == pytest.approx((7 / 3) / 2.0)
 
 
-def tiny_job(tmp_path, models, **extra) -> tuple[ManyModelsConfig, SeriesTable]:
+def tiny_job(tmp_path, names, **extra) -> tuple[ManyModelsConfig, SeriesTable]:
     t = np.arange(60)
     rows = []
     for shop, phase in (("a", 0.0), ("b", 1.0), ("c", 2.0)):
@@ -45,7 +46,7 @@ def tiny_job(tmp_path, models, **extra) -> tuple[ManyModelsConfig, SeriesTable]:
             "timestamp": "month",
             "target": "units",
         },
-        "models": {"names": models},
+        "models": {"names": names},
         "backtest": {"horizon": 6, "n_windows": 2},
         **extra,
     }
@@ -64,10 +65,12 @@ def test_ridge_beats_seasonal_naive_on_trend_plus_season(tmp_path):
     result = run_in_process(config, table)
     tables = result.tables()
     assert result.series == 3 and result.failed_series == 0
-    assert tables["metrics"].height == 3 * 2 * 2  # series × models × windows
+    # series × models × windows, and each series' held-out choice on the last window
+    assert tables["metrics"].height == 3 * 2 * 2 + 3
     assert set(tables["choices"]["model"]) == {"ridge"}
-    assert tables["forecasts"].height == 3 * 6
-    mase = tables["metrics"].group_by("model").agg(pl.col("mase").mean()).sort("model")
+    assert tables["forecasts"].height == 3 * 6 * 2  # every model's
+    models = tables["metrics"].filter(pl.col("model") != "selected")
+    mase = models.group_by("model").agg(pl.col("mase").mean()).sort("model")
     naive, ridge = mase["mase"].to_list()[::-1]
     assert ridge < naive
 
@@ -101,3 +104,36 @@ def test_a_user_model_named_with_a_dot_is_told_the_colon_form(tmp_path):
     config, table = tiny_job(tmp_path, ["misbehaving_models.FailsOnShopB"])
     with pytest.raises(ConfigError, match="did you mean 'misbehaving_models:FailsOnShopB'"):
         run_in_process(config, table)
+
+
+def test_the_held_out_choice_is_scored_on_a_window_it_was_not_chosen_on(tmp_path):
+    """Issue 19's honest selection: a model perfect on windows 0–1 and 50 off on window 2 is
+    each series' choice on 0–1, so the `selected` score on window 2 is its bad one (not the
+    window's best, which the optimistic in-sample selection would come closer to); the ensemble
+    of the two is their mean."""
+    config, table = tiny_job(
+        tmp_path,
+        ["seasonal_naive", "misbehaving_models:RightUntilJuly2019"],
+        backtest={"horizon": 6, "n_windows": 3, "ensemble_top_k": 2},
+        models={
+            "names": ["seasonal_naive", "misbehaving_models:RightUntilJuly2019"],
+            "scale": {"RightUntilJuly2019": "none"},
+        },
+    )
+    tables = run_in_process(config, table).tables()
+    last = tables["metrics"].filter(pl.col("window") == 2)
+    mae = {m: last.filter(pl.col("model") == m).sort(SERIES)["mae"] for m in last["model"]}
+    assert mae["selected"].to_list() == mae["RightUntilJuly2019"].to_list()
+    assert all(v == pytest.approx(50.0) for v in mae["selected"])
+    assert (mae["seasonal_naive"] < mae["selected"]).all()
+    earlier = tables["metrics"].filter((pl.col("window") < 2) & (pl.col("model") != "selected"))
+    assert set(earlier["model"]) == {"seasonal_naive", "RightUntilJuly2019"}  # none scored there
+    final = tables["forecasts"].pivot("model", index=[SERIES, "step"], values="forecast")
+    both = (final["seasonal_naive"] + final["RightUntilJuly2019"]) / 2
+    assert (final["ensemble"] - both).abs().max() < 1e-9
+
+    selection = select(tables["metrics"], n_windows=3, metric="mase", requested="auto")
+    assert selection.fallback == "RightUntilJuly2019"
+    assert selection.held_out["per_series"] == selection.held_out["best_model"]
+    assert selection.strategy == "ensemble"  # 25 off beats 50 off
+    assert selection.held_out["ensemble"]["mase"] < selection.held_out["per_series"]["mase"]

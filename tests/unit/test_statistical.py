@@ -114,3 +114,9 @@ def test_a_scale_per_model_and_misspelt_arguments(tmp_path):
     unknown = {"names": ["auto_ets"], "scale": {"auto_et": "none"}}
     with pytest.raises(ConfigError, match=r"models\.scale\.auto_et names no model; did you mean"):
         _job(tmp_path, {"a": y}, ["auto_ets"], models=unknown)
+
+
+def test_a_user_model_that_would_share_a_built_in_name_is_refused():
+    config = validate_as(ManyModelsConfig, {"models": {"names": ["croston", "examples.croston"]}})
+    with pytest.raises(ConfigError, match="croston and examples.croston would both be called"):
+        check(config)

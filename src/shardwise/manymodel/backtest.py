@@ -4,10 +4,15 @@ of series (the unit of work a Ray task runs).
 For each of `n_windows` forecast origins, `step` rows apart and ending `horizon` rows before the
 last observation, every model is fitted on the rows before the origin and forecasts the next
 `horizon` rows. Metrics per series × model × window: MAE, RMSE, sMAPE (0–200, as the M4
-competition reports it) and MASE (MAE over the in-sample MAE of the seasonal naive forecast). The
-model with the best mean `metric` is refitted on every observation and forecasts the `horizon`
-future rows. A model that raises is recorded and left out for that series; the series fails only
-when no model succeeds.
+competition reports it) and MASE (MAE over the in-sample MAE of the seasonal naive forecast).
+
+Selection is scored honestly: on the last window, the model chosen on the windows before it
+(`selected`) and the mean of the `ensemble_top_k` best there (`ensemble`) are scored as if they
+were models, so their scores are not the scores they were chosen by (the runner compares them,
+and the best single model, and picks what the forecasts use). Every model is then refitted on
+every observation and forecasts the `horizon` future rows; the per-series choice is the model with
+the best mean `metric` over all windows. A model that raises is recorded and left out for that
+series; the series fails only when no model succeeds.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ from shardwise.manymodel.data import FUTURE, SERIES, Columns
 from shardwise.manymodel.models import Model, ModelContext, as_values, build
 
 METRICS = ("mae", "rmse", "smape", "mase")
+SELECTED, ENSEMBLE = "selected", "ensemble"
+"""Labels of the backtest's held-out choices in the metrics table, and of the ensemble's
+forecasts: no model may be named so."""
 TARGET = "y"
 """The target's column name in the frames models see, whatever it is called in the data."""
 
@@ -50,6 +58,7 @@ class Plan:
     step: int
     metric: str
     memory_mb: int = 0
+    ensemble_top_k: int = 0
 
 
 @dataclass
@@ -80,7 +89,12 @@ _METRICS_SCHEMA = {
     "origin": pl.Int64,
     **dict.fromkeys(METRICS, pl.Float64),
 }
-_CHOICE_SCHEMA = {SERIES: pl.Int64, "model": pl.String, "score": pl.Float64}
+_CHOICE_SCHEMA: dict[str, pl.DataType] = {
+    SERIES: pl.Int64(),
+    "model": pl.String(),
+    "score": pl.Float64(),
+    "top": pl.List(pl.String),
+}
 _FORECAST_SCHEMA = {SERIES: pl.Int64, "step": pl.Int64, "model": pl.String, "forecast": pl.Float64}
 _FAILURE_SCHEMA = {SERIES: pl.Int64, "model": pl.String, "stage": pl.String, "error": pl.String}
 
@@ -106,13 +120,15 @@ def run_chunk(rows: Any, plan: Plan) -> ChunkResult:
 def forecast_series(
     frame: pl.DataFrame, plan: Plan, models: dict[str, Model], out: ChunkResult
 ) -> None:
-    """One series: backtest every model, choose, refit, forecast; results appended to `out`."""
+    """One series: backtest every model, score the held-out choices, refit every model on all
+    rows and forecast; results appended to `out`."""
     series = int(frame[SERIES][0])
     observed = frame.filter(~pl.col(FUTURE))
     future = frame.filter(pl.col(FUTURE))
     y = TARGET
     n, h = observed.height, plan.horizon
     scores: dict[str, list[float]] = {label: [] for label in models}
+    predictions: dict[str, list[np.ndarray]] = {label: [] for label in models}
     for window in range(plan.n_windows):
         origin = n - h - plan.step * (plan.n_windows - 1 - window)
         train, test = observed.head(origin), observed.slice(origin, h)
@@ -125,28 +141,58 @@ def forecast_series(
                 predicted = _fit_predict(models[label], label, train, test.drop(y), plan)
             except Exception as e:
                 out.failures.append(_failure(series, label, f"window {window}", e))
-                del scores[label]
+                del scores[label], predictions[label]
                 continue
             row = _metrics(actual, predicted, naive_mae)
             out.metrics.append(
                 {SERIES: series, "model": label, "window": window, "origin": origin, **row}
             )
             scores[label].append(row[plan.metric] if np.isfinite(row[plan.metric]) else row["mae"])
+            predictions[label].append(predicted)
+        if window == plan.n_windows - 1 and window > 0 and scores:
+            held_out = _held_out(scores, predictions, plan.ensemble_top_k)
+            for label, predicted in held_out.items():
+                row = _metrics(actual, predicted, naive_mae)
+                out.metrics.append(
+                    {SERIES: series, "model": label, "window": window, "origin": origin, **row}
+                )
     out.series += 1
     ranked = sorted(scores, key=lambda label: _score(scores[label]))
+    finals: dict[str, np.ndarray] = {}
     for label in ranked:
         try:
-            predicted = _fit_predict(models[label], label, observed, future.drop(y), plan)
+            finals[label] = _fit_predict(models[label], label, observed, future.drop(y), plan)
         except Exception as e:
             out.failures.append(_failure(series, label, "refit", e))
-            continue
-        out.choices.append({SERIES: series, "model": label, "score": _score(scores[label])})
-        out.forecasts.extend(
-            {SERIES: series, "step": k + 1, "model": label, "forecast": float(v)}
-            for k, v in enumerate(predicted)
-        )
+    if not finals:
+        out.failed_series += 1
         return
-    out.failed_series += 1
+    ranked = [label for label in ranked if label in finals]
+    top = ranked[: max(plan.ensemble_top_k, 1)]
+    out.choices.append(
+        {SERIES: series, "model": ranked[0], "score": _score(scores[ranked[0]]), "top": top}
+    )
+    if plan.ensemble_top_k > 1:
+        finals[ENSEMBLE] = np.mean([finals[label] for label in top], axis=0)
+    out.forecasts.extend(
+        {SERIES: series, "step": k + 1, "model": label, "forecast": float(v)}
+        for label, predicted in finals.items()
+        for k, v in enumerate(predicted)
+    )
+
+
+def _held_out(
+    scores: dict[str, list[float]], predictions: dict[str, list[np.ndarray]], top_k: int
+) -> dict[str, np.ndarray]:
+    """The last window's forecasts of the choices made on the windows before it: the model with
+    the best mean metric there (`selected`) and, with `top_k` ≥ 2, the mean of the `top_k` best
+    (`ensemble`). The last window's own errors play no part in either choice."""
+    earlier = {label: _score(values[:-1]) for label, values in scores.items()}
+    ranked = sorted(earlier, key=lambda label: earlier[label])
+    chosen = {SELECTED: predictions[ranked[0]][-1]}
+    if top_k > 1:
+        chosen[ENSEMBLE] = np.mean([predictions[label][-1] for label in ranked[:top_k]], axis=0)
+    return chosen
 
 
 def _score(values: list[float]) -> float:

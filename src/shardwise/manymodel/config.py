@@ -122,6 +122,12 @@ class BacktestSection(Section):
     """Steps between successive forecast origins; 0 means the horizon."""
     metric: Literal["mase", "smape", "mae", "rmse"] = "mase"
     """The metric (mean over windows) that picks each series' model."""
+    ensemble_top_k: int = Field(0, ge=0)
+    """k ≥ 2 adds an ensemble per series: the mean forecast of its k best models."""
+    selection: Literal["auto", "per_series", "ensemble", "best_model"] = "auto"
+    """What the forecasts use: each series' best model, its ensemble, or the one model best over
+    all series. `auto` picks whichever scores best on the last window, chosen on the windows
+    before it (nested: needs n_windows ≥ 2; with one window, per_series)."""
     min_train: int = Field(0, ge=0)
     """Fewest training rows with complete features in the earliest window; 0 means
     max(2 × season_length, 10). Shorter series are skipped and listed."""
@@ -194,6 +200,10 @@ def check(config: ManyModelsConfig) -> None:
         )
     if config.data.source == "retail_synthetic":
         _check_synthetic(config)
+    _check_models(config)
+
+
+def _check_models(config: ManyModelsConfig) -> None:
     names = config.models.names
     if not names:
         raise ConfigError("models.names is empty; name at least one model, e.g. ['ridge']")
@@ -205,6 +215,26 @@ def check(config: ManyModelsConfig) -> None:
             )
     if len(set(names)) != len(names):
         raise ConfigError(f"models.names lists a model twice: {names}")
+    labels = [model_label(n) for n in names]
+    twice = sorted({label for label in labels if labels.count(label) > 1})
+    if twice:
+        same = [n for n in names if model_label(n) == twice[0]]
+        raise ConfigError(
+            f"models.names: {' and '.join(same)} would both be called '{twice[0]}' in the "
+            "results; name one with module:object under another name"
+        )
+    reserved = sorted({model_label(n) for n in names} & {"selected", "ensemble"})
+    if reserved:
+        raise ConfigError(
+            f"a model may not be called '{reserved[0]}' (the backtest's name for its held-out "
+            "choice); rename it"
+        )
+    backtest = config.backtest
+    if backtest.selection == "ensemble" and backtest.ensemble_top_k < 2:
+        raise ConfigError(
+            "backtest.selection = 'ensemble' needs backtest.ensemble_top_k ≥ 2 (the models "
+            "each series' ensemble averages)"
+        )
     known = {*BUILTIN_MODELS, *(model_label(n) for n in names)}
     for key in ("args", "scale"):
         unknown = sorted(set(getattr(config.models, key)) - known)

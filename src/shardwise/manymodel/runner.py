@@ -31,11 +31,12 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from shardwise.config import ConfigError, flatten, shown
-from shardwise.manymodel.backtest import TARGET, ChunkResult, Plan, run_chunk
+from shardwise.manymodel.backtest import ENSEMBLE, SELECTED, TARGET, ChunkResult, Plan, run_chunk
 from shardwise.manymodel.config import BUILTIN_MODELS, ManyModelsConfig, model_label, model_scale
 from shardwise.manymodel.data import FUTURE, SERIES, SeriesTable, load_series
 from shardwise.manymodel.features import FeatureSpec, compute
 from shardwise.manymodel.models import ModelContext
+from shardwise.manymodel.selection import STRATEGIES, Selection, forecasts, select
 from shardwise.ray_cluster import check_ray_address, loopback_ray
 
 TABLES = ("metrics", "choices", "forecasts", "failures")
@@ -65,6 +66,8 @@ class Summary:
     peak_concurrency: int
     seconds: dict[str, float]
     mlflow_run_id: str | None
+    selection: Selection
+    """What the forecasts use, and the held-out scores it was picked by."""
 
 
 def run(
@@ -129,11 +132,12 @@ def run(
     finally:
         if started_ray:
             ray.shutdown()
-    outputs = _assemble(run_dir, table, len(chunks))
+    outputs, selection = _assemble(config, table, len(chunks))
     summary = _summarise(
         config,
         table,
         outputs,
+        selection,
         chunks_run=len(todo),
         chunks_reused=len(done),
         peak=_peak_concurrency(intervals),
@@ -179,6 +183,7 @@ def make_plan(config: ManyModelsConfig, table: SeriesTable, spec: FeatureSpec) -
         step=config.backtest_step,
         metric=config.backtest.metric,
         memory_mb=config.runner.memory_mb,
+        ensemble_top_k=config.backtest.ensemble_top_k,
     )
 
 
@@ -437,8 +442,12 @@ def _write_chunk(chunk_dir: Path, index: int, result: ChunkResult) -> None:
     os.replace(partial, final)
 
 
-def _assemble(run_dir: Path, table: SeriesTable, n_chunks: int) -> dict[str, pl.DataFrame]:
-    """Concatenate the chunks into the run's output tables, with the series' id columns."""
+def _assemble(
+    config: ManyModelsConfig, table: SeriesTable, n_chunks: int
+) -> tuple[dict[str, pl.DataFrame], Selection]:
+    """Concatenate the chunks into the run's output tables, with the series' id columns; the
+    forecasts are those of the strategy `select` picks (every model's are kept too)."""
+    run_dir = config.run_dir
     ids = table.frame.select(SERIES, *table.columns.ids).unique(SERIES).sort(SERIES)
     outputs: dict[str, pl.DataFrame] = {}
     for name in TABLES:
@@ -456,27 +465,36 @@ def _assemble(run_dir: Path, table: SeriesTable, n_chunks: int) -> dict[str, pl.
     future = table.frame.filter(pl.col(FUTURE)).select(
         SERIES, table.columns.timestamp, (pl.int_range(pl.len()).over(SERIES) + 1).alias("step")
     )
-    outputs["forecasts"] = (
-        outputs["forecasts"]
+    outputs["by_model"] = (
+        outputs.pop("forecasts")
         .join(future, on=[SERIES, "step"], how="left")
         .select(SERIES, *table.columns.ids, table.columns.timestamp, "step", "model", "forecast")
     )
+    selection = select(
+        outputs["metrics"],
+        n_windows=config.backtest.n_windows,
+        metric=config.backtest.metric,
+        requested=config.backtest.selection,
+    )
+    outputs["forecasts"] = forecasts(outputs["by_model"], outputs["choices"], selection)
     files = {
         "metrics": "backtest_metrics",
         "choices": "best_models",
         "forecasts": "forecasts",
+        "by_model": "forecasts_by_model",
         "failures": "failures",
     }
     for name, filename in files.items():
         outputs[name].drop(SERIES).write_parquet(run_dir / f"{filename}.parquet")
     table.skipped.write_parquet(run_dir / "skipped.parquet")
-    return outputs
+    return outputs, selection
 
 
 def _summarise(
     config: ManyModelsConfig,
     table: SeriesTable,
     outputs: dict[str, pl.DataFrame],
+    selection: Selection,
     *,
     chunks_run: int,
     chunks_reused: int,
@@ -484,9 +502,14 @@ def _summarise(
     seconds: dict[str, float],
 ) -> Summary:
     metrics, choices = outputs["metrics"], outputs["choices"]
-    per_series_model = metrics.group_by(SERIES, "model").agg(pl.col("mase", "smape").mean())
+    models = metrics.filter(~pl.col("model").is_in([SELECTED, ENSEMBLE]))
+    per_series_model = models.group_by(SERIES, "model").agg(pl.col("mase", "smape").mean())
     chosen = per_series_model.join(choices.select(SERIES, "model"), on=[SERIES, "model"])
     wins = choices.group_by("model").len("wins")
+    held = pl.DataFrame(
+        [{"model": m, "held_out_mase": v["mase"]} for m, v in selection.held_out.items()],
+        schema={"model": pl.String, "held_out_mase": pl.Float64},
+    )
     per_model = (
         per_series_model.group_by("model")
         .agg(
@@ -497,12 +520,17 @@ def _summarise(
         .join(wins, on="model", how="left")
         .with_columns(pl.col("wins").fill_null(0))
         .with_columns((pl.col("wins") / max(choices.height, 1)).alias("win_share"))
+        .join(held, on="model", how="left")
         .sort("model")
     )
     overall = {
         "best_mean_mase": _mean(chosen["mase"]),
         "best_mean_smape": _mean(chosen["smape"]),
     }
+    for strategy in STRATEGIES:
+        if strategy in selection.held_out:
+            for name, value in selection.held_out[strategy].items():
+                overall[f"held_out/{strategy}_{name}"] = value
     return Summary(
         run_dir=config.run_dir,
         series=table.num_series,
@@ -516,6 +544,7 @@ def _summarise(
         peak_concurrency=peak,
         seconds=seconds,
         mlflow_run_id=None,
+        selection=selection,
     )
 
 
@@ -560,12 +589,13 @@ def _track(tracker: Any, config: ManyModelsConfig, summary: Summary, run_dir: Pa
         "series_skipped": float(summary.skipped),
     }
     for row in summary.per_model.iter_rows(named=True):
-        for key in ("mean_mase", "mean_smape", "win_share"):
+        for key in ("mean_mase", "mean_smape", "win_share", "held_out_mase"):
             value = row[key]
             if value is not None and math.isfinite(value):
                 metrics[f"{row['model']}/{key}"] = float(value)
     tracker.log_metrics({k: v for k, v in metrics.items() if math.isfinite(v)}, step=0)
-    for name in ("backtest_metrics", "best_models", "forecasts", "failures", "skipped"):
+    names = ("backtest_metrics", "best_models", "forecasts", "forecasts_by_model", "failures")
+    for name in (*names, "skipped"):
         tracker.log_artifact(run_dir / f"{name}.parquet")
     tracker.log_artifact(run_dir / "job.toml")
     tracker.close("FINISHED")
@@ -574,25 +604,39 @@ def _track(tracker: Any, config: ManyModelsConfig, summary: Summary, run_dir: Pa
 
 
 def _print_summary(console: Console, summary: Summary) -> None:
+    held = summary.selection.held_out
     table = Table(title=f"{summary.completed} of {summary.series} series forecast")
-    for column in ("model", "series", "won", "mean MASE", "mean sMAPE"):
+    columns = ["model", "series", "won", "mean MASE", "mean sMAPE"]
+    if held:
+        columns.append("held-out MASE")
+    for column in columns:
         table.add_column(column, justify="left" if column == "model" else "right")
     for row in summary.per_model.iter_rows(named=True):
-        table.add_row(
-            row["model"],
-            str(row["series"]),
-            f"{row['win_share']:.0%}",
-            _fmt(row["mean_mase"]),
-            _fmt(row["mean_smape"]),
-        )
+        cells = [row["model"], str(row["series"]), f"{row['win_share']:.0%}"]
+        cells += [_fmt(row["mean_mase"]), _fmt(row["mean_smape"])]
+        table.add_row(*cells, *([_fmt(row["held_out_mase"])] if held else []))
     table.add_row(
-        "best per series",
+        "best per series (chosen on these windows)",
         str(summary.completed),
         "",
         _fmt(summary.overall["best_mean_mase"]),
         _fmt(summary.overall["best_mean_smape"]),
+        *([""] if held else []),
     )
+    names = {
+        "per_series": "per series, chosen on earlier windows",
+        "ensemble": "ensemble of each series' best, chosen on earlier windows",
+        "best_model": f"one model for all ({summary.selection.fallback or '–'})",
+    }
+    for strategy in STRATEGIES:
+        if strategy in held:
+            table.add_row(names[strategy], "", "", "", "", _fmt(held[strategy]["mase"]))
     console.print(table)
+    used = summary.selection.strategy
+    why = f" (best on the held-out window: MASE {held[used]['mase']:.3f})" if used in held else ""
+    if used == "best_model":
+        used = f"best_model ({summary.selection.best_model})"
+    console.print(f"forecasts use: {used}{why}; every model's are in forecasts_by_model.parquet")
     console.print(
         f"failed {summary.failed}, skipped {summary.skipped}; chunks run {summary.chunks_run}, "
         f"reused {summary.chunks_reused}; at most {summary.peak_concurrency} tasks at once; "

@@ -1,0 +1,85 @@
+"""What the forecasts use, decided on a window no choice was made on.
+
+The backtest (backtest.py) scores, on its last window, each series' model chosen on the windows
+before it (`selected`) and the mean of its k best there (`ensemble`). Here the same is done for
+the one model best over all series on those earlier windows (`best_model`, the fallback when
+choosing per series does not pay). The strategy with the best mean held-out score wins
+(`backtest.selection = "auto"`), and the forecasts are assembled from it: the per-series choice,
+the ensemble, or the best model (a series where it failed keeps its own choice).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import polars as pl
+
+from shardwise.manymodel.backtest import ENSEMBLE, METRICS, SELECTED
+from shardwise.manymodel.data import SERIES
+
+STRATEGIES = ("best_model", "per_series", "ensemble")
+
+
+@dataclass(frozen=True)
+class Selection:
+    strategy: str
+    """per_series, ensemble or best_model: what forecasts.parquet holds."""
+    best_model: str
+    """The model best over all series on every window (what best_model forecasts with)."""
+    fallback: str
+    """The model best over all series on the windows before the last (scored on the last as
+    `best_model`); "" with one window."""
+    held_out: dict[str, dict[str, float]]
+    """Per strategy and per model: each metric's mean over series on the last window, for
+    choices made on the windows before it (empty with one window)."""
+
+
+def select(metrics: pl.DataFrame, *, n_windows: int, metric: str, requested: str) -> Selection:
+    """Score the strategies on the held-out window and pick one (`requested`, unless `auto`)."""
+    last = n_windows - 1
+    models = metrics.filter(~pl.col("model").is_in([SELECTED, ENSEMBLE]))
+    held: dict[str, dict[str, float]] = {}
+    fallback = ""
+    if last > 0:
+        scored = (
+            metrics.filter(pl.col("window") == last)
+            .group_by("model")
+            .agg(pl.col(name).drop_nans().mean() for name in METRICS)
+        )
+        for row in scored.iter_rows(named=True):
+            held[row["model"]] = {name: _value(row[name]) for name in METRICS}
+        held["per_series"] = held.pop(SELECTED)
+        if ENSEMBLE in held:
+            held["ensemble"] = held.pop(ENSEMBLE)
+        fallback = _best(models.filter(pl.col("window") < last), metric)
+        held["best_model"] = dict(held[fallback])
+    strategy = requested
+    if requested == "auto":
+        candidates = [s for s in STRATEGIES if s in held]
+        strategy = min(candidates, key=lambda s: held[s][metric]) if candidates else "per_series"
+    return Selection(strategy, _best(models, metric), fallback, held)
+
+
+def forecasts(by_model: pl.DataFrame, choices: pl.DataFrame, selection: Selection) -> pl.DataFrame:
+    """The forecast rows of the chosen strategy: one model (or the ensemble) per series."""
+    own = by_model.join(choices.select(SERIES, "model"), on=[SERIES, "model"], how="semi")
+    if selection.strategy == "per_series":
+        return own
+    label = ENSEMBLE if selection.strategy == "ensemble" else selection.best_model
+    chosen = by_model.filter(pl.col("model") == label)
+    rest = own.join(chosen.select(SERIES).unique(), on=SERIES, how="anti")
+    return pl.concat([chosen, rest]).sort(SERIES, "step")
+
+
+def _best(metrics: pl.DataFrame, metric: str) -> str:
+    """The model with the lowest mean over series of its mean `metric` over their windows."""
+    per_series = metrics.group_by(SERIES, "model").agg(pl.col(metric).drop_nans().mean())
+    ranked = (
+        per_series.group_by("model").agg(pl.col(metric).drop_nans().mean()).sort(metric, "model")
+    )
+    return str(ranked["model"][0])
+
+
+def _value(value: float | None) -> float:
+    return float(value) if value is not None and math.isfinite(value) else float("nan")
