@@ -222,3 +222,18 @@ def test_a_job_name_cannot_point_outside_the_runs_directory(job_file, name):
 def test_communication_options_that_do_not_fit_the_layout(job_file, overrides, message):
     with pytest.raises(ConfigError, match=message):
         derive(load_config(job_file, overrides), world_size=2)
+
+
+@pytest.mark.parametrize("path", sorted(Path("examples").glob("*.toml")), ids=str)
+def test_every_example_job_file_loads_and_passes_its_checks(path):
+    """The README runs these as written: each is a valid training or many-models job."""
+    import tomllib
+
+    from shardwise.config import load_config
+    from shardwise.manymodel.config import load_many_models
+
+    raw = tomllib.loads(path.read_text())
+    if "models" in raw:
+        load_many_models(path)
+    else:
+        load_config(path)

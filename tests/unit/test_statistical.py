@@ -118,5 +118,5 @@ def test_a_scale_per_model_and_misspelt_arguments(tmp_path):
 
 def test_a_user_model_that_would_share_a_built_in_name_is_refused():
     config = validate_as(ManyModelsConfig, {"models": {"names": ["croston", "examples.croston"]}})
-    with pytest.raises(ConfigError, match="croston and examples.croston would both be called"):
+    with pytest.raises(ConfigError, match=r"croston and examples\.croston would both be called"):
         check(config)

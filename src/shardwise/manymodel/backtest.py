@@ -6,10 +6,11 @@ last observation, every model is fitted on the rows before the origin and foreca
 `horizon` rows. Metrics per series × model × window: MAE, RMSE, sMAPE (0–200, as the M4
 competition reports it) and MASE (MAE over the in-sample MAE of the seasonal naive forecast).
 
-Selection is scored honestly: on the last window, the model chosen on the windows before it
-(`selected`) and the mean of the `ensemble_top_k` best there (`ensemble`) are scored as if they
-were models, so their scores are not the scores they were chosen by (the runner compares them,
-and the best single model, and picks what the forecasts use). Every model is then refitted on
+Selection is scored honestly (a nested backtest): on every window after the first, the model
+chosen on the windows before it (`selected`) and the mean of the `ensemble_top_k` best there
+(`ensemble`) are scored as if they were models, so their scores are never the scores they were
+chosen by (the runner compares them, and the best single model, and picks what the forecasts
+use). Every model is then refitted on
 every observation and forecasts the `horizon` future rows; the per-series choice is the model with
 the best mean `metric` over all windows. A model that raises is recorded and left out for that
 series; the series fails only when no model succeeds.
@@ -149,7 +150,7 @@ def forecast_series(
             )
             scores[label].append(row[plan.metric] if np.isfinite(row[plan.metric]) else row["mae"])
             predictions[label].append(predicted)
-        if window == plan.n_windows - 1 and window > 0 and scores:
+        if window > 0 and scores:  # choices made on the windows before this one
             held_out = _held_out(scores, predictions, plan.ensemble_top_k)
             for label, predicted in held_out.items():
                 row = _metrics(actual, predicted, naive_mae)
@@ -184,9 +185,9 @@ def forecast_series(
 def _held_out(
     scores: dict[str, list[float]], predictions: dict[str, list[np.ndarray]], top_k: int
 ) -> dict[str, np.ndarray]:
-    """The last window's forecasts of the choices made on the windows before it: the model with
-    the best mean metric there (`selected`) and, with `top_k` ≥ 2, the mean of the `top_k` best
-    (`ensemble`). The last window's own errors play no part in either choice."""
+    """This window's forecasts (the last in `predictions`) of the choices made on the windows
+    before it: the model with the best mean metric there (`selected`) and, with `top_k` ≥ 2, the
+    mean of the `top_k` best (`ensemble`). This window's own errors play no part in either."""
     earlier = {label: _score(values[:-1]) for label, values in scores.items()}
     ranked = sorted(earlier, key=lambda label: earlier[label])
     chosen = {SELECTED: predictions[ranked[0]][-1]}

@@ -126,8 +126,8 @@ class BacktestSection(Section):
     """k ≥ 2 adds an ensemble per series: the mean forecast of its k best models."""
     selection: Literal["auto", "per_series", "ensemble", "best_model"] = "auto"
     """What the forecasts use: each series' best model, its ensemble, or the one model best over
-    all series. `auto` picks whichever scores best on the last window, chosen on the windows
-    before it (nested: needs n_windows ≥ 2; with one window, per_series)."""
+    all series. `auto` picks whichever scores best on the windows after the first, each chosen
+    on the windows before it (nested: needs n_windows ≥ 2; with one window, per_series)."""
     min_train: int = Field(0, ge=0)
     """Fewest training rows with complete features in the earliest window; 0 means
     max(2 × season_length, 10). Shorter series are skipped and listed."""

@@ -616,24 +616,24 @@ def _print_summary(console: Console, summary: Summary) -> None:
         cells += [_fmt(row["mean_mase"]), _fmt(row["mean_smape"])]
         table.add_row(*cells, *([_fmt(row["held_out_mase"])] if held else []))
     table.add_row(
-        "best per series (chosen on these windows)",
+        "best per series (in-sample)",
         str(summary.completed),
         "",
         _fmt(summary.overall["best_mean_mase"]),
         _fmt(summary.overall["best_mean_smape"]),
         *([""] if held else []),
     )
-    names = {
-        "per_series": "per series, chosen on earlier windows",
-        "ensemble": "ensemble of each series' best, chosen on earlier windows",
-        "best_model": f"one model for all ({summary.selection.fallback or '–'})",
+    names = {  # each chosen on the windows before the one it is scored on
+        "per_series": "nested: per series",
+        "ensemble": "nested: ensemble",
+        "best_model": f"nested: one model ({summary.selection.fallback or '–'})",
     }
     for strategy in STRATEGIES:
         if strategy in held:
             table.add_row(names[strategy], "", "", "", "", _fmt(held[strategy]["mase"]))
     console.print(table)
     used = summary.selection.strategy
-    why = f" (best on the held-out window: MASE {held[used]['mase']:.3f})" if used in held else ""
+    why = f" (best on the held-out windows: MASE {held[used]['mase']:.3f})" if used in held else ""
     if used == "best_model":
         used = f"best_model ({summary.selection.best_model})"
     console.print(f"forecasts use: {used}{why}; every model's are in forecasts_by_model.parquet")

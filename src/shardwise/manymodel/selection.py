@@ -1,9 +1,9 @@
 """What the forecasts use, decided on a window no choice was made on.
 
-The backtest (backtest.py) scores, on its last window, each series' model chosen on the windows
-before it (`selected`) and the mean of its k best there (`ensemble`). Here the same is done for
-the one model best over all series on those earlier windows (`best_model`, the fallback when
-choosing per series does not pay). The strategy with the best mean held-out score wins
+The backtest (backtest.py) scores, on each window after the first, each series' model chosen on
+the windows before it (`selected`) and the mean of its k best there (`ensemble`). Here the same is
+done for the one model best over all series on those earlier windows (`best_model`, the fallback
+when choosing per series does not pay). The strategy with the best mean held-out score wins
 (`backtest.selection = "auto"`), and the forecasts are assembled from it: the per-series choice,
 the ensemble, or the best model (a series where it failed keeps its own choice).
 """
@@ -28,32 +28,41 @@ class Selection:
     best_model: str
     """The model best over all series on every window (what best_model forecasts with)."""
     fallback: str
-    """The model best over all series on the windows before the last (scored on the last as
-    `best_model`); "" with one window."""
+    """The model best over all series on the windows before the last (each held-out window has
+    its own, scored as `best_model`); "" with one window."""
     held_out: dict[str, dict[str, float]]
-    """Per strategy and per model: each metric's mean over series on the last window, for
-    choices made on the windows before it (empty with one window)."""
+    """Per strategy and per model: each metric's mean over series (of its mean over the windows
+    after the first), each window's choice made on the windows before it (empty with one
+    window)."""
 
 
 def select(metrics: pl.DataFrame, *, n_windows: int, metric: str, requested: str) -> Selection:
-    """Score the strategies on the held-out window and pick one (`requested`, unless `auto`)."""
-    last = n_windows - 1
+    """Score the strategies on the held-out windows and pick one (`requested`, unless `auto`)."""
     models = metrics.filter(~pl.col("model").is_in([SELECTED, ENSEMBLE]))
     held: dict[str, dict[str, float]] = {}
     fallback = ""
-    if last > 0:
-        scored = (
-            metrics.filter(pl.col("window") == last)
+    if n_windows > 1:
+        later = [models.filter(pl.col("window") == w) for w in range(1, n_windows)]
+        fallbacks = [
+            _best(models.filter(pl.col("window") < w), metric) for w in range(1, n_windows)
+        ]
+        best = pl.concat(
+            frame.filter(pl.col("model") == model).with_columns(model=pl.lit("best_model"))
+            for frame, model in zip(later, fallbacks, strict=True)
+        )
+        scored = pl.concat([metrics.filter(pl.col("window") > 0), best])
+        by_label = (
+            scored.group_by(SERIES, "model")
+            .agg(pl.col(name).drop_nans().mean() for name in METRICS)
             .group_by("model")
             .agg(pl.col(name).drop_nans().mean() for name in METRICS)
         )
-        for row in scored.iter_rows(named=True):
+        for row in by_label.iter_rows(named=True):
             held[row["model"]] = {name: _value(row[name]) for name in METRICS}
         held["per_series"] = held.pop(SELECTED)
         if ENSEMBLE in held:
             held["ensemble"] = held.pop(ENSEMBLE)
-        fallback = _best(models.filter(pl.col("window") < last), metric)
-        held["best_model"] = dict(held[fallback])
+        fallback = fallbacks[-1]
     strategy = requested
     if requested == "auto":
         candidates = [s for s in STRATEGIES if s in held]
