@@ -32,6 +32,7 @@ import numpy as np
 import polars as pl
 
 from shardwise.manymodel.data import FUTURE, SERIES, Columns
+from shardwise.manymodel.intervals import bound_names, half_widths, interval_scores, score_names
 from shardwise.manymodel.models import Model, ModelContext, as_values, build
 
 METRICS = ("mae", "rmse", "smape", "mase")
@@ -60,6 +61,8 @@ class Plan:
     metric: str
     memory_mb: int = 0
     ensemble_top_k: int = 0
+    levels: tuple[int, ...] = ()
+    """Prediction-interval levels in percent (intervals.py); () for points only."""
 
 
 @dataclass
@@ -73,12 +76,19 @@ class ChunkResult:
     started: float = 0.0
     finished: float = 0.0
     pid: int = 0
+    levels: tuple[int, ...] = ()
 
     def tables(self) -> dict[str, pl.DataFrame]:
+        scores = [name for level in self.levels for name in score_names(level)]
+        bounds = [name for level in self.levels for name in bound_names(level)]
         return {
-            "metrics": pl.DataFrame(self.metrics, schema=_METRICS_SCHEMA),
+            "metrics": pl.DataFrame(
+                self.metrics, schema={**_METRICS_SCHEMA, **dict.fromkeys(scores, pl.Float64)}
+            ),
             "choices": pl.DataFrame(self.choices, schema=_CHOICE_SCHEMA),
-            "forecasts": pl.DataFrame(self.forecasts, schema=_FORECAST_SCHEMA),
+            "forecasts": pl.DataFrame(
+                self.forecasts, schema={**_FORECAST_SCHEMA, **dict.fromkeys(bounds, pl.Float64)}
+            ),
             "failures": pl.DataFrame(self.failures, schema=_FAILURE_SCHEMA),
         }
 
@@ -104,7 +114,7 @@ def run_chunk(rows: Any, plan: Plan) -> ChunkResult:
     """Backtest, select and forecast every series in `rows` (an Arrow table or polars frame of
     whole series, features included). Threads are pinned to one; `plan.memory_mb` caps the
     address space while the chunk runs."""
-    result = ChunkResult(started=time.time(), pid=os.getpid())
+    result = ChunkResult(started=time.time(), pid=os.getpid(), levels=plan.levels)
     frame = rows if isinstance(rows, pl.DataFrame) else pl.from_arrow(rows)
     assert isinstance(frame, pl.DataFrame)
     if plan.columns.target != TARGET:
@@ -121,48 +131,92 @@ def run_chunk(rows: Any, plan: Plan) -> ChunkResult:
 def forecast_series(
     frame: pl.DataFrame, plan: Plan, models: dict[str, Model], out: ChunkResult
 ) -> None:
-    """One series: backtest every model, score the held-out choices, refit every model on all
-    rows and forecast; results appended to `out`."""
+    """One series: backtest every model, score the choices made on earlier windows, refit every
+    model on all rows and forecast; results appended to `out`."""
     series = int(frame[SERIES][0])
     observed = frame.filter(~pl.col(FUTURE))
     future = frame.filter(pl.col(FUTURE))
-    y = TARGET
     n, h = observed.height, plan.horizon
     scores: dict[str, list[float]] = {label: [] for label in models}
     predictions: dict[str, list[np.ndarray]] = {label: [] for label in models}
+    errors: dict[str, list[np.ndarray]] = {label: [] for label in models}
     for window in range(plan.n_windows):
         origin = n - h - plan.step * (plan.n_windows - 1 - window)
         train, test = observed.head(origin), observed.slice(origin, h)
-        actual = test[y].to_numpy().astype(np.float64)
-        naive_mae = _seasonal_mae(
-            train[y].to_numpy().astype(np.float64), plan.context.season_length
+        truth = _Truth(
+            test[TARGET].to_numpy().astype(np.float64),
+            _seasonal_mae(train[TARGET].to_numpy().astype(np.float64), plan.context.season_length),
+            {SERIES: series, "window": window, "origin": origin},
         )
+        # the choices made on the windows before this one, ranked by their scores there
+        ranked = sorted(scores, key=lambda label: _score(scores[label])) if window else []
         for label in list(scores):
             try:
-                predicted = _fit_predict(models[label], label, train, test.drop(y), plan)
+                predicted = _fit_predict(models[label], label, train, test.drop(TARGET), plan)
             except Exception as e:
                 out.failures.append(_failure(series, label, f"window {window}", e))
-                del scores[label], predictions[label]
+                del scores[label], predictions[label], errors[label]
                 continue
-            row = _metrics(actual, predicted, naive_mae)
-            out.metrics.append(
-                {SERIES: series, "model": label, "window": window, "origin": origin, **row}
-            )
+            row = truth.scores(predicted, plan, errors[label])
+            out.metrics.append({**truth.keys, "model": label, **row})
             scores[label].append(row[plan.metric] if np.isfinite(row[plan.metric]) else row["mae"])
             predictions[label].append(predicted)
-        if window > 0 and scores:  # choices made on the windows before this one
-            held_out = _held_out(scores, predictions, plan.ensemble_top_k)
-            for label, predicted in held_out.items():
-                row = _metrics(actual, predicted, naive_mae)
-                out.metrics.append(
-                    {SERIES: series, "model": label, "window": window, "origin": origin, **row}
-                )
+            errors[label].append(np.abs(truth.actual - predicted))
+        ranked = [label for label in ranked if label in predictions]  # not failed here
+        if ranked:
+            top = ranked[: plan.ensemble_top_k] if plan.ensemble_top_k > 1 else []
+            out.metrics.append(  # the chosen model's interval, from its earlier errors
+                {**truth.keys, "model": SELECTED}
+                | truth.scores(predictions[ranked[0]][-1], plan, errors[ranked[0]][:-1])
+            )
+            if top:  # points only: the ensemble has no errors of its own on earlier windows
+                mean = np.mean([predictions[label][-1] for label in top], axis=0)
+                out.metrics.append({**truth.keys, "model": ENSEMBLE} | truth.scores(mean))
     out.series += 1
+    _refit(plan, series, models, (observed, future.drop(TARGET)), scores, errors, out)
+
+
+@dataclass(frozen=True)
+class _Truth:
+    """One window's actual values, its MASE scale and the keys of its metrics rows."""
+
+    actual: np.ndarray
+    naive_mae: float
+    keys: dict[str, Any]
+
+    def scores(
+        self,
+        predicted: np.ndarray,
+        plan: Plan | None = None,
+        earlier: list[np.ndarray] | None = None,
+    ) -> dict[str, float]:
+        """The point metrics, and with `plan` and errors of earlier windows, each level's
+        interval scores (the interval built from those errors only)."""
+        row = _metrics(self.actual, predicted, self.naive_mae)
+        for level in plan.levels if plan is not None and earlier else ():
+            width = half_widths(earlier or [], level)
+            lower, upper = predicted - width, predicted + width
+            row.update(interval_scores(self.actual, lower, upper, level, self.naive_mae))
+        return row
+
+
+def _refit(
+    plan: Plan,
+    series: int,
+    models: dict[str, Model],
+    rows: tuple[pl.DataFrame, pl.DataFrame],
+    scores: dict[str, list[float]],
+    errors: dict[str, list[np.ndarray]],
+    out: ChunkResult,
+) -> None:
+    """Refit every model on all the observed rows and forecast the future ones, with intervals
+    from every window's errors; the series' choice (best mean over the windows) and its top k."""
+    observed, future = rows
     ranked = sorted(scores, key=lambda label: _score(scores[label]))
     finals: dict[str, np.ndarray] = {}
     for label in ranked:
         try:
-            finals[label] = _fit_predict(models[label], label, observed, future.drop(y), plan)
+            finals[label] = _fit_predict(models[label], label, observed, future, plan)
         except Exception as e:
             out.failures.append(_failure(series, label, "refit", e))
     if not finals:
@@ -173,27 +227,31 @@ def forecast_series(
     out.choices.append(
         {SERIES: series, "model": ranked[0], "score": _score(scores[ranked[0]]), "top": top}
     )
+    bounds = {label: _bounds(plan, finals[label], errors[label]) for label in finals}
     if plan.ensemble_top_k > 1:
         finals[ENSEMBLE] = np.mean([finals[label] for label in top], axis=0)
+        bounds[ENSEMBLE] = {}  # points only, as in the backtest
     out.forecasts.extend(
-        {SERIES: series, "step": k + 1, "model": label, "forecast": float(v)}
+        {
+            SERIES: series,
+            "step": k + 1,
+            "model": label,
+            "forecast": float(v),
+            **{name: float(b[k]) for name, b in bounds[label].items()},
+        }
         for label, predicted in finals.items()
         for k, v in enumerate(predicted)
     )
 
 
-def _held_out(
-    scores: dict[str, list[float]], predictions: dict[str, list[np.ndarray]], top_k: int
-) -> dict[str, np.ndarray]:
-    """This window's forecasts (the last in `predictions`) of the choices made on the windows
-    before it: the model with the best mean metric there (`selected`) and, with `top_k` ≥ 2, the
-    mean of the `top_k` best (`ensemble`). This window's own errors play no part in either."""
-    earlier = {label: _score(values[:-1]) for label, values in scores.items()}
-    ranked = sorted(earlier, key=lambda label: earlier[label])
-    chosen = {SELECTED: predictions[ranked[0]][-1]}
-    if top_k > 1:
-        chosen[ENSEMBLE] = np.mean([predictions[label][-1] for label in ranked[:top_k]], axis=0)
-    return chosen
+def _bounds(plan: Plan, predicted: np.ndarray, errors: list[np.ndarray]) -> dict[str, np.ndarray]:
+    """The forecast's interval bounds at each level, from every window's errors."""
+    bounds: dict[str, np.ndarray] = {}
+    for level in plan.levels:
+        width = half_widths(errors, level)
+        lower, upper = bound_names(level)
+        bounds[lower], bounds[upper] = predicted - width, predicted + width
+    return bounds
 
 
 def _score(values: list[float]) -> float:

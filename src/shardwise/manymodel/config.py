@@ -124,7 +124,20 @@ class BacktestSection(Section):
     """The metric (mean over windows) that picks each series' model."""
     ensemble_top_k: int = Field(0, ge=0)
     """k ≥ 2 adds an ensemble per series: the mean forecast of its k best models."""
+    levels: list[int] = Field(default_factory=list)
+    """Prediction intervals at these levels in percent, e.g. [80, 95]: conformal, from the
+    backtest windows' errors (no extra fits); scored on later windows (coverage, Winkler, MSIS)
+    and written as `lo_80`, `hi_80`, … columns of the forecasts."""
     selection: Literal["auto", "per_series", "ensemble", "best_model"] = "auto"
+
+    @field_validator("levels")
+    @classmethod
+    def _percentages(cls, levels: list[int]) -> list[int]:
+        bad = [level for level in levels if not 0 < level < 100]
+        if bad:
+            raise ValueError(f"levels are percentages between 0 and 100, got {bad[0]}")
+        return levels
+
     """What the forecasts use: each series' best model, its ensemble, or the one model best over
     all series. `auto` picks whichever scores best on the windows after the first, each chosen
     on the windows before it (nested: needs n_windows ≥ 2; with one window, per_series)."""

@@ -184,6 +184,7 @@ def make_plan(config: ManyModelsConfig, table: SeriesTable, spec: FeatureSpec) -
         metric=config.backtest.metric,
         memory_mb=config.runner.memory_mb,
         ensemble_top_k=config.backtest.ensemble_top_k,
+        levels=tuple(sorted(set(config.backtest.levels))),
     )
 
 
@@ -465,10 +466,10 @@ def _assemble(
     future = table.frame.filter(pl.col(FUTURE)).select(
         SERIES, table.columns.timestamp, (pl.int_range(pl.len()).over(SERIES) + 1).alias("step")
     )
-    outputs["by_model"] = (
-        outputs.pop("forecasts")
-        .join(future, on=[SERIES, "step"], how="left")
-        .select(SERIES, *table.columns.ids, table.columns.timestamp, "step", "model", "forecast")
+    outputs["by_model"] = outputs.pop("forecasts").join(future, on=[SERIES, "step"], how="left")
+    bounds = [c for c in outputs["by_model"].columns if c.startswith(("lo_", "hi_"))]
+    outputs["by_model"] = outputs["by_model"].select(
+        SERIES, *table.columns.ids, table.columns.timestamp, "step", "model", "forecast", *bounds
     )
     selection = select(
         outputs["metrics"],
@@ -637,6 +638,10 @@ def _print_summary(console: Console, summary: Summary) -> None:
     if used == "best_model":
         used = f"best_model ({summary.selection.best_model})"
     console.print(f"forecasts use: {used}{why}; every model's are in forecasts_by_model.parquet")
+    coverage = {k: v for k, v in held.get("per_series", {}).items() if k.startswith("coverage_")}
+    if coverage:
+        shown = ", ".join(f"{k.removeprefix('coverage_')}% → {v:.1%}" for k, v in coverage.items())
+        console.print(f"conformal intervals on held-out windows (each series' choice): {shown}")
     console.print(
         f"failed {summary.failed}, skipped {summary.skipped}; chunks run {summary.chunks_run}, "
         f"reused {summary.chunks_reused}; at most {summary.peak_concurrency} tasks at once; "

@@ -19,6 +19,8 @@ from shardwise.manymodel.backtest import ENSEMBLE, METRICS, SELECTED
 from shardwise.manymodel.data import SERIES
 
 STRATEGIES = ("best_model", "per_series", "ensemble")
+INTERVAL_SCORES = ("coverage_", "winkler_", "msis_")
+"""Prefixes of the metrics tables' interval-score columns (intervals.py), one per level."""
 
 
 @dataclass(frozen=True)
@@ -51,14 +53,15 @@ def select(metrics: pl.DataFrame, *, n_windows: int, metric: str, requested: str
             for frame, model in zip(later, fallbacks, strict=True)
         )
         scored = pl.concat([metrics.filter(pl.col("window") > 0), best])
+        names = [c for c in scored.columns if c in METRICS or c.startswith(INTERVAL_SCORES)]
         by_label = (
             scored.group_by(SERIES, "model")
-            .agg(pl.col(name).drop_nans().mean() for name in METRICS)
+            .agg(pl.col(name).drop_nans().mean() for name in names)
             .group_by("model")
-            .agg(pl.col(name).drop_nans().mean() for name in METRICS)
+            .agg(pl.col(name).drop_nans().mean() for name in names)
         )
         for row in by_label.iter_rows(named=True):
-            held[row["model"]] = {name: _value(row[name]) for name in METRICS}
+            held[row["model"]] = {name: _value(row[name]) for name in names}
         held["per_series"] = held.pop(SELECTED)
         if ENSEMBLE in held:
             held["ensemble"] = held.pop(ENSEMBLE)
