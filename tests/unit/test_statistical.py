@@ -120,3 +120,19 @@ def test_a_user_model_that_would_share_a_built_in_name_is_refused():
     config = validate_as(ManyModelsConfig, {"models": {"names": ["croston", "examples.croston"]}})
     with pytest.raises(ConfigError, match=r"croston and examples\.croston would both be called"):
         check(config)
+
+
+def test_a_models_own_intervals_are_statsforecasts(tmp_path):
+    """`backtest.intervals = "model"`: auto_ets's interval columns are statsforecast's own, on
+    the same history; seasonal_naive (none of its own) gets conformal ones."""
+    y = _multiplicative()
+    backtest = {"horizon": 6, "n_windows": 2, "levels": [80], "intervals": "model"}
+    _, tables = _job(tmp_path, {"a": y}, ["auto_ets", "seasonal_naive"], backtest=backtest)
+    final = tables["forecasts"].filter(pl.col("model") == "auto_ets").sort("step")
+    own = AutoETS(season_length=12).fit(y).predict(h=6, level=[80])
+    np.testing.assert_allclose(final["lo_80"].to_numpy(), own["lo-80"], rtol=1e-9)
+    np.testing.assert_allclose(final["hi_80"].to_numpy(), own["hi-80"], rtol=1e-9)
+    naive = tables["forecasts"].filter(pl.col("model") == "seasonal_naive")
+    assert naive["lo_80"].is_not_null().all()  # conformal, from the two windows' errors
+    first = tables["metrics"].filter((pl.col("window") == 0) & (pl.col("model") == "auto_ets"))
+    assert first["coverage_80"].is_not_null().all()  # its own: no earlier window needed

@@ -23,7 +23,7 @@ import resource
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +63,8 @@ class Plan:
     ensemble_top_k: int = 0
     levels: tuple[int, ...] = ()
     """Prediction-interval levels in percent (intervals.py); () for points only."""
+    intervals: str = "conformal"
+    """"model": a model's own intervals where it has them (`predict_interval`), else conformal."""
 
 
 @dataclass
@@ -138,7 +140,7 @@ def forecast_series(
     future = frame.filter(pl.col(FUTURE))
     n, h = observed.height, plan.horizon
     scores: dict[str, list[float]] = {label: [] for label in models}
-    predictions: dict[str, list[np.ndarray]] = {label: [] for label in models}
+    predictions: dict[str, list[_Forecast]] = {label: [] for label in models}
     errors: dict[str, list[np.ndarray]] = {label: [] for label in models}
     for window in range(plan.n_windows):
         origin = n - h - plan.step * (plan.n_windows - 1 - window)
@@ -161,7 +163,7 @@ def forecast_series(
             out.metrics.append({**truth.keys, "model": label, **row})
             scores[label].append(row[plan.metric] if np.isfinite(row[plan.metric]) else row["mae"])
             predictions[label].append(predicted)
-            errors[label].append(np.abs(truth.actual - predicted))
+            errors[label].append(np.abs(truth.actual - predicted.values))
         ranked = [label for label in ranked if label in predictions]  # not failed here
         if ranked:
             top = ranked[: plan.ensemble_top_k] if plan.ensemble_top_k > 1 else []
@@ -170,8 +172,10 @@ def forecast_series(
                 | truth.scores(predictions[ranked[0]][-1], plan, errors[ranked[0]][:-1])
             )
             if top:  # points only: the ensemble has no errors of its own on earlier windows
-                mean = np.mean([predictions[label][-1] for label in top], axis=0)
-                out.metrics.append({**truth.keys, "model": ENSEMBLE} | truth.scores(mean))
+                mean = np.mean([predictions[label][-1].values for label in top], axis=0)
+                out.metrics.append(
+                    {**truth.keys, "model": ENSEMBLE} | truth.scores(_Forecast(mean))
+                )
     out.series += 1
     _refit(plan, series, models, (observed, future.drop(TARGET)), scores, errors, out)
 
@@ -185,18 +189,15 @@ class _Truth:
     keys: dict[str, Any]
 
     def scores(
-        self,
-        predicted: np.ndarray,
-        plan: Plan | None = None,
-        earlier: list[np.ndarray] | None = None,
+        self, predicted: _Forecast, plan: Plan | None = None, earlier: Sequence[np.ndarray] = ()
     ) -> dict[str, float]:
-        """The point metrics, and with `plan` and errors of earlier windows, each level's
-        interval scores (the interval built from those errors only)."""
-        row = _metrics(self.actual, predicted, self.naive_mae)
-        for level in plan.levels if plan is not None and earlier else ():
-            width = half_widths(earlier or [], level)
-            lower, upper = predicted - width, predicted + width
-            row.update(interval_scores(self.actual, lower, upper, level, self.naive_mae))
+        """The point metrics and, with `plan`, each level's interval scores (the model's own
+        interval, or a conformal one from the errors of earlier windows only)."""
+        row = _metrics(self.actual, predicted.values, self.naive_mae)
+        for level in plan.levels if plan is not None else ():
+            bounds = predicted.bounds(level, list(earlier))
+            if bounds is not None:
+                row.update(interval_scores(self.actual, *bounds, level, self.naive_mae))
         return row
 
 
@@ -213,7 +214,7 @@ def _refit(
     from every window's errors; the series' choice (best mean over the windows) and its top k."""
     observed, future = rows
     ranked = sorted(scores, key=lambda label: _score(scores[label]))
-    finals: dict[str, np.ndarray] = {}
+    finals: dict[str, _Forecast] = {}
     for label in ranked:
         try:
             finals[label] = _fit_predict(models[label], label, observed, future, plan)
@@ -227,31 +228,31 @@ def _refit(
     out.choices.append(
         {SERIES: series, "model": ranked[0], "score": _score(scores[ranked[0]]), "top": top}
     )
-    bounds = {label: _bounds(plan, finals[label], errors[label]) for label in finals}
-    if plan.ensemble_top_k > 1:
-        finals[ENSEMBLE] = np.mean([finals[label] for label in top], axis=0)
-        bounds[ENSEMBLE] = {}  # points only, as in the backtest
+    columns = {label: _bounds(plan, finals[label], errors[label]) for label in finals}
+    if plan.ensemble_top_k > 1:  # points only, as in the backtest
+        finals[ENSEMBLE] = _Forecast(np.mean([finals[label].values for label in top], axis=0))
+        columns[ENSEMBLE] = {}
     out.forecasts.extend(
         {
             SERIES: series,
             "step": k + 1,
             "model": label,
             "forecast": float(v),
-            **{name: float(b[k]) for name, b in bounds[label].items()},
+            **{name: float(bound[k]) for name, bound in columns[label].items()},
         }
         for label, predicted in finals.items()
-        for k, v in enumerate(predicted)
+        for k, v in enumerate(predicted.values)
     )
 
 
-def _bounds(plan: Plan, predicted: np.ndarray, errors: list[np.ndarray]) -> dict[str, np.ndarray]:
-    """The forecast's interval bounds at each level, from every window's errors."""
-    bounds: dict[str, np.ndarray] = {}
+def _bounds(plan: Plan, predicted: _Forecast, errors: list[np.ndarray]) -> dict[str, np.ndarray]:
+    """The forecast's interval columns at each level (`lo_80`, `hi_80`, …)."""
+    columns: dict[str, np.ndarray] = {}
     for level in plan.levels:
-        width = half_widths(errors, level)
-        lower, upper = bound_names(level)
-        bounds[lower], bounds[upper] = predicted - width, predicted + width
-    return bounds
+        bounds = predicted.bounds(level, errors)
+        if bounds is not None:
+            columns.update(zip(bound_names(level), bounds, strict=True))
+    return columns
 
 
 def _score(values: list[float]) -> float:
@@ -260,16 +261,44 @@ def _score(values: list[float]) -> float:
     return float(np.mean(finite)) if finite else float("inf")
 
 
+@dataclass(frozen=True)
+class _Forecast:
+    """A model's forecast of some rows, in the target's own units, and its own intervals (level
+    → lower, upper) where the model has them and `backtest.intervals = "model"`."""
+
+    values: np.ndarray
+    own: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+
+    def bounds(self, level: int, errors: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray] | None:
+        """The interval at `level`: the model's own, else conformal from `errors` (earlier
+        windows' absolute errors), else none."""
+        if level in self.own:
+            return self.own[level]
+        if not errors:
+            return None
+        width = half_widths(errors, level)
+        return self.values - width, self.values + width
+
+
 def _fit_predict(
     model: Model, label: str, train: pl.DataFrame, rows: pl.DataFrame, plan: Plan
-) -> np.ndarray:
+) -> _Forecast:
     """Fit on `train` and predict `rows`, in the target's own units (scaling undone)."""
     how = plan.scales[label]
     loc, scale = _scaling(train[TARGET].to_numpy().astype(np.float64), how)
     if how != "none":
         train, rows = _scaled(train, plan, loc, scale), _scaled(rows, plan, loc, scale)
-    predicted = as_values(model.predict(model.fit(train), rows), rows.height, label)
-    return predicted * scale + loc
+    fitted = model.fit(train)
+    predicted = as_values(model.predict(fitted, rows), rows.height, label)
+    own = {}
+    interval = getattr(model, "predict_interval", None)
+    if plan.intervals == "model" and interval is not None:
+        for level in plan.levels:
+            lower, upper = interval(fitted, rows, level)
+            own[level] = tuple(
+                as_values(b, rows.height, label) * scale + loc for b in (lower, upper)
+            )
+    return _Forecast(predicted * scale + loc, own)  # type: ignore[arg-type]
 
 
 def _scaling(y: np.ndarray, how: str) -> tuple[float, float]:

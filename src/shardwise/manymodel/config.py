@@ -128,6 +128,9 @@ class BacktestSection(Section):
     """Prediction intervals at these levels in percent, e.g. [80, 95]: conformal, from the
     backtest windows' errors (no extra fits); scored on later windows (coverage, Winkler, MSIS)
     and written as `lo_80`, `hi_80`, … columns of the forecasts."""
+    intervals: Literal["conformal", "model"] = "conformal"
+    """`model`: the intervals of models that have their own (auto_ets, auto_arima, auto_theta,
+    mstl: statsforecast's), conformal ones for the rest."""
     selection: Literal["auto", "per_series", "ensemble", "best_model"] = "auto"
 
     @field_validator("levels")

@@ -185,6 +185,7 @@ def make_plan(config: ManyModelsConfig, table: SeriesTable, spec: FeatureSpec) -
         memory_mb=config.runner.memory_mb,
         ensemble_top_k=config.backtest.ensemble_top_k,
         levels=tuple(sorted(set(config.backtest.levels))),
+        intervals=config.backtest.intervals,
     )
 
 

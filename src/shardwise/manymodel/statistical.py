@@ -57,6 +57,18 @@ class Statistical:
         return np.asarray(fitted.predict(h=frame.height)["mean"], dtype=np.float64)
 
 
+class WithIntervals(Statistical):
+    """A statsforecast model with prediction intervals of its own (`backtest.intervals =
+    "model"` uses them)."""
+
+    def predict_interval(
+        self, fitted: Any, frame: pl.DataFrame, level: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The model's own interval at `level` percent (ETS, ARIMA, Theta and MSTL have one)."""
+        out = fitted.predict(h=frame.height, level=[level])
+        return np.asarray(out[f"lo-{level}"]), np.asarray(out[f"hi-{level}"])
+
+
 def _seasonal(season: int, n: int) -> int:
     """The season length a model can estimate from `n` observations (two whole seasons), else 1."""
     return season if season > 1 and n >= 2 * season else 1
@@ -108,11 +120,15 @@ def _adida(season: int, n: int, **args: Any) -> Any:
 
 
 def _factory(make: Callable[..., Any], name: str) -> Callable[..., Statistical]:
+    kind = (
+        WithIntervals if name in ("auto_ets", "auto_arima", "auto_theta", "mstl") else Statistical
+    )
+
     def build(context: ModelContext, **args: Any) -> Statistical:
         if name == "mstl":  # models.args.mstl = {seasonalities = [24, 168]} overrides
             default = _SEASONALITIES.get(context.freq, (context.season_length,))
             args = {**args, "seasonalities": tuple(args.get("seasonalities", default))}
-        return Statistical(context, make, name, **args)
+        return kind(context, make, name, **args)
 
     return build
 
