@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     many.add_argument(
         "--ray-address", metavar="ADDRESS", help="sets runner.ray_address ('auto': a cluster)"
     )
+    many.add_argument(
+        "--plot", action="store_true", help="draw plots of the forecasts (sets tracking.plots)"
+    )
     many.add_argument("--debug", action="store_true", help="show tracebacks for every error")
     plan = commands.add_parser(
         "plan",
@@ -216,6 +219,7 @@ def _many_models(args: argparse.Namespace) -> int:
         "features.backend": args.features_backend,
         "features.spark_master": args.spark_master,
         "runner.ray_address": args.ray_address,
+        "tracking.plots": True if args.plot else None,
     }
     overrides = [*args.overrides, *(f"{k}={v!r}" for k, v in flags.items() if v is not None)]
     config = load_many_models(args.job, overrides)

@@ -50,6 +50,8 @@ def test_us_employment_with_spark_features(tmp_path):
         "--set", "models.names=['seasonal_naive', 'ridge']",
         "--features-backend", "spark",
         "--spark-master", "local[2]",
+        "--set", "backtest.levels=[80]",
+        "--plot",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "features (spark)" in done.stderr
@@ -57,7 +59,20 @@ def test_us_employment_with_spark_features(tmp_path):
     assert "mlflow run:" in done.stderr
     for name in ("backtest_metrics", "best_models", "forecasts", "failures", "skipped"):
         assert (run_dir / f"{name}.parquet").exists()
-    assert pl.read_parquet(run_dir / "forecasts.parquet").height == 8 * 12
+    forecasts = pl.read_parquet(run_dir / "forecasts.parquet")
+    assert forecasts.height == 8 * 12 and {"lo_80", "hi_80"} <= set(forecasts.columns)
+    # --plot (issue 19): the MASE distribution and series with their intervals, also in MLflow
+    plots = run_dir / "plots"
+    assert (plots / "mase_by_model.png").stat().st_size > 10_000
+    drawn = sorted(p.name for p in (plots / "series").glob("*.png"))
+    assert any(n.startswith("worst-") for n in drawn) and any(
+        n.startswith("sample-") for n in drawn
+    )
+    import mlflow
+
+    run_id = done.stderr.split("mlflow run:")[1].split()[0]
+    client = mlflow.MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    assert "plots/mase_by_model.png" in {a.path for a in client.list_artifacts(run_id, "plots")}
 
 
 def test_joins_an_existing_ray_cluster_and_ships_user_code(tmp_path):

@@ -31,6 +31,7 @@ def test_cli_flags_are_pinned():
             "--features-backend",
             "--spark-master",
             "--ray-address",
+            "--plot",
             "--debug",
         ]
     )

@@ -132,6 +132,12 @@ class BacktestSection(Section):
     """`model`: the intervals of models that have their own (auto_ets, auto_arima, auto_theta,
     mstl: statsforecast's), conformal ones for the rest."""
     selection: Literal["auto", "per_series", "ensemble", "best_model"] = "auto"
+    """What the forecasts use: each series' best model, its ensemble, or the one model best over
+    all series. `auto` picks whichever scores best on the windows after the first, each chosen
+    on the windows before it (nested: needs n_windows ≥ 2; with one window, per_series)."""
+    min_train: int = Field(0, ge=0)
+    """Fewest training rows with complete features in the earliest window; 0 means
+    max(2 × season_length, 10). Shorter series are skipped and listed."""
 
     @field_validator("levels")
     @classmethod
@@ -140,13 +146,6 @@ class BacktestSection(Section):
         if bad:
             raise ValueError(f"levels are percentages between 0 and 100, got {bad[0]}")
         return levels
-
-    """What the forecasts use: each series' best model, its ensemble, or the one model best over
-    all series. `auto` picks whichever scores best on the windows after the first, each chosen
-    on the windows before it (nested: needs n_windows ≥ 2; with one window, per_series)."""
-    min_train: int = Field(0, ge=0)
-    """Fewest training rows with complete features in the earliest window; 0 means
-    max(2 × season_length, 10). Shorter series are skipped and listed."""
 
 
 class RunnerSection(Section):
@@ -166,6 +165,9 @@ class RunnerSection(Section):
 
 class TrackingSection(Section):
     mlflow: bool = True
+    plots: bool = False
+    """Draw `<run_dir>/plots/` (MASE per model; history, forecast and intervals of a sample of
+    series and of the worst ones) and log them to MLflow; `--plot` sets it."""
     uri: str = ""
     """MLflow tracking URI; "" means an embedded SQLite store `<run_dir>/mlflow.db`."""
     experiment: str = ""

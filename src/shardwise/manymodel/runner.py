@@ -147,8 +147,14 @@ def run(
             "total": time.perf_counter() - started,
         },
     )
+    if config.tracking.plots:
+        from shardwise.manymodel.plots import write_plots
+
+        write_plots(run_dir, table, outputs, seed=config.job.seed)
     summary.mlflow_run_id = _track(tracker, config, summary, run_dir)
     _print_summary(console, summary)
+    if config.tracking.plots:
+        console.print(f"plots: {run_dir / 'plots'}")
     return summary
 
 
@@ -600,6 +606,8 @@ def _track(tracker: Any, config: ManyModelsConfig, summary: Summary, run_dir: Pa
     for name in (*names, "skipped"):
         tracker.log_artifact(run_dir / f"{name}.parquet")
     tracker.log_artifact(run_dir / "job.toml")
+    if config.tracking.plots:
+        tracker.log_artifact(run_dir / "plots")
     tracker.close("FINISHED")
     run_id: str | None = tracker.run_id
     return run_id
