@@ -142,6 +142,9 @@ def compute(
 
 
 def polars_features(frame: pl.DataFrame, spec: FeatureSpec, columns: Columns) -> pl.DataFrame:
+    """The features with polars. Means and standard deviations are spelt out as sums in a fixed
+    order (spark.py does the same sums in the same order), so both backends give the same
+    floats, not merely close ones: a model's results then do not depend on the backend."""
     ids, ts, y = list(columns.ids), columns.timestamp, columns.target
     frame = frame.sort([*ids, ts])
     shifted = pl.col(y).shift(spec.shift).over(ids)
@@ -155,24 +158,33 @@ def polars_features(frame: pl.DataFrame, spec: FeatureSpec, columns: Columns) ->
         _CALENDAR[part](pl.col(ts)).cast(pl.Int32).alias(name)
         for name, part in spec.calendar_columns
     ]
+    frame = frame.with_columns(shifted.alias(base)).with_columns(exprs)
     for name, group, stat in spec.group_columns:
-        exprs.append(_aggregate(pl.col(base), stat).over([*group, ts]).alias(name))
-    return (
-        frame.with_columns(shifted.alias(base))
-        .with_columns(exprs)
-        .drop(base)
-        .with_columns(pl.col(spec.numeric_columns()).cast(pl.Float64))
-    )
+        frame = _aggregate(frame, base, [*group, ts], stat, name)
+    return frame.drop(base).with_columns(pl.col(spec.numeric_columns()).cast(pl.Float64))
 
 
 def _rolling(x: pl.Expr, window: int, stat: str) -> pl.Expr:
-    if stat == "mean":
-        return x.rolling_mean(window, min_samples=window)
-    if stat == "std":
-        return x.rolling_std(window, min_samples=window)
+    """Over the `window` values up to each row, null unless all are there. The sums run from
+    the newest value to the oldest, as spark.py's do."""
     if stat == "min":
         return x.rolling_min(window, min_samples=window)
-    return x.rolling_max(window, min_samples=window)
+    if stat == "max":
+        return x.rolling_max(window, min_samples=window)
+    values = [x.shift(k) for k in range(window)]
+    # × the reciprocal, not ÷ the count: polars divides by a constant that way, so spark.py
+    # multiplies by the same double
+    mean = _sum(values) * (1.0 / window)
+    if stat == "mean":
+        return mean
+    return (_sum([(v - mean) * (v - mean) for v in values]) * (1.0 / (window - 1))).sqrt()
+
+
+def _sum(terms: list[pl.Expr]) -> pl.Expr:
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
 
 
 def _expanding(x: pl.Expr, stat: str) -> pl.Expr:
@@ -180,10 +192,11 @@ def _expanding(x: pl.Expr, stat: str) -> pl.Expr:
     if stat in ("mean", "std"):
         # Centre on the series' first value: variance is shift-invariant and the sums stay small,
         # so the one-pass formula keeps its precision on series with a large level.
-        centred = (x - x.drop_nulls().first()).fill_null(0.0)
+        first = x.drop_nulls().first()
+        centred = (x - first).fill_null(0.0)
         s1, s2 = centred.cum_sum(), (centred * centred).cum_sum()
         if stat == "mean":
-            return pl.when(count > 0).then(s1 / count + x.drop_nulls().first())
+            return pl.when(count > 0).then(s1 / count + first)
         var = (s2 - s1 * s1 / count) / (count - 1)
         return pl.when(count > 1).then(var.clip(lower_bound=0.0).sqrt())
     filled = x.fill_null(float("inf") if stat == "min" else float("-inf"))
@@ -191,5 +204,21 @@ def _expanding(x: pl.Expr, stat: str) -> pl.Expr:
     return pl.when(count > 0).then(running)
 
 
-def _aggregate(x: pl.Expr, stat: str) -> pl.Expr:
-    return {"mean": x.mean(), "std": x.std(), "min": x.min(), "max": x.max()}[stat]
+def _aggregate(
+    frame: pl.DataFrame, base: str, keys: list[str], stat: str, name: str
+) -> pl.DataFrame:
+    """A group statistic at each timestamp (rows in id order within it): sums accumulated in
+    that order (`cum_sum`), as Spark's ordered window does; the std in two passes."""
+    x = pl.col(base)
+    if stat in ("min", "max"):
+        return frame.with_columns((x.min() if stat == "min" else x.max()).over(keys).alias(name))
+    count = x.is_not_null().sum().over(keys)
+    total = x.fill_null(0.0).cum_sum().last().over(keys)
+    mean = pl.when(count > 0).then(total / count)
+    if stat == "mean":
+        return frame.with_columns(mean.alias(name))
+    frame = frame.with_columns(mean.alias("_group_mean"))
+    deviation = (x - pl.col("_group_mean")) * (x - pl.col("_group_mean"))
+    squares = deviation.fill_null(0.0).cum_sum().last().over(keys)
+    std = pl.when(count > 1).then((squares / (count - 1)).sqrt())
+    return frame.with_columns(std.alias(name)).drop("_group_mean")

@@ -58,19 +58,21 @@ def spark_features(
     shifted = F.col(base)
     exprs = [F.lag(y, k).over(by_time).alias(f"lag{k}") for k in spec.lags]
     for name, window, stat in spec.rolling_columns:
-        frame_w = by_time.rowsBetween(-(window - 1), 0)
-        full = F.count(shifted).over(frame_w) == window
-        exprs.append(F.when(full, _stat(F, shifted, stat).over(frame_w)).alias(name))
-    growing = by_time.rowsBetween(Window.unboundedPreceding, 0)
+        exprs.append(_rolling(F, shifted, by_time, window, stat).alias(name))
+    whole = by_time.rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
     for name, stat in spec.expanding_columns:
-        enough = F.count(shifted).over(growing) >= (2 if stat == "std" else 1)
-        exprs.append(F.when(enough, _stat(F, shifted, stat).over(growing)).alias(name))
+        exprs.append(_expanding(F, Window, shifted, by_time, whole, stat).alias(name))
     exprs += [
         _calendar(F, F.col(ts), part).cast("int").alias(name)
         for name, part in spec.calendar_columns
     ]
+    data = data.select("*", *exprs)
+    exprs = []
     for name, group, stat in spec.group_columns:
-        exprs.append(_stat(F, shifted, stat).over(Window.partitionBy(*group, ts)).alias(name))
+        # every series at one timestamp, in id order: the order polars sums them in
+        keyed = Window.partitionBy(*group, ts).orderBy(*ids)
+        keyed = keyed.rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
+        exprs.append(_aggregate(F, shifted, keyed, stat).alias(name))
     data = data.select("*", *exprs).drop(base)
     result = pl.from_arrow(data.toArrow())
     assert isinstance(result, pl.DataFrame)
@@ -83,8 +85,52 @@ def spark_features(
     )
 
 
-def _stat(F: Any, column: Any, stat: str) -> Any:  # noqa: N803 (pyspark's functions module)
-    return {"mean": F.avg, "std": F.stddev_samp, "min": F.min, "max": F.max}[stat](column)
+def _rolling(F: Any, x: Any, by_time: Any, window: int, stat: str) -> Any:  # noqa: N803
+    """features._rolling's sums, newest value first, in the same order: the same floats."""
+    values = [x, *(F.lag(x, k).over(by_time) for k in range(1, window))]
+    if stat in ("min", "max"):
+        frame_w = by_time.rowsBetween(-(window - 1), 0)
+        full = F.count(x).over(frame_w) == window
+        return F.when(full, (F.min if stat == "min" else F.max)(x).over(frame_w))
+    mean = _sum(values) * (1.0 / window)  # as polars computes a division by a constant
+    if stat == "mean":
+        return mean
+    return F.sqrt(_sum([(v - mean) * (v - mean) for v in values]) * (1.0 / (window - 1)))
+
+
+def _sum(terms: list[Any]) -> Any:
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
+
+
+def _expanding(F: Any, Window: Any, x: Any, by_time: Any, whole: Any, stat: str) -> Any:  # noqa: N803
+    """features._expanding's running sums (Spark adds a growing frame's rows in time order, as
+    polars' cum_sum does)."""
+    growing = by_time.rowsBetween(Window.unboundedPreceding, 0)
+    count = F.count(x).over(growing)
+    if stat in ("min", "max"):
+        return F.when(count > 0, (F.min if stat == "min" else F.max)(x).over(growing))
+    first = F.first(x, ignorenulls=True).over(whole)
+    centred = F.coalesce(x - first, F.lit(0.0))
+    s1, s2 = F.sum(centred).over(growing), F.sum(centred * centred).over(growing)
+    if stat == "mean":
+        return F.when(count > 0, s1 / count + first)
+    var = (s2 - s1 * s1 / count) / (count - 1)
+    return F.when(count > 1, F.sqrt(F.greatest(var, F.lit(0.0))))
+
+
+def _aggregate(F: Any, x: Any, keyed: Any, stat: str) -> Any:  # noqa: N803
+    """features._aggregate: sums over the group's rows in id order; the std in two passes."""
+    if stat in ("min", "max"):
+        return (F.min if stat == "min" else F.max)(x).over(keyed)
+    count = F.count(x).over(keyed)
+    mean = F.when(count > 0, F.sum(x).over(keyed) / count)
+    if stat == "mean":
+        return mean
+    squares = F.sum((x - mean) * (x - mean)).over(keyed)
+    return F.when(count > 1, F.sqrt(squares / (count - 1)))
 
 
 def _calendar(F: Any, ts: Any, part: str) -> Any:  # noqa: N803
