@@ -98,3 +98,24 @@ def test_fractional_cpus_admit_more_tasks_than_cores(ray_cluster, tmp_path):
     summary = run(config)
     assert summary.completed == 12
     assert summary.peak_concurrency > 2  # 2 CPUs, yet more tasks were running at once
+
+
+def test_a_chunk_lost_for_good_fails_its_series_and_the_rest_are_assembled(ray_cluster, tmp_path):
+    """With no retries left, the chunk whose worker died has every series failed; the other
+    chunks' tables (with interval columns) are assembled as usual."""
+    config = job(
+        tmp_path,
+        models={
+            "names": ["seasonal_naive", "bad_models:Misbehaves"],
+            "args": {"Misbehaves": {"marker": str(tmp_path / "crashed-once")}},
+        },
+        runner={"num_cpus": 0.5, "chunk_size": 3, "max_retries": 0},
+        backtest={"levels": [80]},
+    )
+    summary = run(config)
+    failures = pl.read_parquet(tmp_path / "run" / "failures.parquet")
+    lost = failures.filter(pl.col("stage") == "task")
+    assert lost.height == 3 and lost["error"].str.contains("worker lost after retries").all()
+    assert summary.failed == 3 and summary.completed == 9
+    forecasts = pl.read_parquet(tmp_path / "run" / "forecasts.parquet")
+    assert forecasts["series_id"].n_unique() == 9 and "lo_80" in forecasts.columns

@@ -384,7 +384,19 @@ def _run_chunks(
         memory=runner.memory_mb * 2**20 or None,
     )
     plan_ref = ray.put(plan)
-    pending = {task.remote(ray.put(chunks[i].to_arrow()), plan_ref): i for i in todo}
+    # Longest chunks first, so the run does not end waiting on one long chunk (the work grows
+    # with the rows); a few per task slot in flight, each put into the object store when it is
+    # submitted, not all of them at the start.
+    queue = sorted(todo, key=lambda i: -chunks[i].height)
+    in_flight = max(2, 2 * task_slots(ray, config))
+    pending: dict[Any, int] = {}
+
+    def submit() -> None:
+        while queue and len(pending) < in_flight:
+            index = queue.pop(0)
+            pending[task.remote(ray.put(chunks[index].to_arrow()), plan_ref)] = index
+
+    submit()
     reused = sum(chunks[i][SERIES].n_unique() for i in done)
     intervals: list[tuple[float, float]] = []
     started, finished, failed = time.monotonic(), reused, 0
@@ -407,12 +419,13 @@ def _run_chunks(
                 try:
                     result: ChunkResult = ray.get(ref)
                 except ray.exceptions.RayError as e:
-                    result = _lost_chunk(chunks[index], e)
+                    result = _lost_chunk(chunks[index], e, plan.levels)
                 _write_chunk(run_dir / "chunks", index, result)
                 intervals.append((result.started, result.finished))
                 failed += result.failed_series
                 finished += result.series
                 progress.update(bar, completed=finished, failed=failed)
+                submit()
                 if not console.is_terminal:  # a log line per chunk instead of a bar
                     elapsed = time.monotonic() - started
                     rate = (finished - reused) / elapsed
@@ -425,9 +438,10 @@ def _run_chunks(
     return intervals
 
 
-def _lost_chunk(chunk: pl.DataFrame, error: Exception) -> ChunkResult:
-    """A chunk whose worker died more often than `max_retries`: every series in it failed."""
-    result = ChunkResult(started=time.time(), finished=time.time())
+def _lost_chunk(chunk: pl.DataFrame, error: Exception, levels: tuple[int, ...]) -> ChunkResult:
+    """A chunk whose worker died more often than `max_retries`: every series in it failed (its
+    tables have the interval columns of the others, `levels`)."""
+    result = ChunkResult(started=time.time(), finished=time.time(), levels=levels)
     message = f"{type(error).__name__}: worker lost after retries ({str(error).splitlines()[0]})"
     for series in chunk[SERIES].unique(maintain_order=True):
         result.failures.append({SERIES: series, "model": "*", "stage": "task", "error": message})
