@@ -84,7 +84,9 @@ def cluster(root: Path, nodes: int = 2, cpus: int = 1) -> Iterator[Slurm]:
                 f"SlurmdPort={_free_port()}",
                 "AuthType=auth/munge",
                 "CredType=cred/munge",
-                f"AuthInfo=socket={socket_path}",
+                # a requeued job may start again once its credential has expired (Slurm holds
+                # it back that long: 120 s by default); forcing it earlier fails its launch
+                f"AuthInfo=socket={socket_path},cred_expire=10",
                 "SlurmUser=root",
                 "SlurmdUser=root",
                 f"StateSaveLocation={root / 'state'}",
