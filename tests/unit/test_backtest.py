@@ -139,3 +139,13 @@ def test_the_held_out_choice_is_scored_on_a_window_it_was_not_chosen_on(tmp_path
     assert selection.held_out["per_series"] == selection.held_out["best_model"]
     assert selection.strategy == "ensemble"  # 25 off beats 50 off on window 2
     assert selection.held_out["ensemble"]["mase"] < selection.held_out["per_series"]["mase"]
+
+
+def test_selection_copes_with_a_run_where_every_model_failed():
+    """No metrics at all (every series failed): nothing to score, per-series forecasts (none)."""
+    empty = pl.DataFrame(
+        schema={SERIES: pl.Int64, "model": pl.String, "window": pl.Int64, "mase": pl.Float64,
+                "smape": pl.Float64, "mae": pl.Float64, "rmse": pl.Float64}
+    )  # fmt: skip
+    selection = select(empty, n_windows=3, metric="mase", requested="auto")
+    assert selection.strategy == "per_series" and selection.best_model == ""

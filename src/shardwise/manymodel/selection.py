@@ -62,9 +62,9 @@ def select(metrics: pl.DataFrame, *, n_windows: int, metric: str, requested: str
         )
         for row in by_label.iter_rows(named=True):
             held[row["model"]] = {name: _value(row[name]) for name in names}
-        held["per_series"] = held.pop(SELECTED)
-        if ENSEMBLE in held:
-            held["ensemble"] = held.pop(ENSEMBLE)
+        for label, strategy in ((SELECTED, "per_series"), (ENSEMBLE, "ensemble")):
+            if label in held:  # none where no series had a choice to score
+                held[strategy] = held.pop(label)
         fallback = fallbacks[-1]
     strategy = requested
     if requested == "auto":
@@ -90,7 +90,7 @@ def _best(metrics: pl.DataFrame, metric: str) -> str:
     ranked = (
         per_series.group_by("model").agg(pl.col(metric).drop_nans().mean()).sort(metric, "model")
     )
-    return str(ranked["model"][0])
+    return str(ranked["model"][0]) if ranked.height else ""  # "": every model failed
 
 
 def _value(value: float | None) -> float:
