@@ -131,14 +131,14 @@ def test_restarts_number_the_attempts_and_a_config_error_is_not_retried(capsys):
 
     seen: list[int] = []
 
-    def flaky(n: int) -> str:
+    def fails_twice_then_succeeds(n: int) -> str:
         seen.append(n)
         if n < 2:
             raise RuntimeError(f"rank 1 died in attempt {n}")
         return "done"
 
     again = lambda failure: f"{failure}; again"  # noqa: E731
-    assert run_with_restarts(2, flaky, again=again, fatal=lambda f: f) == "done"
+    assert run_with_restarts(2, fails_twice_then_succeeds, again=again, fatal=lambda f: f) == "done"
     assert seen == [0, 1, 2]
     out = capsys.readouterr().out
     assert "rank 1 died in attempt 0; again (1 of 2) from the newest good checkpoint" in out
@@ -146,7 +146,9 @@ def test_restarts_number_the_attempts_and_a_config_error_is_not_retried(capsys):
 
     seen.clear()
     with pytest.raises(ValueError, match="gave up: rank 1 died in attempt 1"):
-        run_with_restarts(1, flaky, again=again, fatal=lambda f: ValueError(f"gave up: {f}"))
+        run_with_restarts(
+            1, fails_twice_then_succeeds, again=again, fatal=lambda f: ValueError(f"gave up: {f}")
+        )
     assert seen == [0, 1]
 
     def bad_job(n: int) -> str:
