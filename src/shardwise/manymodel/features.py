@@ -13,8 +13,10 @@ cluster. Both produce the same table (tests/integration/test_features_spark.py).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from functools import reduce
+from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
@@ -171,20 +173,19 @@ def _rolling(x: pl.Expr, window: int, stat: str) -> pl.Expr:
         return x.rolling_min(window, min_samples=window)
     if stat == "max":
         return x.rolling_max(window, min_samples=window)
-    values = [x.shift(k) for k in range(window)]
-    # × the reciprocal, not ÷ the count: polars divides by a constant that way, so spark.py
-    # multiplies by the same double
-    mean = _sum(values) * (1.0 / window)
-    if stat == "mean":
-        return mean
-    return (_sum([(v - mean) * (v - mean) for v in values]) * (1.0 / (window - 1))).sqrt()
+    mean, var = window_moments([x.shift(k) for k in range(window)])
+    moment: pl.Expr = mean if stat == "mean" else var.sqrt()
+    return moment
 
 
-def _sum(terms: list[pl.Expr]) -> pl.Expr:
-    total = terms[0]
-    for term in terms[1:]:
-        total = total + term
-    return total
+def window_moments(values: list[Any]) -> tuple[Any, Any]:
+    """The mean and sample variance of a window's values (polars expressions or Spark columns,
+    newest first), as sums in that order, each × the reciprocal of its count: polars divides by
+    a constant that way, and spark.py calls this too, so both backends give the same floats."""
+    n = len(values)
+    mean = reduce(operator.add, values) * (1.0 / n)
+    var = reduce(operator.add, [(v - mean) * (v - mean) for v in values]) * (1.0 / (n - 1))
+    return mean, var
 
 
 def _expanding(x: pl.Expr, stat: str) -> pl.Expr:

@@ -126,7 +126,7 @@ def run(
             )
         train_started = time.perf_counter()
         intervals = _run_chunks(
-            ray, config, plan, chunks, todo, run_dir, table.num_series, done, console
+            ray, config, plan, chunks, todo, slots, run_dir, table.num_series, done, console
         )
         train_seconds = time.perf_counter() - train_started
     finally:
@@ -371,6 +371,7 @@ def _run_chunks(
     plan: Plan,
     chunks: list[pl.DataFrame],
     todo: list[int],
+    slots: int,
     run_dir: Path,
     total_series: int,
     done: set[int],
@@ -388,7 +389,7 @@ def _run_chunks(
     # with the rows); a few per task slot in flight, each put into the object store when it is
     # submitted, not all of them at the start.
     queue = sorted(todo, key=lambda i: -chunks[i].height)
-    in_flight = max(2, 2 * task_slots(ray, config))
+    in_flight = max(2, 2 * slots)
     pending: dict[Any, int] = {}
 
     def submit() -> None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import polars as pl
 
 from shardwise.launch.env import environment
-from shardwise.manymodel.features import FeatureSpec
+from shardwise.manymodel.features import FeatureSpec, window_moments
 
 if TYPE_CHECKING:
     from shardwise.manymodel.data import Columns
@@ -86,23 +86,13 @@ def spark_features(
 
 
 def _rolling(F: Any, x: Any, by_time: Any, window: int, stat: str) -> Any:  # noqa: N803
-    """features._rolling's sums, newest value first, in the same order: the same floats."""
-    values = [x, *(F.lag(x, k).over(by_time) for k in range(1, window))]
+    """features._rolling: the same window_moments over the same values, newest first."""
     if stat in ("min", "max"):
         frame_w = by_time.rowsBetween(-(window - 1), 0)
         full = F.count(x).over(frame_w) == window
         return F.when(full, (F.min if stat == "min" else F.max)(x).over(frame_w))
-    mean = _sum(values) * (1.0 / window)  # as polars computes a division by a constant
-    if stat == "mean":
-        return mean
-    return F.sqrt(_sum([(v - mean) * (v - mean) for v in values]) * (1.0 / (window - 1)))
-
-
-def _sum(terms: list[Any]) -> Any:
-    total = terms[0]
-    for term in terms[1:]:
-        total = total + term
-    return total
+    mean, var = window_moments([x, *(F.lag(x, k).over(by_time) for k in range(1, window))])
+    return mean if stat == "mean" else F.sqrt(var)
 
 
 def _expanding(F: Any, Window: Any, x: Any, by_time: Any, whole: Any, stat: str) -> Any:  # noqa: N803
