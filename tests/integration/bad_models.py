@@ -40,3 +40,14 @@ class Sleeps:
 
     def predict(self, fitted: float, frame: pl.DataFrame) -> np.ndarray:
         return np.full(frame.height, fitted)
+
+
+class GlobalFails:
+    """A global model (fitted on many series at once) whose every fit raises."""
+
+    def fit(self, frame: pl.DataFrame) -> float:
+        assert frame["series_id"].n_unique() > 1, "a global model sees many series"
+        raise ValueError("global fit refused")
+
+    def predict(self, fitted: float, frame: pl.DataFrame) -> np.ndarray:
+        return np.full(frame.height, fitted)

@@ -34,13 +34,12 @@ import polars as pl
 from shardwise.manymodel.data import FUTURE, SERIES, Columns
 from shardwise.manymodel.intervals import bound_names, half_widths, interval_scores, score_names
 from shardwise.manymodel.models import Model, ModelContext, as_values, build
+from shardwise.manymodel.transforms import TARGET, TargetTransform
 
 METRICS = ("mae", "rmse", "smape", "mase")
 SELECTED, ENSEMBLE = "selected", "ensemble"
 """Labels of the backtest's held-out choices in the metrics table, and of the ensemble's
 forecasts: no model may be named so."""
-TARGET = "y"
-"""The target's column name in the frames models see, whatever it is called in the data."""
 
 
 @dataclass(frozen=True)
@@ -51,10 +50,8 @@ class Plan:
     context: ModelContext
     models: tuple[tuple[str, str, dict[str, Any]], ...]
     """(label, name or import path, arguments) per model."""
-    level_columns: tuple[str, ...]
-    spread_columns: tuple[str, ...]
-    scales: dict[str, str]
-    """The target's scaling per model label: none, mean or standard."""
+    transforms: dict[str, TargetTransform]
+    """The target transform (scaling, differencing) per model label."""
     horizon: int
     n_windows: int
     step: int
@@ -65,6 +62,9 @@ class Plan:
     """Prediction-interval levels in percent (intervals.py); () for points only."""
     intervals: str = "conformal"
     """"model": a model's own intervals where it has them (`predict_interval`), else conformal."""
+    global_models: frozenset[str] = frozenset()
+    """Labels of the models fitted across series (global_models.py): the chunks get their
+    forecasts (`Given`) instead of fitting them."""
 
 
 @dataclass
@@ -112,10 +112,11 @@ _FORECAST_SCHEMA = {SERIES: pl.Int64, "step": pl.Int64, "model": pl.String, "for
 _FAILURE_SCHEMA = {SERIES: pl.Int64, "model": pl.String, "stage": pl.String, "error": pl.String}
 
 
-def run_chunk(rows: Any, plan: Plan) -> ChunkResult:
+def run_chunk(rows: Any, plan: Plan, given: Any = None) -> ChunkResult:
     """Backtest, select and forecast every series in `rows` (an Arrow table or polars frame of
-    whole series, features included). Threads are pinned to one; `plan.memory_mb` caps the
-    address space while the chunk runs."""
+    whole series, features included), with the global models' forecasts of them `given`
+    (global_models.GIVEN_SCHEMA). Threads are pinned to one; `plan.memory_mb` caps the address
+    space while the chunk runs."""
     result = ChunkResult(started=time.time(), pid=os.getpid(), levels=plan.levels)
     frame = rows if isinstance(rows, pl.DataFrame) else pl.from_arrow(rows)
     assert isinstance(frame, pl.DataFrame)
@@ -123,7 +124,12 @@ def run_chunk(rows: Any, plan: Plan) -> ChunkResult:
         frame = frame.rename({plan.columns.target: TARGET})
     uses_torch = "torch" in sys.modules or any(name == "mlp" for _, name, _ in plan.models)
     with _one_thread(torch_too=uses_torch), _memory_cap(plan.memory_mb):
-        models = {label: build(name, args, plan.context) for label, name, args in plan.models}
+        models = {
+            label: build(name, args, plan.context)
+            if label not in plan.global_models
+            else Given(label, given)
+            for label, name, args in plan.models
+        }
         for part in frame.partition_by(SERIES, maintain_order=True):
             forecast_series(part, plan, models, result)
     result.finished = time.time()
@@ -138,13 +144,11 @@ def forecast_series(
     series = int(frame[SERIES][0])
     observed = frame.filter(~pl.col(FUTURE))
     future = frame.filter(pl.col(FUTURE))
-    n, h = observed.height, plan.horizon
     scores: dict[str, list[float]] = {label: [] for label in models}
     predictions: dict[str, list[_Forecast]] = {label: [] for label in models}
     errors: dict[str, list[np.ndarray]] = {label: [] for label in models}
-    for window in range(plan.n_windows):
-        origin = n - h - plan.step * (plan.n_windows - 1 - window)
-        train, test = observed.head(origin), observed.slice(origin, h)
+    for window, origin in enumerate(origins(observed.height, plan)):
+        train, test = observed.head(origin), observed.slice(origin, plan.horizon)
         truth = _Truth(
             test[TARGET].to_numpy().astype(np.float64),
             _seasonal_mae(train[TARGET].to_numpy().astype(np.float64), plan.context.season_length),
@@ -178,6 +182,42 @@ def forecast_series(
                 )
     out.series += 1
     _refit(plan, series, models, (observed, future.drop(TARGET)), scores, errors, out)
+
+
+def origins(n: int, plan: Plan) -> list[int]:
+    """The forecast origins (training rows) of a series with `n` observed rows, per window."""
+    last = n - plan.horizon
+    return [last - plan.step * (plan.n_windows - 1 - w) for w in range(plan.n_windows)]
+
+
+class Given:
+    """A global model inside a chunk: its forecasts were made across series beforehand
+    (global_models.py); `fit` notes the origin, `predict` looks the forecast up."""
+
+    def __init__(self, label: str, given: Any) -> None:
+        frame = given if isinstance(given, pl.DataFrame) else pl.from_arrow(given)
+        assert isinstance(frame, pl.DataFrame)
+        self.forecasts: dict[tuple[int, int], np.ndarray] = {}
+        self.errors: dict[tuple[int, int], str] = {}
+        for (series, origin), part in frame.filter(pl.col("model") == label).group_by(
+            SERIES, "origin"
+        ):
+            key = (int(series), int(origin))
+            error = part["error"].drop_nulls()
+            if error.len():
+                self.errors[key] = str(error[0])
+            else:
+                self.forecasts[key] = part.sort("step")["forecast"].to_numpy()
+
+    def fit(self, frame: pl.DataFrame) -> tuple[int, int]:
+        return int(frame[SERIES][0]), frame.height
+
+    def predict(self, fitted: tuple[int, int], frame: pl.DataFrame) -> np.ndarray:
+        if fitted in self.errors:
+            raise RuntimeError(f"the global fit failed: {self.errors[fitted]}")
+        if fitted not in self.forecasts:
+            raise RuntimeError(f"no global forecast for series {fitted[0]} at row {fitted[1]}")
+        return self.forecasts[fitted]
 
 
 @dataclass(frozen=True)
@@ -283,11 +323,10 @@ class _Forecast:
 def _fit_predict(
     model: Model, label: str, train: pl.DataFrame, rows: pl.DataFrame, plan: Plan
 ) -> _Forecast:
-    """Fit on `train` and predict `rows`, in the target's own units (scaling undone)."""
-    how = plan.scales[label]
-    loc, scale = _scaling(train[TARGET].to_numpy().astype(np.float64), how)
-    if how != "none":
-        train, rows = _scaled(train, plan, loc, scale), _scaled(rows, plan, loc, scale)
+    """Fit on `train` and predict `rows`, in the target's own units (transforms undone)."""
+    if isinstance(model, Given):  # forecast across series, already in the target's units
+        return _Forecast(as_values(model.predict(model.fit(train), rows), rows.height, label))
+    train, rows, back = plan.transforms[label].apply(train, rows)
     fitted = model.fit(train)
     predicted = as_values(model.predict(fitted, rows), rows.height, label)
     own = {}
@@ -295,28 +334,11 @@ def _fit_predict(
     if plan.intervals == "model" and interval is not None:
         for level in plan.levels:
             lower, upper = interval(fitted, rows, level)
-            own[level] = tuple(
-                as_values(b, rows.height, label) * scale + loc for b in (lower, upper)
+            own[level] = (
+                back(as_values(lower, rows.height, label)),
+                back(as_values(upper, rows.height, label)),
             )
-    return _Forecast(predicted * scale + loc, own)  # type: ignore[arg-type]
-
-
-def _scaling(y: np.ndarray, how: str) -> tuple[float, float]:
-    y = y[~np.isnan(y)]
-    if how == "none" or y.size == 0:
-        return 0.0, 1.0
-    if how == "mean":
-        scale = float(np.mean(np.abs(y)))
-        return 0.0, scale or 1.0
-    return float(np.mean(y)), float(np.std(y)) or 1.0
-
-
-def _scaled(frame: pl.DataFrame, plan: Plan, loc: float, scale: float) -> pl.DataFrame:
-    level = [c for c in (TARGET, *plan.level_columns) if c in frame.columns]
-    return frame.with_columns(
-        *((pl.col(c) - loc) / scale for c in level),
-        *(pl.col(c) / scale for c in plan.spread_columns),
-    )
+    return _Forecast(back(predicted), own)
 
 
 def _seasonal_mae(y: np.ndarray, season: int) -> float:
@@ -345,14 +367,14 @@ def _metrics(actual: np.ndarray, predicted: np.ndarray, naive_mae: float) -> dic
 
 
 def _failure(series: int, model: str, stage: str, error: BaseException) -> dict[str, Any]:
+    return {SERIES: series, "model": model, "stage": stage, "error": failure_message(error)}
+
+
+def failure_message(error: BaseException) -> str:
+    """`Type: message (at file:line)`, the line where it was raised."""
     where = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
     at = f" (at {os.path.basename(where.filename)}:{where.lineno})" if where else ""
-    return {
-        SERIES: series,
-        "model": model,
-        "stage": stage,
-        "error": f"{type(error).__name__}: {error}{at}",
-    }
+    return f"{type(error).__name__}: {error}{at}"
 
 
 @contextmanager

@@ -113,6 +113,14 @@ class ModelsSection(Section):
     scale: dict[str, Literal["none", "mean", "standard"]] = Field(default_factory=dict)
     """Target scaling per model name, e.g. scale.ridge = "mean"; a model not named here gets
     `features.scale`, except the statistical models, which get "none" (they model the level)."""
+    difference: dict[str, bool] = Field(default_factory=dict)
+    """difference.lightgbm = true: the model predicts the target minus its smallest lag (the
+    value `horizon` steps earlier, by default), and level features are taken relative to it, so
+    trees follow trends (manymodel/transforms.py). Feature models and user models only."""
+    global_: dict[str, bool] = Field(default_factory=dict, alias="global")
+    """global.lightgbm = true: one model fitted on every series' rows at once in each backtest
+    window (and for the forecast) instead of one per series, trained on Ray workers that each
+    hold a part of the series (manymodel/global_models.py). Feature models and user models."""
 
 
 class BacktestSection(Section):
@@ -159,6 +167,9 @@ class RunnerSection(Section):
     fails with MemoryError, the rest go on. 0: no cap."""
     chunk_size: int = Field(0, ge=0)
     """Series per task; 0 picks one that gives every task slot several chunks."""
+    global_workers: int = Field(0, ge=0)
+    """Ray actors that fit each global model together, each holding a part of the series; 0
+    means one per task slot."""
     max_retries: int = Field(3, ge=0)
     """Times Ray reruns a chunk whose worker process died."""
 
@@ -253,9 +264,14 @@ def _check_models(config: ManyModelsConfig) -> None:
             "backtest.selection = 'ensemble' needs backtest.ensemble_top_k ≥ 2 (the models "
             "each series' ensemble averages)"
         )
-    known = {*BUILTIN_MODELS, *(model_label(n) for n in names)}
-    for key in ("args", "scale"):
-        unknown = sorted(set(getattr(config.models, key)) - known)
+    _check_model_options(config)
+
+
+def _check_model_options(config: ManyModelsConfig) -> None:
+    """`models.args`, `.scale`, `.difference`, `.global` name models that can take them."""
+    known = {*BUILTIN_MODELS, *(model_label(n) for n in config.models.names)}
+    for key in ("args", "scale", "difference", "global"):
+        unknown = sorted(set(getattr(config.models, key.replace("global", "global_"))) - known)
         if unknown:
             close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
             hint = (
@@ -264,6 +280,15 @@ def _check_models(config: ManyModelsConfig) -> None:
                 else f"; models: {', '.join(sorted(known))}"
             )
             raise ConfigError(f"models.{key}.{unknown[0]} names no model{hint}")
+    level_only = {"seasonal_naive", *STATISTICAL_MODELS}
+    for key, what in (("difference", "differenced"), ("global", "fitted across series")):
+        named = getattr(config.models, key.replace("global", "global_"))
+        bad = sorted(name for name, on in named.items() if on and name in level_only)
+        if bad:
+            raise ConfigError(
+                f"models.{key}.{bad[0]}: {bad[0]} models each series' own values, it cannot be "
+                f"{what}; set it for feature models (ridge, lightgbm, mlp) or user models"
+            )
 
 
 def _check_synthetic(config: ManyModelsConfig) -> None:
@@ -288,6 +313,14 @@ def model_scale(config: ManyModelsConfig, name: str) -> str:
     label = model_label(name)
     default = "none" if name in STATISTICAL_MODELS else config.features.scale
     return config.models.scale.get(label, default)
+
+
+def model_differenced(config: ManyModelsConfig, name: str) -> bool:
+    return config.models.difference.get(model_label(name), False)
+
+
+def model_global(config: ManyModelsConfig, name: str) -> bool:
+    return config.models.global_.get(model_label(name), False)
 
 
 def model_label(name: str) -> str:

@@ -19,6 +19,7 @@ import polars as pl
 from shardwise.config import ConfigError
 from shardwise.imports import import_object
 from shardwise.manymodel.config import BUILTIN_MODELS
+from shardwise.manymodel.group import Group
 from shardwise.manymodel.statistical import STATISTICAL
 
 
@@ -92,13 +93,26 @@ class _Design:
     scale: np.ndarray = field(default_factory=lambda: np.ones(0))
     levels: dict[str, np.ndarray] = field(default_factory=dict)
 
-    def fit(self, frame: pl.DataFrame) -> np.ndarray:
+    def fit(self, frame: pl.DataFrame, group: Group | None = None) -> np.ndarray:
+        """Learn the fill values, scales and levels from `frame` (and with a `group`, from every
+        worker's rows, so each gets the design one worker with all the rows would), and
+        transform it."""
+        group = group or Group(0, 1)
         x = frame.select(self.numeric).to_numpy().astype(np.float64)
-        self.mean = np.nan_to_num(np.nanmean(x, axis=0)) if x.size else np.zeros(x.shape[1])
-        x = np.where(np.isnan(x), self.mean, x)
-        self.scale = x.std(axis=0)
+        present = ~np.isnan(x)
+        sums = group.allreduce(
+            np.concatenate([present.sum(axis=0), np.where(present, x, 0).sum(axis=0), [len(x)]])
+        )
+        counts, totals, rows = np.split(sums, [x.shape[1], 2 * x.shape[1]])
+        self.mean = np.divide(totals, counts, out=np.zeros_like(totals), where=counts > 0)
+        x = np.where(present, x, self.mean)
+        squares = group.allreduce(((x - self.mean) ** 2).sum(axis=0))
+        self.scale = np.sqrt(squares / max(rows[0], 1))
         self.scale[self.scale == 0] = 1.0
-        self.levels = {c: np.unique(frame[c].drop_nulls().to_numpy()) for c in self.categorical}
+        self.levels = {
+            c: np.asarray(group.union(frame[c].drop_nulls().unique().to_list()))
+            for c in self.categorical
+        }
         return self._matrix(frame, x)
 
     def transform(self, frame: pl.DataFrame) -> np.ndarray:
@@ -156,15 +170,21 @@ class LightGBM:
             "min_child_samples": min_child_samples,
         }
 
-    def fit(self, frame: pl.DataFrame) -> Any:
+    def fit(self, frame: pl.DataFrame, group: Group | None = None) -> Any:
+        """Fit on `frame`; with a `group` of workers, data-parallel over LightGBM's sockets, each
+        worker on its own rows (one model, the same on every worker)."""
         import lightgbm
 
         rows = frame.drop_nulls([self.context.target])
+        network = group.lightgbm if group is not None else {}
         model = lightgbm.LGBMRegressor(
-            **self.params, n_jobs=1, verbose=-1, random_state=self.context.seed
+            **self.params, **network, n_jobs=1, verbose=-1, random_state=self.context.seed
         )
         features = list(self.context.features)
-        return model.fit(rows.select(features).to_numpy(), rows[self.context.target].to_numpy())
+        model.fit(rows.select(features).to_numpy(), rows[self.context.target].to_numpy())
+        if network:  # close the sockets now, not when the model is collected
+            model.booster_.free_network()
+        return model
 
     def predict(self, fitted: Any, frame: pl.DataFrame) -> np.ndarray:
         return np.asarray(fitted.predict(frame.select(list(self.context.features)).to_numpy()))
@@ -178,13 +198,17 @@ class MLP:
     ) -> None:
         self.context, self.hidden, self.epochs, self.lr = context, hidden, epochs, lr
 
-    def fit(self, frame: pl.DataFrame) -> tuple[_Design, Any]:
+    def fit(self, frame: pl.DataFrame, group: Group | None = None) -> tuple[_Design, Any]:
+        """Fit on `frame`; with a `group` of workers, each on its own rows, the gradient of the
+        mean loss over all of them summed over gloo (the same net on every worker)."""
         import torch
 
+        group = group or Group(0, 1)
         rows = _training_rows(frame, self.context)
         design = _Design(_numeric(self.context), list(self.context.categorical))
-        x = torch.from_numpy(design.fit(rows)).float()
+        x = torch.from_numpy(design.fit(rows, group)).float()
         y = torch.tensor(rows[self.context.target].to_numpy(), dtype=torch.float32)[:, None]
+        total = float(group.allreduce(np.array([rows.height]))[0]) or 1.0
         torch.manual_seed(self.context.seed)
         net = torch.nn.Sequential(
             torch.nn.Linear(x.shape[1], self.hidden),
@@ -192,9 +216,15 @@ class MLP:
             torch.nn.Linear(self.hidden, 1),
         )
         optimizer = torch.optim.Adam(net.parameters(), lr=self.lr)
+        params = list(net.parameters())
         for _ in range(self.epochs):
             optimizer.zero_grad()
-            torch.nn.functional.mse_loss(net(x), y).backward()
+            (torch.nn.functional.mse_loss(net(x), y, reduction="sum") / total).backward()
+            if group.size > 1:
+                flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
+                summed = torch.from_numpy(group.allreduce(flat.double().numpy())).float()
+                for p, part in zip(params, summed.split([p.numel() for p in params]), strict=True):
+                    p.grad.copy_(part.view_as(p))  # type: ignore[union-attr]
             optimizer.step()
         return design, net.eval()
 

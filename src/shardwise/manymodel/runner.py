@@ -29,13 +29,21 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from shardwise.config import ConfigError, flatten, shown
-from shardwise.manymodel.backtest import TARGET, ChunkResult, Plan, run_chunk
-from shardwise.manymodel.config import BUILTIN_MODELS, ManyModelsConfig, model_label, model_scale
+from shardwise.manymodel.backtest import ChunkResult, Plan, run_chunk
+from shardwise.manymodel.config import (
+    BUILTIN_MODELS,
+    ManyModelsConfig,
+    model_differenced,
+    model_global,
+    model_label,
+    model_scale,
+)
 from shardwise.manymodel.data import FUTURE, SERIES, SeriesTable, load_series
 from shardwise.manymodel.features import FeatureSpec, compute
 from shardwise.manymodel.models import ModelContext
 from shardwise.manymodel.report import Summary, print_summary, start_tracking, summarise, track
 from shardwise.manymodel.selection import Selection, forecasts, select
+from shardwise.manymodel.transforms import TARGET, TargetTransform
 from shardwise.ray_cluster import check_ray_address, loopback_ray
 
 TABLES = ("metrics", "choices", "forecasts", "failures")
@@ -106,9 +114,11 @@ def run(
                 f"resuming: {len(done)} of {len(chunks)} chunks already done, {len(todo)} to run"
             )
         train_started = time.perf_counter()
+        given = _global_forecasts(ray, config, plan, chunks, todo, slots, console)
         intervals = _run_chunks(
-            ray, config, plan, chunks, todo, slots, run_dir, table.num_series, done, console
-        )
+            ray, config, plan, (chunks, given), todo, slots, run_dir, table.num_series, done,
+            console,
+        )  # fmt: skip
         train_seconds = time.perf_counter() - train_started
     finally:
         if started_ray:
@@ -162,9 +172,15 @@ def make_plan(config: ManyModelsConfig, table: SeriesTable, spec: FeatureSpec) -
         columns=table.columns,
         context=context,
         models=models,
-        level_columns=tuple(level),
-        spread_columns=tuple(spread),
-        scales={model_label(name): model_scale(config, name) for name in config.models.names},
+        transforms={
+            model_label(name): TargetTransform(
+                scale=model_scale(config, name),
+                anchor=spec.lag_columns[0] if model_differenced(config, name) else "",
+                level=tuple(level),
+                spread=tuple(spread),
+            )
+            for name in config.models.names
+        },
         horizon=config.backtest.horizon,
         n_windows=config.backtest.n_windows,
         step=config.backtest_step,
@@ -173,6 +189,9 @@ def make_plan(config: ManyModelsConfig, table: SeriesTable, spec: FeatureSpec) -
         ensemble_top_k=config.backtest.ensemble_top_k,
         levels=tuple(sorted(set(config.backtest.levels))),
         intervals=config.backtest.intervals,
+        global_models=frozenset(
+            model_label(name) for name in config.models.names if model_global(config, name)
+        ),
     )
 
 
@@ -346,11 +365,45 @@ def start_ray(config: ManyModelsConfig) -> tuple[Any, bool]:
     return ray, True
 
 
-def _run_chunks(
+def _global_forecasts(
     ray: Any,
     config: ManyModelsConfig,
     plan: Plan,
     chunks: list[pl.DataFrame],
+    todo: list[int],
+    slots: int,
+    console: Console,
+) -> list[pl.DataFrame | None]:
+    """Per chunk, the global models' forecasts of its series (None without global models).
+    They are fitted once per run (`chunks/global.parquet`; a resumed run reuses them)."""
+    if not plan.global_models or not todo:
+        return [None] * len(chunks)
+    saved = config.run_dir / "chunks" / "global.parquet"
+    if saved.exists():
+        given = pl.read_parquet(saved)
+    else:
+        from shardwise.manymodel.global_models import fit_global
+
+        started = time.perf_counter()
+        workers = min(slots, config.runner.global_workers or slots)
+        refs = [ray.put(chunk.to_arrow()) for chunk in chunks]
+        given = fit_global(ray, plan, refs, workers)
+        del refs
+        partial = saved.with_suffix(f".partial-{os.getpid()}")
+        given.write_parquet(partial)
+        os.replace(partial, saved)
+        console.print(
+            f"global models ({', '.join(sorted(plan.global_models))}) fitted on "
+            f"{min(workers, len(chunks))} workers in {time.perf_counter() - started:.1f} s"
+        )
+    return [given.join(chunk.select(SERIES).unique(), on=SERIES) for chunk in chunks]
+
+
+def _run_chunks(
+    ray: Any,
+    config: ManyModelsConfig,
+    plan: Plan,
+    parts: tuple[list[pl.DataFrame], list[pl.DataFrame | None]],
     todo: list[int],
     slots: int,
     run_dir: Path,
@@ -359,6 +412,7 @@ def _run_chunks(
     console: Console,
 ) -> list[tuple[float, float]]:
     runner = config.runner
+    chunks, given = parts
     task = ray.remote(run_chunk).options(
         num_cpus=runner.num_cpus,
         num_gpus=runner.num_gpus,
@@ -376,7 +430,10 @@ def _run_chunks(
     def submit() -> None:
         while queue and len(pending) < in_flight:
             index = queue.pop(0)
-            pending[task.remote(ray.put(chunks[index].to_arrow()), plan_ref)] = index
+            rows = ray.put(chunks[index].to_arrow())
+            part = given[index]
+            forecasts = part.to_arrow() if part is not None else None
+            pending[task.remote(rows, plan_ref, forecasts)] = index
 
     submit()
     reused = sum(chunks[i][SERIES].n_unique() for i in done)
