@@ -13,9 +13,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import polars as pl
 import torch
 
-from shardwise.config import JobConfig, validate
+from shardwise.config import JobConfig, validate, validate_as
+from shardwise.manymodel.config import ManyModelsConfig
 
 
 def children_of(pid: int) -> list[int]:
@@ -293,3 +296,39 @@ def _entry(fn, rank, world_size, store, results, args):  # runs in each spawned 
     finally:
         gc.collect()
         dist.destroy_process_group()
+
+
+SHOPS = [
+    ("CA", "north", "s1"), ("CA", "north", "s2"), ("CA", "south", "s3"),
+    ("NY", "east", "s4"), ("NY", "east", "s5"), ("NY", "west", "s6"),
+]  # fmt: skip
+HIERARCHY_LEVELS = [["state"], ["state", "region"]]
+
+
+def hierarchical_job(tmp_path, *, months: int = 60, **sections) -> ManyModelsConfig:
+    """Six shops in four regions of two states, monthly, as a many-models job with the
+    hierarchy state > region > shop."""
+    rng = np.random.default_rng(1)
+    rows = []
+    for k, (state, region, shop) in enumerate(SHOPS):
+        t = np.arange(months)
+        y = 20 + 3 * k + 0.2 * t + 4 * np.sin(2 * np.pi * t / 12 + k) + rng.normal(0, 1, months)
+        rows += [
+            (state, region, shop, f"{2015 + i // 12}-{i % 12 + 1:02d}-01", float(v))
+            for i, v in enumerate(y)
+        ]
+    path = tmp_path / "shops.csv"
+    columns = ["state", "region", "shop", "month", "units"]
+    pl.DataFrame(rows, orient="row", schema=columns).write_csv(path)
+    raw = {
+        "job": {"run_dir": str(tmp_path / "run")},
+        "data": {"source": str(path), "id_columns": ["state", "region", "shop"],
+                 "timestamp": "month", "target": "units"},
+        "models": {"names": ["seasonal_naive", "ridge"]},
+        "backtest": {"horizon": 6, "n_windows": 2},
+        "hierarchy": {"levels": HIERARCHY_LEVELS},
+        "tracking": {"mlflow": False},
+    }  # fmt: skip
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    return validate_as(ManyModelsConfig, raw)

@@ -156,6 +156,22 @@ class BacktestSection(Section):
         return levels
 
 
+Reconciler = Literal["bottom_up", "top_down", "mint_ols", "mint_wls_struct"]
+
+
+class HierarchySection(Section):
+    levels: list[list[str]] = Field(default_factory=list)
+    """Aggregation levels from the top, each a list of id columns, e.g. [["state"], ["state",
+    "region"]]: each level's sums of the bottom series (data.id_columns) become series too, as
+    does the total. Every series is forecast, then the forecasts are reconciled so they add up
+    (manymodel/hierarchy.py)."""
+    methods: list[Reconciler] = Field(
+        default_factory=lambda: ["bottom_up", "top_down", "mint_ols", "mint_wls_struct"]  # type: ignore[arg-type]
+    )
+    """hierarchicalforecast's reconcilers: BottomUp, TopDown (average historical proportions),
+    MinTrace with OLS or structural (wls_struct) weights."""
+
+
 class RunnerSection(Section):
     ray_address: str = ""
     """"" starts a local Ray instance; `auto` or `ray://host:port` joins a cluster."""
@@ -192,6 +208,7 @@ class ManyModelsConfig(Section):
     features: FeaturesSection = FeaturesSection()
     models: ModelsSection = ModelsSection()
     backtest: BacktestSection = BacktestSection()
+    hierarchy: HierarchySection = HierarchySection()
     runner: RunnerSection = RunnerSection()
     tracking: TrackingSection = TrackingSection()
 
@@ -230,6 +247,11 @@ def check(config: ManyModelsConfig) -> None:
     if config.data.source == "retail_synthetic":
         _check_synthetic(config)
     _check_models(config)
+    if config.hierarchy.levels and not config.hierarchy.methods:
+        raise ConfigError(
+            "hierarchy.methods is empty; name a reconciler: bottom_up, top_down, mint_ols or "
+            "mint_wls_struct"
+        )
 
 
 def _check_models(config: ManyModelsConfig) -> None:

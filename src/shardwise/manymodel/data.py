@@ -143,8 +143,20 @@ def load_series(config: ManyModelsConfig) -> SeriesTable:
     season = config.data.season_length or _SEASONS.get(freq, 1)
     frame, skipped = _drop_short(frame, columns, config, season)
     frame = _append_future(frame, planned, columns, freq, config.backtest.horizon)
+    if config.hierarchy.levels:  # the sums of every level become series too
+        from shardwise.manymodel.hierarchy import aggregate, check_levels
+
+        check_levels(config.hierarchy.levels, columns)
+        if config.features.group_by:
+            raise ConfigError(
+                "features.group_by cannot be combined with hierarchy.levels: a group's "
+                "statistics would mix its series with the sums of them; drop one"
+            )
+        frame = aggregate(frame, columns, config.hierarchy.levels)
     index = frame.select(ids).unique(maintain_order=True).with_row_index(SERIES)
-    frame = frame.join(index.with_columns(pl.col(SERIES).cast(pl.Int64)), on=ids)
+    frame = frame.join(  # an aggregate series (hierarchy.py) has nulls in some id columns
+        index.with_columns(pl.col(SERIES).cast(pl.Int64)), on=ids, nulls_equal=True
+    )
     return SeriesTable(
         frame=frame.select(SERIES, *ids, ts, y, *columns.covariates, FUTURE),
         columns=columns,

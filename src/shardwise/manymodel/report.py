@@ -134,6 +134,8 @@ def track(tracker: Any, config: ManyModelsConfig, summary: Summary, run_dir: Pat
     names = ("backtest_metrics", "best_models", "forecasts", "forecasts_by_model", "failures")
     for name in (*names, "skipped"):
         tracker.log_artifact(run_dir / f"{name}.parquet")
+    if config.hierarchy.levels and (run_dir / "forecasts_reconciled.parquet").exists():
+        tracker.log_artifact(run_dir / "forecasts_reconciled.parquet")
     tracker.log_artifact(run_dir / "job.toml")
     if config.tracking.plots:
         tracker.log_artifact(run_dir / "plots")

@@ -124,6 +124,8 @@ def run(
         if started_ray:
             ray.shutdown()
     outputs, selection = _assemble(config, table, len(chunks))
+    if config.hierarchy.levels:
+        _reconcile(config, table, outputs, console)
     summary = summarise(
         config,
         table,
@@ -549,6 +551,36 @@ def _assemble(
         outputs[name].drop(SERIES).write_parquet(run_dir / f"{filename}.parquet")
     table.skipped.write_parquet(run_dir / "skipped.parquet")
     return outputs, selection
+
+
+def _reconcile(
+    config: ManyModelsConfig,
+    table: SeriesTable,
+    outputs: dict[str, pl.DataFrame],
+    console: Console,
+) -> None:
+    """Reconcile the forecasts of every level (hierarchy.py): `forecasts_reconciled.parquet`."""
+    from shardwise.manymodel.hierarchy import incoherence, reconcile
+
+    forecast = outputs["forecasts"]
+    missing = table.num_series - forecast[SERIES].n_unique()
+    if missing:
+        console.print(
+            f"forecasts not reconciled: {missing} series of the hierarchy have none (see "
+            "failures.parquet)"
+        )
+        return
+    levels, methods = config.hierarchy.levels, list(config.hierarchy.methods)
+    history = table.frame.filter(~pl.col(FUTURE))
+    reconciled = reconcile(forecast, history, table.columns, levels, methods)
+    outputs["reconciled"] = reconciled
+    reconciled.drop(SERIES).write_parquet(config.run_dir / "forecasts_reconciled.parquet")
+    gaps = {m: incoherence(reconciled, m, table.columns, levels) for m in methods}
+    shown = ", ".join(f"{m} {gap:.0e}" for m, gap in gaps.items())
+    console.print(
+        f"reconciled forecasts ({len(levels) + 2} levels; largest gap to the sum of the "
+        f"series below: {shown}): {config.run_dir / 'forecasts_reconciled.parquet'}"
+    )
 
 
 def _peak_concurrency(intervals: list[tuple[float, float]]) -> int:

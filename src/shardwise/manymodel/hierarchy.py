@@ -1,0 +1,153 @@
+"""Hierarchies (`[hierarchy]`): the bottom series (one per data.id_columns) are summed into every
+level named in `hierarchy.levels` and into the total, every series of every level is forecast
+like any other, and the forecasts are reconciled by hierarchicalforecast so that every level adds
+up (BottomUp, TopDown by average historical proportions, MinTrace with OLS or structural
+weights).
+
+An aggregate series has the id columns of its level and nulls in the others (the total: nulls in
+all); its target is the sum of its bottom series' at each timestamp, its covariates their mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import polars as pl
+
+from shardwise.config import ConfigError
+from shardwise.manymodel.data import FUTURE, SERIES, Columns
+
+TOTAL = "total"
+"""The top of every hierarchy, in `unique_id` paths (`total/CA/north`)."""
+_TOTAL_COLUMN = "_total"
+RECONCILERS = {
+    "bottom_up": "BottomUp",
+    "top_down": "TopDown_method-average_proportions",
+    "mint_ols": "MinTrace_method-ols",
+    "mint_wls_struct": "MinTrace_method-wls_struct",
+}
+"""Each method's name in hierarchicalforecast's output columns (after `base/`)."""
+
+
+def check_levels(levels: list[list[str]], columns: Columns) -> None:
+    """Every level names id columns, none twice, and no level is the bottom itself."""
+    for level in levels:
+        unknown = [c for c in level if c not in columns.ids]
+        if unknown:
+            raise ConfigError(
+                f"hierarchy.levels names '{unknown[0]}', which is not one of data.id_columns "
+                f"({', '.join(columns.ids)}); a level aggregates over id columns"
+            )
+        if not level or len(set(level)) != len(level) or set(level) == set(columns.ids):
+            raise ConfigError(
+                f"hierarchy.levels has {level}: a level is a non-empty list of distinct id "
+                "columns that is not all of them (the bottom level is data.id_columns)"
+            )
+    sets = [frozenset(level) for level in levels]
+    if len(set(sets)) != len(sets):
+        raise ConfigError(f"hierarchy.levels lists a level twice: {levels}")
+
+
+def aggregate(frame: pl.DataFrame, columns: Columns, levels: list[list[str]]) -> pl.DataFrame:
+    """`frame` (bottom series, future rows included) with the series of every level and the
+    total appended. The bottom series must end at the same timestamp."""
+    ids, ts, y = list(columns.ids), columns.timestamp, columns.target
+    ends = frame.filter(~pl.col(FUTURE)).group_by(ids).agg(pl.col(ts).max())[ts]
+    if ends.n_unique() > 1:
+        raise ConfigError(
+            f"hierarchy.levels: the series end at {ends.n_unique()} different timestamps "
+            f"({ends.min()!s:.19} … {ends.max()!s:.19}); a hierarchy needs every series "
+            "observed up to the same time, so that each level is the sum of its series"
+        )
+    parts = [frame]
+    for level in [[], *levels]:
+        summed = frame.group_by([*level, ts, FUTURE]).agg(
+            pl.col(y).sum(), *(pl.col(c).mean() for c in columns.covariates)
+        )
+        summed = summed.with_columns(
+            pl.when(pl.col(FUTURE)).then(None).otherwise(pl.col(y)).alias(y),
+            *(pl.lit(None, dtype=frame.schema[c]).alias(c) for c in ids if c not in level),
+        )
+        parts.append(summed.select(frame.columns))
+    return pl.concat(parts).sort([*ids, ts], nulls_last=False)
+
+
+def unique_ids(series: pl.DataFrame, ids: list[str], levels: list[list[str]]) -> pl.DataFrame:
+    """`series` (SERIES and the id columns, one row per series) with each series' path in the
+    hierarchy (`total/CA/north`), as hierarchicalforecast names it."""
+    paths = []
+    for row in series.iter_rows(named=True):
+        present = {c for c in ids if row[c] is not None}
+        level = next((lv for lv in [[], *levels, ids] if set(lv) == present), None)
+        if level is None:  # an id column that is empty for a bottom series: checked on read
+            raise ConfigError(f"series {row} belongs to no level of the hierarchy")
+        paths.append("/".join([TOTAL, *(str(row[c]) for c in level)]))
+    return series.with_columns(pl.Series("unique_id", paths, dtype=pl.String))
+
+
+def reconcile(
+    forecasts: pl.DataFrame,
+    history: pl.DataFrame,
+    columns: Columns,
+    levels: list[list[str]],
+    methods: Sequence[str],
+) -> pl.DataFrame:
+    """Reconcile `forecasts` (SERIES, timestamp, `forecast`: every series of every level) with
+    the observed `history` (SERIES, ids, timestamp, target): the forecasts with a `base` column
+    and one per method."""
+    from hierarchicalforecast.core import HierarchicalReconciliation
+    from hierarchicalforecast.methods import BottomUp, MinTrace, TopDown
+    from hierarchicalforecast.utils import aggregate as hf_aggregate
+
+    ids, ts, y = list(columns.ids), columns.timestamp, columns.target
+    names = unique_ids(history.select(SERIES, *ids).unique(SERIES), ids, levels)
+    bottom = history.drop_nulls(ids).select(
+        pl.lit(TOTAL).alias(_TOTAL_COLUMN), *ids, pl.col(ts).alias("ds"), pl.col(y).alias("y")
+    )
+    spec = [[_TOTAL_COLUMN, *level] for level in [[], *levels, ids]]
+    _, structure, tags = hf_aggregate(bottom, spec)
+    made: dict[str, Any] = {
+        "bottom_up": BottomUp,
+        "top_down": lambda: TopDown(method="average_proportions"),
+        "mint_ols": lambda: MinTrace(method="ols"),
+        "mint_wls_struct": lambda: MinTrace(method="wls_struct"),
+    }
+    base = forecasts.join(names, on=SERIES).select(
+        "unique_id", pl.col(ts).alias("ds"), pl.col("forecast").alias("base")
+    )
+    observed = history.join(names, on=SERIES).select(
+        "unique_id", pl.col(ts).alias("ds"), pl.col(y).alias("y")
+    )
+    reconciled = HierarchicalReconciliation([made[m]() for m in methods]).reconcile(
+        Y_hat_df=base, S_df=structure, tags=tags, Y_df=observed
+    )
+    renamed = reconciled.rename({f"base/{RECONCILERS[m]}": m for m in methods})
+    out = names.join(renamed.rename({"ds": ts}), on="unique_id")
+    return out.select(SERIES, "unique_id", *ids, ts, "base", *methods).sort(SERIES, ts)
+
+
+def incoherence(
+    reconciled: pl.DataFrame, column: str, columns: Columns, levels: list[list[str]]
+) -> float:
+    """The largest gap, relative to the aggregate's size (at least 1), between an aggregate
+    series' value in `column` and the sum of its bottom series' values: 0 when every level adds
+    up."""
+    ids, ts = list(columns.ids), columns.timestamp
+    bottom = reconciled.drop_nulls(ids)
+    worst = 0.0
+    for level in [[], *levels]:
+        others = [c for c in ids if c not in level]
+        aggregates = reconciled.filter(
+            pl.all_horizontal(pl.col(c).is_not_null() for c in level) if level else pl.lit(True),
+            pl.all_horizontal(pl.col(c).is_null() for c in others),
+        )
+        sums = bottom.group_by([*level, ts]).agg(pl.col(column).sum().alias("_sum"))
+        both = aggregates.join(sums, on=[*level, ts]) if level else aggregates.join(sums, on=ts)
+        if both.height != aggregates.height:
+            return float("inf")  # an aggregate without bottom series
+        gaps = (pl.col(column) - pl.col("_sum")).abs() / pl.max_horizontal(
+            pl.col(column).abs(), pl.lit(1.0)
+        )
+        worst = max(worst, float(both.select(gaps.max()).item() or 0.0))
+    return worst

@@ -1,0 +1,35 @@
+"""A hierarchical many-models run on a real local Ray instance: every level is backtested and
+forecast, and the reconciled forecasts add up."""
+
+from __future__ import annotations
+
+import polars as pl
+import pytest
+
+from helpers import HIERARCHY_LEVELS as LEVELS
+from helpers import hierarchical_job
+from shardwise.manymodel.data import load_series
+from shardwise.manymodel.hierarchy import incoherence
+from shardwise.manymodel.runner import run
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_hierarchical_run_forecasts_every_level_and_reconciles(ray_cluster, tmp_path):
+    config = hierarchical_job(tmp_path)
+    summary = run(config)
+    assert summary.series == 13 and summary.failed == 0
+    run_dir = tmp_path / "run"
+    metrics = pl.read_parquet(run_dir / "backtest_metrics.parquet")
+    assert metrics.filter(pl.col("state").is_null())["mase"].is_finite().all()  # the total
+    reconciled = pl.read_parquet(run_dir / "forecasts_reconciled.parquet")
+    assert reconciled.height == 13 * 6
+    assert reconciled["unique_id"].n_unique() == 13
+    assert "total/CA/north" in reconciled["unique_id"].to_list()
+    columns = load_series(config).columns
+    for method in config.hierarchy.methods:
+        assert incoherence(reconciled, method, columns, LEVELS) < 1e-9
+    chosen = pl.read_parquet(run_dir / "forecasts.parquet").sort("state", "region", "shop", "month")
+    assert reconciled.sort("state", "region", "shop", "month")["base"].equals(
+        chosen["forecast"], null_equal=True
+    )
