@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed import DistNetworkError
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -162,19 +162,47 @@ def _fresh_worker_store() -> contextlib.AbstractContextManager[None]:
     return environment({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
 
 
+_AFTER_A_PEER = (
+    "closed by peer",
+    "reset by peer",
+    "remote worker crashing",
+    "remote process exited",
+    "broken pipe",
+    "failed to recv, got 0 bytes",
+    "communicator was aborted",
+)
+"""What a rank reports when another rank died under it (gloo, NCCL, the TCPStore): a
+consequence, not the cause, whenever a rank also failed for a reason of its own."""
+
+
 def _first_failure(error: ChildFailedError) -> Exception:
-    rank, failure = error.get_first_failure()
+    """The failure to report: the earliest, preferring a rank's own error to one caused by a
+    peer's death (the error files' timestamps have whole seconds, so a crash and its echo on the
+    other ranks often tie)."""
+
+    def order(item: tuple[int, ProcessFailure]) -> tuple[bool, int, int]:
+        rank, failure = item
+        echo = any(p in _failure_message(failure).lower() for p in _AFTER_A_PEER)
+        return echo, failure.timestamp, rank
+
+    rank, failure = min(error.failures.items(), key=order)
+    message = _failure_message(failure)
     data = failure.error_file_data.get("message", {}) if failure.error_file_data else {}
-    message = data.get("message", "") if isinstance(data, dict) else str(data)
     traceback = data.get("extraInfo", {}).get("py_callstack", "") if isinstance(data, dict) else ""
-    if message in ("", "<NONE>"):  # killed by a signal, or exited without raising: no error file
-        message = (
-            failure.message if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
-        )
     prefix = f"{ConfigError.__name__}: "
     if message.startswith(prefix):
         return ConfigError(f"rank {rank}: {message.removeprefix(prefix)}")
     return WorkerFailed(rank=rank, exitcode=failure.exitcode, message=message, traceback=traceback)
+
+
+def _failure_message(failure: ProcessFailure) -> str:
+    data = failure.error_file_data.get("message", {}) if failure.error_file_data else {}
+    message = data.get("message", "") if isinstance(data, dict) else str(data)
+    if message in ("", "<NONE>"):  # killed by a signal, or exited without raising: no error file
+        message = (
+            failure.message if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
+        )
+    return str(message)
 
 
 def train(
