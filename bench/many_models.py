@@ -11,6 +11,12 @@ ratios are printed.
 
     python bench/many_models.py                       # about 20 minutes on 2 cores
     python bench/many_models.py --series 1000 --repeats 1
+    python bench/many_models.py --scale 2000,20000,100000  # ~50 minutes: cost per series by size
+
+`--scale` runs the whole job (`shardwise.many_models`: generate, features, Ray tasks, chunk
+files, assembled outputs) once per size, each in a fresh driver process, and prints series/s,
+seconds per 1000 series relative to the smallest size (flat means linear), and the driver's peak
+resident memory (its own `ru_maxrss`: Ray's workers and object store are other processes).
 """
 
 from __future__ import annotations
@@ -239,6 +245,59 @@ def bench_features(series: int, repeats: int, scratch: Path) -> None:
         print(f"  {label:<16} {med:8.2f} {rows / med:12,.0f} {base / med:9.2f}x")
 
 
+_SCALE_RUN = """
+import json, resource, sys, time
+from pathlib import Path
+sys.path.insert(0, {bench!r})
+from many_models import job
+from shardwise.manymodel.runner import run
+config = job("retail_synthetic", {series}, Path({run_dir!r}))
+began = time.perf_counter()
+summary = run(config)
+print(json.dumps({{
+    "series": summary.series, "failed": summary.failed, "seconds": summary.seconds,
+    "wall": time.perf_counter() - began,
+    "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+}}))
+"""
+
+
+def bench_scale(sizes: list[int], scratch: Path) -> None:
+    """The whole job at each size in a fresh driver process: time and the driver's memory."""
+    import json
+
+    print(f"\nscale: retail_synthetic, models {MODELS['names']}, one run per size")
+    rows = []
+    for size in sizes:
+        code = _SCALE_RUN.format(
+            bench=str(Path(__file__).parent), series=size, run_dir=str(scratch / f"scale-{size}")
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=False
+        )
+        if out.returncode:
+            print(f"  {size}: failed\n{out.stderr[-2000:]}")
+            continue
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        rows.append((size, got))
+        print(
+            f"  {size:>7} series: {got['wall']:7.1f} s in all (features "
+            f"{got['seconds']['features']:.1f} s, models {got['seconds']['models']:.1f} s), "
+            f"{size / got['wall']:6.1f} series/s, driver peak {got['peak_mb']:7.0f} MiB, "
+            f"{got['failed']} failed",
+            flush=True,
+        )
+    if rows:
+        base = rows[0][1]["wall"] / rows[0][0]
+        print(f"  {'series':>7} {'s per 1000':>11} {'vs smallest':>12} {'MiB per 1000':>13}")
+        for size, got in rows:
+            per = got["wall"] / size
+            print(
+                f"  {size:>7} {1000 * per:11.2f} {per / base:11.2f}x "
+                f"{1000 * got['peak_mb'] / size:13.1f}"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -246,7 +305,14 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", choices=("models", "features"), default=None)
+    parser.add_argument(
+        "--scale", default="", help="comma-separated series counts: the whole job at each size"
+    )
     args = parser.parse_args()
+    if args.scale:
+        with tempfile.TemporaryDirectory(prefix="shardwise-bench-") as tmp:
+            bench_scale([int(n) for n in args.scale.split(",")], Path(tmp))
+        return
     if args.only is None:  # each part in its own process, with its own thread settings
         for part in ("features", "models"):
             command = [sys.executable, __file__, "--only", part]

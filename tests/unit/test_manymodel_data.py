@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import socket
 import subprocess
 import sys
@@ -368,3 +369,23 @@ def test_cli_empty_file_is_one_line(tmp_path, capsys):
         == f"shardwise: error: data.source = '{source}' is empty; it needs "
         "a header and one row per series and timestamp\n"
     )
+
+
+def test_chunks_are_views_of_whole_series_in_order():
+    from shardwise.manymodel.runner import _chunks
+
+    series = [3, 0, 0, 1, 2, 2, 2, 4, 1]
+    features = pl.DataFrame({SERIES: series, "row": range(len(series))})
+    chunks = _chunks(features, 2)
+    assert [c[SERIES].to_list() for c in chunks] == [[0, 0, 1, 1], [2, 2, 2, 3], [4]]
+    # rows of a series keep their order (time order, in a real feature table)
+    assert chunks[0]["row"].to_list() == [1, 2, 3, 8]
+
+
+def test_the_eta_counts_time_in_tasks_not_the_start_of_ray():
+    from shardwise.manymodel.runner import eta_seconds
+
+    # 100 series took 50 task-seconds over 2 slots; the first chunks also waited 20 s for
+    # Ray's workers, which the remaining 300 series will not
+    assert eta_seconds(300, 50.0, 100, 2) == pytest.approx(75.0)
+    assert math.isnan(eta_seconds(300, 0.0, 0, 2))

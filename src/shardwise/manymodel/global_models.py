@@ -54,7 +54,6 @@ class Worker:
         self.series = frame.partition_by(SERIES, maintain_order=True)
         self.group = Group(rank, size)
         self.fitted: Any = None
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     def endpoint(self) -> tuple[str, int, int]:
         """This actor's address and two free ports (LightGBM's, torch.distributed's)."""

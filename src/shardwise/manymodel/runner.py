@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import itertools
 import json
 import logging
 import math
@@ -26,7 +27,7 @@ from typing import Any
 import polars as pl
 import tomli_w
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from shardwise.config import ConfigError, flatten, shown
 from shardwise.manymodel.backtest import ChunkResult, Plan, run_chunk
@@ -143,7 +144,8 @@ def run(
     if config.tracking.plots:
         from shardwise.manymodel.plots import write_plots
 
-        write_plots(run_dir, table, outputs, seed=config.job.seed)
+        chosen = chosen_forecasts(run_dir, table)
+        write_plots(run_dir, table, {**outputs, "forecasts": chosen}, seed=config.job.seed)
     summary.mlflow_run_id = track(mlflow_run, config, summary, run_dir)
     print_summary(console, summary)
     if config.tracking.plots:
@@ -243,7 +245,10 @@ def _start_run_dir(run_dir: Path, config: ManyModelsConfig) -> None:
             f"cannot create {chunk_dir} ({e.strerror}); set job.run_dir to a writable directory"
         ) from None
     for stale in chunk_dir.glob("*.partial*"):  # a chunk being written when a run died
-        shutil.rmtree(stale, ignore_errors=True)
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
     for chunk in chunk_dir.glob("chunk-*"):  # a chunk missing a file is run again
         if _CHUNK_NAME.fullmatch(chunk.name) and chunk.is_dir() and not _complete(chunk):
             shutil.rmtree(chunk, ignore_errors=True)
@@ -292,9 +297,14 @@ def _chunk_size(run_dir: Path, config: ManyModelsConfig, series: int, slots: int
 
 
 def _chunks(features: pl.DataFrame, chunk_size: int) -> list[pl.DataFrame]:
-    chunk = (pl.col(SERIES) // chunk_size).alias("_chunk")
-    parts = features.with_columns(chunk).partition_by("_chunk", maintain_order=True)
-    return [p.drop("_chunk") for p in parts]
+    """Chunk i holds series i·size … (i+1)·size − 1: slices of the feature table (views of its
+    memory, not copies)."""
+    if not features[SERIES].is_sorted():
+        features = features.sort(SERIES, maintain_order=True)
+    last = int(features[SERIES].max()) if features.height else -1  # type: ignore[arg-type]
+    starts = pl.Series(range(0, last + 1 + chunk_size, chunk_size), dtype=pl.Int64)
+    bounds = features[SERIES].search_sorted(starts).to_list()
+    return [features.slice(a, b - a) for a, b in itertools.pairwise(bounds) if b > a]
 
 
 def task_slots(ray: Any, config: ManyModelsConfig) -> int:
@@ -440,19 +450,18 @@ def _run_chunks(
     submit()
     reused = sum(chunks[i][SERIES].n_unique() for i in done)
     intervals: list[tuple[float, float]] = []
-    started, finished, failed = time.monotonic(), reused, 0
+    started, finished, failed, busy = time.monotonic(), reused, 0, 0.0
     with Progress(
         TextColumn("[bold]series"),
         BarColumn(),
         TextColumn("{task.completed}/{task.total} done · {task.fields[failed]} failed"),
         TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
+        TextColumn("ETA {task.fields[eta]}"),
         console=console,
         transient=False,
         disable=not console.is_terminal,
     ) as progress:
-        bar = progress.add_task("series", total=total_series, completed=reused, failed=0)
+        bar = progress.add_task("series", total=total_series, completed=reused, failed=0, eta="–")
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1)
             for ref in ready:
@@ -465,18 +474,27 @@ def _run_chunks(
                 intervals.append((result.started, result.finished))
                 failed += result.failed_series
                 finished += result.series
-                progress.update(bar, completed=finished, failed=failed)
+                busy += result.finished - result.started
+                eta = eta_seconds(total_series - finished, busy, finished - reused, slots)
+                progress.update(bar, completed=finished, failed=failed, eta=f"{eta:.0f} s")
                 submit()
                 if not console.is_terminal:  # a log line per chunk instead of a bar
-                    elapsed = time.monotonic() - started
-                    rate = (finished - reused) / elapsed
-                    eta = (total_series - finished) / rate if rate else float("nan")
                     console.print(
                         f"series {finished}/{total_series} done · {failed} failed · "
-                        f"{elapsed:.0f} s · ETA {eta:.0f} s",
+                        f"{time.monotonic() - started:.0f} s · ETA {eta:.0f} s",
                         highlight=False,
                     )
     return intervals
+
+
+def eta_seconds(remaining: int, task_seconds: float, done: int, slots: int) -> float:
+    """Seconds until `remaining` series are done, from the time the tasks spent on the `done`
+    ones, measured inside them, spread over the task slots. Unlike series done over wall time,
+    it does not count the start of Ray and of its workers, which the first chunks wait for and
+    the rest do not."""
+    if not done:
+        return float("nan")
+    return remaining * (task_seconds / done) / max(slots, 1)
 
 
 def _lost_chunk(chunk: pl.DataFrame, error: Exception, levels: tuple[int, ...]) -> ChunkResult:
@@ -508,30 +526,29 @@ def _write_chunk(chunk_dir: Path, index: int, result: ChunkResult) -> None:
 def _assemble(
     config: ManyModelsConfig, table: SeriesTable, n_chunks: int
 ) -> tuple[dict[str, pl.DataFrame], Selection]:
-    """Concatenate the chunks into the run's output tables, with the series' id columns; the
-    forecasts are those of the strategy `select` picks (every model's are kept too)."""
+    """Combine the chunks into the run's output tables, with the series' id columns; the
+    forecasts are those of the strategy `select` picks (every model's are kept too). The
+    forecasts, the largest tables, are streamed from the chunk files to the output files
+    without being held in memory; the metrics, choices and failures are returned."""
     run_dir = config.run_dir
     ids = table.frame.select(SERIES, *table.columns.ids).unique(SERIES).sort(SERIES)
-    outputs: dict[str, pl.DataFrame] = {}
-    for name in TABLES:
-        frames = []
-        for i in range(n_chunks):
-            path = run_dir / "chunks" / f"chunk-{i:06d}" / f"{name}.parquet"
-            try:
-                frames.append(pl.read_parquet(path))
-            except (OSError, pl.exceptions.PolarsError) as e:
-                raise ConfigError(
-                    f"{path} cannot be read ({str(e).splitlines()[0][:200]}); remove "
-                    f"{path.parent} and run again with --resume to redo that chunk"
-                ) from None
-        outputs[name] = ids.join(pl.concat(frames), on=SERIES, how="inner")
+    paths = {name: _chunk_files(run_dir, name, n_chunks) for name in TABLES}
+    outputs = {
+        name: ids.join(pl.read_parquet(paths[name]), on=SERIES, how="inner")
+        for name in ("metrics", "choices", "failures")
+    }
     future = table.frame.filter(pl.col(FUTURE)).select(
         SERIES, table.columns.timestamp, (pl.int_range(pl.len()).over(SERIES) + 1).alias("step")
     )
-    outputs["by_model"] = outputs.pop("forecasts").join(future, on=[SERIES, "step"], how="left")
-    bounds = [c for c in outputs["by_model"].columns if c.startswith(("lo_", "hi_"))]
-    outputs["by_model"] = outputs["by_model"].select(
-        SERIES, *table.columns.ids, table.columns.timestamp, "step", "model", "forecast", *bounds
+    rows = pl.scan_parquet(paths["forecasts"])
+    bounds = [c for c in rows.collect_schema().names() if c.startswith(("lo_", "hi_"))]
+    keys = [SERIES, *table.columns.ids, table.columns.timestamp, "step", "model"]
+    by_model = (
+        ids.lazy()
+        .join(rows, on=SERIES, how="inner")
+        .join(future.lazy(), on=[SERIES, "step"], how="left")
+        .select(*keys, "forecast", *bounds)
+        .sort(SERIES, "model", "step")
     )
     selection = select(
         outputs["metrics"],
@@ -539,18 +556,36 @@ def _assemble(
         metric=config.backtest.metric,
         requested=config.backtest.selection,
     )
-    outputs["forecasts"] = forecasts(outputs["by_model"], outputs["choices"], selection)
-    files = {
-        "metrics": "backtest_metrics",
-        "choices": "best_models",
-        "forecasts": "forecasts",
-        "by_model": "forecasts_by_model",
-        "failures": "failures",
-    }
+    chosen = forecasts(by_model, outputs["choices"].lazy(), selection)
+    by_model.drop(SERIES).sink_parquet(run_dir / "forecasts_by_model.parquet")
+    chosen.drop(SERIES).sink_parquet(run_dir / "forecasts.parquet")
+    files = {"metrics": "backtest_metrics", "choices": "best_models", "failures": "failures"}
     for name, filename in files.items():
         outputs[name].drop(SERIES).write_parquet(run_dir / f"{filename}.parquet")
     table.skipped.write_parquet(run_dir / "skipped.parquet")
     return outputs, selection
+
+
+def _chunk_files(run_dir: Path, name: str, n_chunks: int) -> list[Path]:
+    """Every chunk's `name` table, each checked readable (its footer), or one line saying how
+    to redo the chunk."""
+    paths = [run_dir / "chunks" / f"chunk-{i:06d}" / f"{name}.parquet" for i in range(n_chunks)]
+    for path in paths:
+        try:
+            pl.read_parquet_schema(path)
+        except (OSError, pl.exceptions.PolarsError) as e:
+            raise ConfigError(
+                f"{path} cannot be read ({str(e).splitlines()[0][:200]}); remove "
+                f"{path.parent} and run again with --resume to redo that chunk"
+            ) from None
+    return paths
+
+
+def chosen_forecasts(run_dir: Path, table: SeriesTable) -> pl.DataFrame:
+    """`forecasts.parquet` (the chosen strategy's) read back, with each series' number."""
+    ids = table.frame.select(SERIES, *table.columns.ids).unique(SERIES)
+    chosen = pl.read_parquet(run_dir / "forecasts.parquet")
+    return ids.join(chosen, on=list(table.columns.ids), nulls_equal=True).sort(SERIES, "step")
 
 
 def _reconcile(
@@ -562,7 +597,7 @@ def _reconcile(
     """Reconcile the forecasts of every level (hierarchy.py): `forecasts_reconciled.parquet`."""
     from shardwise.manymodel.hierarchy import incoherence, reconcile
 
-    forecast = outputs["forecasts"]
+    forecast = chosen_forecasts(config.run_dir, table)
     missing = table.num_series - forecast[SERIES].n_unique()
     if missing:
         console.print(
@@ -573,7 +608,6 @@ def _reconcile(
     levels, methods = config.hierarchy.levels, list(config.hierarchy.methods)
     history = table.frame.filter(~pl.col(FUTURE))
     reconciled = reconcile(forecast, history, table.columns, levels, methods)
-    outputs["reconciled"] = reconciled
     reconciled.drop(SERIES).write_parquet(config.run_dir / "forecasts_reconciled.parquet")
     gaps = {m: incoherence(reconciled, m, table.columns, levels) for m in methods}
     shown = ", ".join(f"{m} {gap:.0e}" for m, gap in gaps.items())

@@ -73,11 +73,11 @@ def select(metrics: pl.DataFrame, *, n_windows: int, metric: str, requested: str
     return Selection(strategy, _best(models, metric), fallback, held)
 
 
-def forecasts(by_model: pl.DataFrame, choices: pl.DataFrame, selection: Selection) -> pl.DataFrame:
+def forecasts(by_model: pl.LazyFrame, choices: pl.LazyFrame, selection: Selection) -> pl.LazyFrame:
     """The forecast rows of the chosen strategy: one model (or the ensemble) per series."""
     own = by_model.join(choices.select(SERIES, "model"), on=[SERIES, "model"], how="semi")
     if selection.strategy == "per_series":
-        return own
+        return own.sort(SERIES, "step")
     label = ENSEMBLE if selection.strategy == "ensemble" else selection.best_model
     chosen = by_model.filter(pl.col("model") == label)
     rest = own.join(chosen.select(SERIES).unique(), on=SERIES, how="anti")
