@@ -106,6 +106,8 @@ def test_a_failing_global_model_fails_for_every_series_and_the_others_forecast(
         ["seasonal_naive", "bad_models:GlobalFails"],
         **{"global": {"GlobalFails": True}},
     )
+    # half a CPU per task: 4 task slots on the 2-CPU cluster, so 4 actors of half a CPU each
+    config.runner.num_cpus = 0.5
     summary = run(config)
     assert summary.completed == 16 and summary.failed == 0
     failures = pl.read_parquet(tmp_path / "run" / "failures.parquet")

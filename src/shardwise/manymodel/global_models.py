@@ -156,11 +156,14 @@ def takes_group(model: Any) -> bool:
     return "group" in inspect.signature(model.fit).parameters
 
 
-def fit_global(ray: Any, plan: Plan, chunk_refs: list[Any], workers: int) -> pl.DataFrame:
+def fit_global(
+    ray: Any, plan: Plan, chunk_refs: list[Any], workers: int, num_cpus: float
+) -> pl.DataFrame:
     """Every global model's forecasts for every window and the final fit (GIVEN_SCHEMA), with
-    the series of `chunk_refs` (object refs of the chunks) spread over `workers` actors."""
+    the series of `chunk_refs` (object refs of the chunks) spread over `workers` actors of
+    `num_cpus` each (a task's share: `workers` is at most the task slots, so all of them fit)."""
     size = max(1, min(workers, len(chunk_refs)))
-    actor = ray.remote(Worker).options(num_cpus=1)
+    actor = ray.remote(Worker).options(num_cpus=num_cpus)
     actors = [actor.remote(plan, rank, size, *chunk_refs[rank::size]) for rank in range(size)]
     try:
         parts: list[pl.DataFrame] = []

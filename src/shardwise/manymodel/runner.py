@@ -399,7 +399,7 @@ def _global_forecasts(
         started = time.perf_counter()
         workers = min(slots, config.runner.global_workers or slots)
         refs = [ray.put(chunk.to_arrow()) for chunk in chunks]
-        given = fit_global(ray, plan, refs, workers)
+        given = fit_global(ray, plan, refs, workers, config.runner.num_cpus)
         del refs
         partial = saved.with_suffix(f".partial-{os.getpid()}")
         given.write_parquet(partial)
