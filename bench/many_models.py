@@ -11,7 +11,7 @@ ratios are printed.
 
     python bench/many_models.py                       # about 20 minutes on 2 cores
     python bench/many_models.py --series 1000 --repeats 1
-    python bench/many_models.py --scale 2000,20000,100000  # ~50 minutes: cost per series by size
+    python bench/many_models.py --scale 2000,20000,100000  # ~40 minutes: cost per series by size
 
 `--scale` runs the whole job (`shardwise.many_models`: generate, features, Ray tasks, chunk
 files, assembled outputs) once per size, each in a fresh driver process, and prints series/s,
