@@ -149,3 +149,42 @@ def test_selection_copes_with_a_run_where_every_model_failed():
     )  # fmt: skip
     selection = select(empty, n_windows=3, metric="mase", requested="auto")
     assert selection.strategy == "per_series" and selection.best_model == ""
+
+
+def test_the_ensemble_has_conformal_intervals_from_its_own_window_errors(tmp_path):
+    """The ensemble's interval is its mean forecast ± the conformal width of the errors the same
+    ensemble (the same top models' mean) made on the windows: on the forecast, every window's;
+    in the backtest, the earlier windows' only."""
+    from shardwise.manymodel.intervals import half_widths
+
+    config, table = tiny_job(
+        tmp_path,
+        ["seasonal_naive", "ridge"],
+        backtest={"horizon": 6, "n_windows": 3, "ensemble_top_k": 2, "levels": [80]},
+    )
+    tables = run_in_process(config, table).tables()
+    metrics = tables["metrics"]
+    ensemble = metrics.filter(pl.col("model") == "ensemble")
+    assert ensemble.filter(pl.col("window") == 1)["coverage_80"].is_not_null().all()
+    forecasts = tables["forecasts"].filter(pl.col(SERIES) == 0)
+    mean = forecasts.filter(pl.col("model") == "ensemble").sort("step")
+    # the ensemble's errors on each window, from the two models' forecasts of that window
+    spec = FeatureSpec.from_config(config, table.season_length)
+    features = polars_features(table.frame, spec, table.columns).filter(pl.col(SERIES) == 0)
+    observed = features.filter(~pl.col("_future"))
+    plan = make_plan(config, table, spec)
+    from shardwise.manymodel.backtest import _fit_predict, origins
+    from shardwise.manymodel.models import build
+
+    errors = []
+    for origin in origins(observed.height, plan):
+        train = observed.head(origin).rename({"units": "y"})
+        test = observed.slice(origin, 6).rename({"units": "y"})
+        both = [
+            _fit_predict(build(n, {}, plan.context), n, train, test.drop("y"), plan).values
+            for n in ("seasonal_naive", "ridge")
+        ]
+        errors.append(np.abs(test["y"].to_numpy() - np.mean(both, axis=0)))
+    width = half_widths(errors, 80)
+    np.testing.assert_allclose(mean["hi_80"] - mean["forecast"], width, rtol=1e-9)
+    np.testing.assert_allclose(mean["forecast"] - mean["lo_80"], width, rtol=1e-9)

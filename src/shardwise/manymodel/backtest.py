@@ -147,6 +147,7 @@ def forecast_series(
     scores: dict[str, list[float]] = {label: [] for label in models}
     predictions: dict[str, list[_Forecast]] = {label: [] for label in models}
     errors: dict[str, list[np.ndarray]] = {label: [] for label in models}
+    actuals: list[np.ndarray] = []
     for window, origin in enumerate(origins(observed.height, plan)):
         train, test = observed.head(origin), observed.slice(origin, plan.horizon)
         truth = _Truth(
@@ -154,6 +155,7 @@ def forecast_series(
             _seasonal_mae(train[TARGET].to_numpy().astype(np.float64), plan.context.season_length),
             {SERIES: series, "window": window, "origin": origin},
         )
+        actuals.append(truth.actual)
         # the choices made on the windows before this one, ranked by their scores there
         ranked = sorted(scores, key=lambda label: _score(scores[label])) if window else []
         for label in list(scores):
@@ -175,13 +177,37 @@ def forecast_series(
                 {**truth.keys, "model": SELECTED}
                 | truth.scores(predictions[ranked[0]][-1], plan, errors[ranked[0]][:-1])
             )
-            if top:  # points only: the ensemble has no errors of its own on earlier windows
+            if top:  # its interval from the same ensemble's errors on the earlier windows
                 mean = np.mean([predictions[label][-1].values for label in top], axis=0)
+                earlier = _ensemble_errors(top, predictions, actuals[:-1])
                 out.metrics.append(
-                    {**truth.keys, "model": ENSEMBLE} | truth.scores(_Forecast(mean))
+                    {**truth.keys, "model": ENSEMBLE} | truth.scores(_Forecast(mean), plan, earlier)
                 )
     out.series += 1
-    _refit(plan, series, models, (observed, future.drop(TARGET)), scores, errors, out)
+    windows = _Windows(scores, errors, predictions, actuals)
+    _refit(plan, series, models, (observed, future.drop(TARGET)), windows, out)
+
+
+@dataclass(frozen=True)
+class _Windows:
+    """One series' backtest, per model: scores, absolute errors and forecasts per window, and
+    each window's actual values."""
+
+    scores: dict[str, list[float]]
+    errors: dict[str, list[np.ndarray]]
+    predictions: dict[str, list[_Forecast]]
+    actuals: list[np.ndarray]
+
+
+def _ensemble_errors(
+    top: list[str], predictions: dict[str, list[_Forecast]], actuals: list[np.ndarray]
+) -> list[np.ndarray]:
+    """The absolute errors, on each window of `actuals`, of the mean forecast of the `top`
+    models: the ensemble's conformal intervals come from them, as a model's from its own."""
+    return [
+        np.abs(actual - np.mean([predictions[label][w].values for label in top], axis=0))
+        for w, actual in enumerate(actuals)
+    ]
 
 
 def origins(n: int, plan: Plan) -> list[int]:
@@ -246,13 +272,13 @@ def _refit(
     series: int,
     models: dict[str, Model],
     rows: tuple[pl.DataFrame, pl.DataFrame],
-    scores: dict[str, list[float]],
-    errors: dict[str, list[np.ndarray]],
+    windows: _Windows,
     out: ChunkResult,
 ) -> None:
     """Refit every model on all the observed rows and forecast the future ones, with intervals
     from every window's errors; the series' choice (best mean over the windows) and its top k."""
     observed, future = rows
+    scores, errors = windows.scores, windows.errors
     ranked = sorted(scores, key=lambda label: _score(scores[label]))
     finals: dict[str, _Forecast] = {}
     for label in ranked:
@@ -269,9 +295,10 @@ def _refit(
         {SERIES: series, "model": ranked[0], "score": _score(scores[ranked[0]]), "top": top}
     )
     columns = {label: _bounds(plan, finals[label], errors[label]) for label in finals}
-    if plan.ensemble_top_k > 1:  # points only, as in the backtest
+    if plan.ensemble_top_k > 1:  # conformal, from the same ensemble's errors on every window
         finals[ENSEMBLE] = _Forecast(np.mean([finals[label].values for label in top], axis=0))
-        columns[ENSEMBLE] = {}
+        ensemble = _ensemble_errors(top, windows.predictions, windows.actuals)
+        columns[ENSEMBLE] = _bounds(plan, finals[ENSEMBLE], ensemble)
     out.forecasts.extend(
         {
             SERIES: series,
