@@ -408,7 +408,13 @@ def _global_forecasts(
             f"global models ({', '.join(sorted(plan.global_models))}) fitted on "
             f"{min(workers, len(chunks))} workers in {time.perf_counter() - started:.1f} s"
         )
-    return [given.join(chunk.select(SERIES).unique(), on=SERIES) for chunk in chunks]
+    owner = pl.concat(
+        chunk.select(SERIES).unique().with_columns(pl.lit(i, dtype=pl.Int64).alias("_chunk"))
+        for i, chunk in enumerate(chunks)
+    )
+    parts = given.join(owner, on=SERIES).partition_by("_chunk", as_dict=True)
+    empty = given.clear()
+    return [parts.get((i,), empty).drop("_chunk", strict=False) for i in range(len(chunks))]
 
 
 def _run_chunks(
