@@ -148,6 +148,8 @@ def test_killed_run_resumes_only_unfinished_chunks(tmp_path):
         p.name: p.stat().st_mtime_ns for p in chunks.glob("chunk-*") if (p / "done").exists()
     }
     assert 3 <= len(finished) < 10
+    # the features on disk, read a chunk at a time: scratch the resumed run writes again
+    assert len(list((run_dir / "features" / "chunks").glob("chunk=*/*.parquet"))) == 10
 
     resumed = many_models(*args, "--resume")
     assert resumed.returncode == 0, resumed.stderr
@@ -158,6 +160,7 @@ def test_killed_run_resumes_only_unfinished_chunks(tmp_path):
     for name, mtime in finished.items():
         assert (chunks / name).stat().st_mtime_ns == mtime  # kept, not redone
     assert not list(chunks.glob("*.partial*"))
+    assert not (run_dir / "features").exists()
     best = pl.read_parquet(run_dir / "best_models.parquet")
     assert best.height == 10
 

@@ -371,17 +371,6 @@ def test_cli_empty_file_is_one_line(tmp_path, capsys):
     )
 
 
-def test_chunks_are_views_of_whole_series_in_order():
-    from shardwise.manymodel.runner import _chunks
-
-    series = [3, 0, 0, 1, 2, 2, 2, 4, 1]
-    features = pl.DataFrame({SERIES: series, "row": range(len(series))})
-    chunks = _chunks(features, 2)
-    assert [c[SERIES].to_list() for c in chunks] == [[0, 0, 1, 1], [2, 2, 2, 3], [4]]
-    # rows of a series keep their order (time order, in a real feature table)
-    assert chunks[0]["row"].to_list() == [1, 2, 3, 8]
-
-
 def test_the_eta_counts_time_in_tasks_not_the_start_of_ray():
     from shardwise.manymodel.runner import eta_seconds
 

@@ -132,38 +132,76 @@ class FeatureSpec:
         return reach
 
 
-def compute(
-    frame: pl.DataFrame, spec: FeatureSpec, columns: Columns, *, backend: str, spark_master: str
-) -> pl.DataFrame:
-    """The feature table: the input rows (sorted by series and time) with feature columns."""
-    if backend == "spark":
-        from shardwise.manymodel.spark import spark_features
-
-        return spark_features(frame, spec, columns, master=spark_master)
-    return polars_features(frame, spec, columns)
-
-
 def polars_features(frame: pl.DataFrame, spec: FeatureSpec, columns: Columns) -> pl.DataFrame:
     """The features with polars. Means and standard deviations are spelt out as sums in a fixed
     order (spark.py does the same sums in the same order), so both backends give the same
     floats, not merely close ones: a model's results then do not depend on the backend."""
+    return with_groups(series_features(frame, spec, columns), group_features(frame, spec, columns))
+
+
+def series_features(frame: pl.DataFrame, spec: FeatureSpec, columns: Columns) -> pl.DataFrame:
+    """The rows with every feature that reads one series only (all but the group statistics):
+    a batch of whole series gets the same values as the whole table."""
     ids, ts, y = list(columns.ids), columns.timestamp, columns.target
     frame = frame.sort([*ids, ts])
-    shifted = pl.col(y).shift(spec.shift).over(ids)
-    base = "_shifted"
     exprs: list[pl.Expr] = [pl.col(y).shift(k).over(ids).alias(f"lag{k}") for k in spec.lags]
     for name, w, stat in spec.rolling_columns:
-        exprs.append(_rolling(pl.col(base), w, stat).over(ids).alias(name))
+        exprs.append(_rolling(pl.col(_BASE), w, stat).over(ids).alias(name))
     for name, stat in spec.expanding_columns:
-        exprs.append(_expanding(pl.col(base), stat).over(ids).alias(name))
+        exprs.append(_expanding(pl.col(_BASE), stat).over(ids).alias(name))
     exprs += [
         _CALENDAR[part](pl.col(ts)).cast(pl.Int32).alias(name)
         for name, part in spec.calendar_columns
     ]
-    frame = frame.with_columns(shifted.alias(base)).with_columns(exprs)
-    for name, group, stat in spec.group_columns:
-        frame = _aggregate(frame, base, [*group, ts], stat, name)
-    return frame.drop(base).with_columns(pl.col(spec.numeric_columns()).cast(pl.Float64))
+    return (
+        frame.with_columns(_shifted(spec, columns))
+        .with_columns(exprs)
+        .drop(_BASE)
+        .with_columns(pl.col(_numeric(spec, exclude_groups=True)).cast(pl.Float64))
+    )
+
+
+def group_features(
+    frame: pl.DataFrame, spec: FeatureSpec, columns: Columns
+) -> list[tuple[list[str], pl.DataFrame]]:
+    """The group statistics: per group, a table keyed by its columns and the timestamp, to join
+    to the rows (`with_groups`). It reads only the keys and the target of every series."""
+    if not spec.group_columns:
+        return []
+    ids, ts = list(columns.ids), columns.timestamp
+    needed = dict.fromkeys([*ids, *(c for g in spec.group_by for c in g), ts, columns.target])
+    base = frame.select(list(needed)).sort([*ids, ts]).with_columns(_shifted(spec, columns))
+    tables = []
+    for group in spec.group_by:
+        keys = [*group, ts]
+        stats = [(name, stat) for name, g, stat in spec.group_columns if g == group]
+        table = base.group_by(keys, maintain_order=True).agg(
+            _aggregate(pl.col(_BASE), stat).alias(name) for name, stat in stats
+        )
+        tables.append((keys, table.with_columns(pl.col(n).cast(pl.Float64) for n, _ in stats)))
+    return tables
+
+
+def with_groups(rows: pl.DataFrame, groups: list[tuple[list[str], pl.DataFrame]]) -> pl.DataFrame:
+    """`series_features`' rows with the group statistics (`group_features`) of their groups."""
+    order = rows.columns
+    for keys, table in groups:
+        rows = rows.join(table, on=keys, how="left", nulls_equal=True, maintain_order="left")
+        order += [c for c in table.columns if c not in keys]
+    return rows.select(order)
+
+
+_BASE = "_shifted"
+
+
+def _shifted(spec: FeatureSpec, columns: Columns) -> pl.Expr:
+    """The target `spec.shift` rows back: what rolling, expanding and group statistics read."""
+    return pl.col(columns.target).shift(spec.shift).over(list(columns.ids)).alias(_BASE)
+
+
+def _numeric(spec: FeatureSpec, *, exclude_groups: bool) -> list[str]:
+    groups = {name for name, _, _ in spec.group_columns} if exclude_groups else set()
+    return [c for c in spec.numeric_columns() if c not in groups]
 
 
 def _rolling(x: pl.Expr, window: int, stat: str) -> pl.Expr:
@@ -205,21 +243,15 @@ def _expanding(x: pl.Expr, stat: str) -> pl.Expr:
     return pl.when(count > 0).then(running)
 
 
-def _aggregate(
-    frame: pl.DataFrame, base: str, keys: list[str], stat: str, name: str
-) -> pl.DataFrame:
-    """A group statistic at each timestamp (rows in id order within it): sums accumulated in
-    that order (`cum_sum`), as Spark's ordered window does; the std in two passes."""
-    x = pl.col(base)
+def _aggregate(x: pl.Expr, stat: str) -> pl.Expr:
+    """A group statistic at one timestamp over its rows in id order (an aggregation): sums
+    accumulated in that order (`cum_sum`), as Spark's ordered window does; the std in two
+    passes."""
     if stat in ("min", "max"):
-        return frame.with_columns((x.min() if stat == "min" else x.max()).over(keys).alias(name))
-    count = x.is_not_null().sum().over(keys)
-    total = x.fill_null(0.0).cum_sum().last().over(keys)
-    mean = pl.when(count > 0).then(total / count)
+        return x.min() if stat == "min" else x.max()
+    count = x.is_not_null().sum()
+    mean = pl.when(count > 0).then(x.fill_null(0.0).cum_sum().last() / count)
     if stat == "mean":
-        return frame.with_columns(mean.alias(name))
-    frame = frame.with_columns(mean.alias("_group_mean"))
-    deviation = (x - pl.col("_group_mean")) * (x - pl.col("_group_mean"))
-    squares = deviation.fill_null(0.0).cum_sum().last().over(keys)
-    std = pl.when(count > 1).then((squares / (count - 1)).sqrt())
-    return frame.with_columns(std.alias(name)).drop("_group_mean")
+        return mean
+    squares = ((x - mean) * (x - mean)).fill_null(0.0).cum_sum().last()
+    return pl.when(count > 1).then((squares / (count - 1)).sqrt())

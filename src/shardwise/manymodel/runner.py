@@ -1,9 +1,10 @@
 """`shardwise many-models`: read the series, compute features, then backtest, select and forecast
 every series in chunks on Ray, persisting each chunk's results as it finishes.
 
-Main flow (`run`): `load_series` → `features.compute` → chunks of whole series put in Ray's object
-store as Arrow → one task per chunk (`backtest.run_chunk`, fractional CPUs/GPUs, retried when its
-worker dies) → each finished chunk written atomically to `<run_dir>/chunks/` → output tables,
+Main flow (`run`): `load_series` → `feature_files.write_features` (chunks of whole series, on disk
+in `<run_dir>/features/`) → one task per chunk (`backtest.run_chunk`, fractional CPUs/GPUs, retried
+when its worker dies), each chunk read and put in Ray's object store as Arrow when it is submitted →
+each finished chunk written atomically to `<run_dir>/chunks/` → output tables streamed from them,
 MLflow run, summary. `--resume` reuses the chunks already written and runs only the rest.
 """
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
-import itertools
 import json
 import logging
 import math
@@ -40,7 +40,8 @@ from shardwise.manymodel.config import (
     model_scale,
 )
 from shardwise.manymodel.data import FUTURE, SERIES, SeriesTable, load_series
-from shardwise.manymodel.features import FeatureSpec, compute
+from shardwise.manymodel.feature_files import FeatureChunks, write_features
+from shardwise.manymodel.features import FeatureSpec
 from shardwise.manymodel.models import ModelContext
 from shardwise.manymodel.report import Summary, print_summary, start_tracking, summarise, track
 from shardwise.manymodel.selection import Selection, forecasts, select
@@ -48,6 +49,7 @@ from shardwise.manymodel.transforms import TARGET, TargetTransform
 from shardwise.ray_cluster import check_ray_address, loopback_ray
 
 TABLES = ("metrics", "choices", "forecasts", "failures")
+GLOBAL_FILE = "global.parquet"
 _MAX_CHUNK = 100
 _CHUNKS_PER_SLOT = 4
 _IGNORED_ON_RESUME = ("runner.", "tracking.", "features.backend", "features.spark_master")
@@ -88,18 +90,6 @@ def run(
             f"input column '{clash[0]}' has the name of a computed feature (or of the target's "
             "name inside models, 'y'); rename it in the data"
         )
-    features = compute(
-        table.frame,
-        spec,
-        table.columns,
-        backend=config.features.backend,
-        spark_master=config.features.spark_master,
-    )
-    features_seconds = time.perf_counter() - started
-    console.print(
-        f"{table.num_series} series, {table.freq} steps, season {table.season_length}; "
-        f"{len(spec.columns())} features ({config.features.backend}) in {features_seconds:.1f} s"
-    )
     plan = make_plan(config, table, spec)
     saved_size = _saved_chunk_size(run_dir, table.num_series, done)
     _start_run_dir(run_dir, config)
@@ -108,23 +98,34 @@ def run(
     try:
         slots = task_slots(ray, config)
         chunk_size = saved_size or _chunk_size(run_dir, config, table.num_series, slots)
-        chunks = _chunks(features, chunk_size)
-        todo = [i for i in range(len(chunks)) if i not in done]
+        n_chunks = math.ceil(table.num_series / chunk_size)
+        todo = [i for i in range(n_chunks) if i not in done]
+        fitted = (run_dir / "chunks" / GLOBAL_FILE).exists()
+        features_started = time.perf_counter()
+        features = write_features(
+            table.frame, spec, table.columns, run_dir / "features", chunk_size,
+            todo if fitted or not plan.global_models else None,  # global fits read every chunk
+            backend=config.features.backend, spark_master=config.features.spark_master,
+        )  # fmt: skip
+        features_seconds = time.perf_counter() - features_started
+        console.print(
+            f"{table.num_series} series, {table.freq} steps, season {table.season_length}; "
+            f"{len(spec.columns())} features ({config.features.backend}) in "
+            f"{features_seconds:.1f} s"
+        )
         if done:
             console.print(
-                f"resuming: {len(done)} of {len(chunks)} chunks already done, {len(todo)} to run"
+                f"resuming: {len(done)} of {n_chunks} chunks already done, {len(todo)} to run"
             )
         train_started = time.perf_counter()
-        given = _global_forecasts(ray, config, plan, chunks, todo, slots, console)
-        intervals = _run_chunks(
-            ray, config, plan, (chunks, given), todo, slots, run_dir, table.num_series, done,
-            console,
-        )  # fmt: skip
+        given = _global_forecasts(ray, config, plan, features, todo, slots, console)
+        intervals = _run_chunks(ray, config, plan, (features, given), todo, slots, done, console)
         train_seconds = time.perf_counter() - train_started
     finally:
         if started_ray:
             ray.shutdown()
-    outputs, selection = _assemble(config, table, len(chunks))
+        shutil.rmtree(run_dir / "features", ignore_errors=True)  # scratch: big, and redone
+    outputs, selection = _assemble(config, table, n_chunks)
     if config.hierarchy.levels:
         _reconcile(config, table, outputs, console)
     summary = summarise(
@@ -296,17 +297,6 @@ def _chunk_size(run_dir: Path, config: ManyModelsConfig, series: int, slots: int
     return size
 
 
-def _chunks(features: pl.DataFrame, chunk_size: int) -> list[pl.DataFrame]:
-    """Chunk i holds series i·size … (i+1)·size − 1: slices of the feature table (views of its
-    memory, not copies)."""
-    if not features[SERIES].is_sorted():
-        features = features.sort(SERIES, maintain_order=True)
-    last = int(features[SERIES].max()) if features.height else -1  # type: ignore[arg-type]
-    starts = pl.Series(range(0, last + 1 + chunk_size, chunk_size), dtype=pl.Int64)
-    bounds = features[SERIES].search_sorted(starts).to_list()
-    return [features.slice(a, b - a) for a, b in itertools.pairwise(bounds) if b > a]
-
-
 def task_slots(ray: Any, config: ManyModelsConfig) -> int:
     """How many tasks the cluster can run at once with the requested CPUs, GPUs and memory per
     task; a request no node can satisfy is an error here, not a task pending forever."""
@@ -381,7 +371,7 @@ def _global_forecasts(
     ray: Any,
     config: ManyModelsConfig,
     plan: Plan,
-    chunks: list[pl.DataFrame],
+    features: FeatureChunks,
     todo: list[int],
     slots: int,
     console: Console,
@@ -389,8 +379,8 @@ def _global_forecasts(
     """Per chunk, the global models' forecasts of its series (None without global models).
     They are fitted once per run (`chunks/global.parquet`; a resumed run reuses them)."""
     if not plan.global_models or not todo:
-        return [None] * len(chunks)
-    saved = config.run_dir / "chunks" / "global.parquet"
+        return [None] * len(features)
+    saved = config.run_dir / "chunks" / GLOBAL_FILE
     if saved.exists():
         given = pl.read_parquet(saved)
     else:
@@ -398,7 +388,7 @@ def _global_forecasts(
 
         started = time.perf_counter()
         workers = min(slots, config.runner.global_workers or slots)
-        refs = [ray.put(chunk.to_arrow()) for chunk in chunks]
+        refs = [ray.put(features.read(i).to_arrow()) for i in range(len(features))]
         given = fit_global(ray, plan, refs, workers, config.runner.num_cpus)
         del refs
         partial = saved.with_suffix(f".partial-{os.getpid()}")
@@ -406,31 +396,26 @@ def _global_forecasts(
         os.replace(partial, saved)
         console.print(
             f"global models ({', '.join(sorted(plan.global_models))}) fitted on "
-            f"{min(workers, len(chunks))} workers in {time.perf_counter() - started:.1f} s"
+            f"{min(workers, len(features))} workers in {time.perf_counter() - started:.1f} s"
         )
-    owner = pl.concat(
-        chunk.select(SERIES).unique().with_columns(pl.lit(i, dtype=pl.Int64).alias("_chunk"))
-        for i, chunk in enumerate(chunks)
-    )
-    parts = given.join(owner, on=SERIES).partition_by("_chunk", as_dict=True)
+    keyed = given.with_columns((pl.col(SERIES) // features.size).alias("_chunk"))
+    parts = keyed.partition_by("_chunk", as_dict=True, include_key=False)
     empty = given.clear()
-    return [parts.get((i,), empty).drop("_chunk", strict=False) for i in range(len(chunks))]
+    return [parts.get((i,), empty) for i in range(len(features))]
 
 
 def _run_chunks(
     ray: Any,
     config: ManyModelsConfig,
     plan: Plan,
-    parts: tuple[list[pl.DataFrame], list[pl.DataFrame | None]],
+    parts: tuple[FeatureChunks, list[pl.DataFrame | None]],
     todo: list[int],
     slots: int,
-    run_dir: Path,
-    total_series: int,
     done: set[int],
     console: Console,
 ) -> list[tuple[float, float]]:
     runner = config.runner
-    chunks, given = parts
+    features, given = parts
     task = ray.remote(run_chunk).options(
         num_cpus=runner.num_cpus,
         num_gpus=runner.num_gpus,
@@ -439,22 +424,23 @@ def _run_chunks(
     )
     plan_ref = ray.put(plan)
     # Longest chunks first, so the run does not end waiting on one long chunk (the work grows
-    # with the rows); a few per task slot in flight, each put into the object store when it is
-    # submitted, not all of them at the start.
-    queue = sorted(todo, key=lambda i: -chunks[i].height)
+    # with the rows); a few per task slot in flight, each read from disk and put into the
+    # object store when it is submitted, not all of them at the start.
+    queue = sorted(todo, key=lambda i: -features.rows[i])
     in_flight = max(2, 2 * slots)
     pending: dict[Any, int] = {}
 
     def submit() -> None:
         while queue and len(pending) < in_flight:
             index = queue.pop(0)
-            rows = ray.put(chunks[index].to_arrow())
+            rows = ray.put(features.read(index).to_arrow())
             part = given[index]
             forecasts = part.to_arrow() if part is not None else None
             pending[task.remote(rows, plan_ref, forecasts)] = index
 
     submit()
-    reused = sum(chunks[i][SERIES].n_unique() for i in done)
+    total_series = features.series
+    reused = sum(len(features.series_of(i)) for i in done)
     intervals: list[tuple[float, float]] = []
     started, finished, failed, busy = time.monotonic(), reused, 0, 0.0
     with Progress(
@@ -475,8 +461,8 @@ def _run_chunks(
                 try:
                     result: ChunkResult = ray.get(ref)
                 except ray.exceptions.RayError as e:
-                    result = _lost_chunk(chunks[index], e, plan.levels)
-                _write_chunk(run_dir / "chunks", index, result)
+                    result = _lost_chunk(features.series_of(index), e, plan.levels)
+                _write_chunk(config.run_dir / "chunks", index, result)
                 intervals.append((result.started, result.finished))
                 failed += result.failed_series
                 finished += result.series
@@ -503,13 +489,13 @@ def eta_seconds(remaining: int, task_seconds: float, done: int, slots: int) -> f
     return remaining * (task_seconds / done) / max(slots, 1)
 
 
-def _lost_chunk(chunk: pl.DataFrame, error: Exception, levels: tuple[int, ...]) -> ChunkResult:
+def _lost_chunk(series: range, error: Exception, levels: tuple[int, ...]) -> ChunkResult:
     """A chunk whose worker died more often than `max_retries`: every series in it failed (its
     tables have the interval columns of the others, `levels`)."""
     result = ChunkResult(started=time.time(), finished=time.time(), levels=levels)
     message = f"{type(error).__name__}: worker lost after retries ({str(error).splitlines()[0]})"
-    for series in chunk[SERIES].unique(maintain_order=True):
-        result.failures.append({SERIES: series, "model": "*", "stage": "task", "error": message})
+    for number in series:
+        result.failures.append({SERIES: number, "model": "*", "stage": "task", "error": message})
         result.series += 1
         result.failed_series += 1
     return result

@@ -1,16 +1,18 @@
 """The Spark backend of the feature spec: the same columns as `features.polars_features`, written
 with Spark's window functions (lag, rows-between frames, partition aggregates), so the work is
-distributed by series over the cluster with no Python UDFs. Rows travel as Arrow both ways.
+distributed by series over the cluster with no Python UDFs. The executors read the input from
+Parquet and write the features to Parquet (`feature_files`): no row passes through the driver.
 """
 
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import polars as pl
-
 from shardwise.launch.env import environment
+from shardwise.manymodel.data import SERIES
+from shardwise.manymodel.feature_files import CHUNK_KEY
 from shardwise.manymodel.features import FeatureSpec, window_moments
 
 if TYPE_CHECKING:
@@ -44,15 +46,25 @@ def session(master: str, *, app: str = "shardwise-features", python: str | None 
 
 
 def spark_features(
-    frame: pl.DataFrame, spec: FeatureSpec, columns: Columns, *, master: str
-) -> pl.DataFrame:
+    source: Path,
+    spec: FeatureSpec,
+    columns: Columns,
+    *,
+    master: str,
+    out: Path,
+    size: int,
+    chunks: list[int],
+) -> None:
+    """Read the input table from `source` (Parquet), compute the features and write them to
+    `out`, one directory per chunk of `size` series (`feature_files`' layout), only `chunks`.
+    The rows go from files to files through the executors, never through this process."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F  # noqa: N812 (the conventional name)
 
     spark = session(master)
     ids, ts, y = list(columns.ids), columns.timestamp, columns.target
     by_time = Window.partitionBy(*ids).orderBy(ts)
-    data = spark.createDataFrame(frame.to_arrow()).repartition(*ids)
+    data = spark.read.parquet(str(source)).repartition(*ids)
     base = "_shifted"
     data = data.withColumn(base, F.lag(y, spec.shift).over(by_time))
     shifted = F.col(base)
@@ -73,16 +85,10 @@ def spark_features(
         keyed = Window.partitionBy(*group, ts).orderBy(*ids)
         keyed = keyed.rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
         exprs.append(_aggregate(F, shifted, keyed, stat).alias(name))
-    data = data.select("*", *exprs).drop(base)
-    result = pl.from_arrow(data.toArrow())
-    assert isinstance(result, pl.DataFrame)
-    return (
-        result.select(frame.columns + spec.columns())
-        .with_columns(pl.col(spec.numeric_columns()).cast(pl.Float64))
-        .with_columns(pl.col([name for name, _ in spec.calendar_columns]).cast(pl.Int32))
-        .with_columns(pl.col(ts).cast(frame.schema[ts]))
-        .sort([*ids, ts])
-    )
+    chunk = F.floor(F.col(SERIES) / size).cast("long").alias(CHUNK_KEY)
+    data = data.select("*", *exprs, chunk).drop(base).filter(F.col(CHUNK_KEY).isin(chunks))
+    # one task per chunk, so each chunk's directory gets one file
+    data.repartition(CHUNK_KEY).write.partitionBy(CHUNK_KEY).mode("append").parquet(str(out))
 
 
 def _rolling(F: Any, x: Any, by_time: Any, window: int, stat: str) -> Any:  # noqa: N803

@@ -1,0 +1,161 @@
+"""The feature table on disk, one directory per chunk of series, so the driver never holds all
+of it: polars computes it a batch of chunks at a time, Spark's executors write it themselves, and
+the runner reads a chunk back when it submits the chunk's task.
+
+Layout: `<root>/chunks/chunk=<i>/*.parquet` (the shape of Spark's partitioned output too); chunk
+i holds series i·size … (i+1)·size − 1. `<root>/input.parquet` is the checked input table Spark
+reads (from the driver's disk locally; on a cluster `job.run_dir` must be storage every executor
+sees).
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import polars as pl
+
+from shardwise.manymodel.data import SERIES
+from shardwise.manymodel.features import (
+    FeatureSpec,
+    group_features,
+    series_features,
+    with_groups,
+)
+
+if TYPE_CHECKING:
+    from shardwise.manymodel.data import Columns
+
+BATCH_ROWS = 500_000
+"""Rows of input the polars backend turns into features at a time (≈ 100 MB of features with
+twenty columns): what bounds the driver's memory for features, whatever the number of series."""
+CHUNK_KEY = "chunk"
+
+
+@dataclass(frozen=True)
+class FeatureChunks:
+    """Where the chunks' features are, and what the runner needs to know of each chunk without
+    reading it."""
+
+    root: Path
+    size: int
+    """Series per chunk."""
+    series: int
+    rows: tuple[int, ...]
+    """Input rows per chunk: the work grows with them (`_run_chunks` runs long ones first)."""
+    schema: pl.Schema
+    timestamp: str
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def series_of(self, index: int) -> range:
+        return range(index * self.size, min((index + 1) * self.size, self.series))
+
+    def read(self, index: int) -> pl.DataFrame:
+        """Chunk `index`'s feature rows, in series and time order, with the polars backend's
+        column types (Spark writes some types its own way)."""
+        files = sorted((self.root / "chunks" / f"{CHUNK_KEY}={index}").glob("*.parquet"))
+        frame = pl.read_parquet(files, hive_partitioning=False)
+        return (
+            frame.select(self.schema.names())
+            .cast(self.schema)
+            .sort(SERIES, self.timestamp, maintain_order=True)
+        )
+
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def write_features(
+    frame: pl.DataFrame,
+    spec: FeatureSpec,
+    columns: Columns,
+    root: Path,
+    size: int,
+    chunks: Iterable[int] | None = None,
+    *,
+    backend: str = "polars",
+    spark_master: str = "",
+    batch_rows: int = BATCH_ROWS,
+) -> FeatureChunks:
+    """Compute the features of `frame` (load_series' table: series numbered 0 … n − 1) and write
+    them under `root`, chunk by chunk (`chunks`: only those; all by default)."""
+    if not frame[SERIES].is_sorted():
+        frame = frame.sort(SERIES, columns.timestamp, maintain_order=True)
+    n_series = int(frame[SERIES].max()) + 1 if frame.height else 0  # type: ignore[arg-type]
+    n_chunks = -(-n_series // size)
+    counts = frame.group_by(pl.col(SERIES) // size).len().sort(SERIES)
+    rows = dict(zip(counts[SERIES].to_list(), counts["len"].to_list(), strict=True))
+    wanted = sorted(set(range(n_chunks) if chunks is None else chunks))
+    shutil.rmtree(root, ignore_errors=True)
+    (root / "chunks").mkdir(parents=True)
+    if backend == "spark":
+        from shardwise.manymodel.spark import spark_features
+
+        frame.write_parquet(root / "input.parquet")
+        spark_features(
+            root / "input.parquet", spec, columns, master=spark_master,
+            out=root / "chunks", size=size, chunks=wanted,
+        )  # fmt: skip
+    else:
+        _polars_files(
+            frame, spec, columns, root / "chunks", size, _batches(wanted, rows, batch_rows)
+        )
+    return FeatureChunks(
+        root=root,
+        size=size,
+        series=n_series,
+        rows=tuple(rows.get(i, 0) for i in range(n_chunks)),
+        schema=feature_schema(frame.schema, spec),
+        timestamp=columns.timestamp,
+    )
+
+
+def feature_schema(input_schema: pl.Schema, spec: FeatureSpec) -> pl.Schema:
+    """The feature table's columns and types: the input's, then the features (calendar codes
+    Int32, every other feature Float64)."""
+    calendar = {name for name, _ in spec.calendar_columns}
+    features = {c: pl.Int32() if c in calendar else pl.Float64() for c in spec.columns()}
+    return pl.Schema({**dict(input_schema), **features})
+
+
+def _polars_files(
+    frame: pl.DataFrame,
+    spec: FeatureSpec,
+    columns: Columns,
+    out: Path,
+    size: int,
+    batches: list[list[int]],
+) -> None:
+    groups = group_features(frame, spec, columns)  # small: one row per group and timestamp
+    for batch in batches:
+        start = frame[SERIES].search_sorted(batch[0] * size, side="left")
+        stop = frame[SERIES].search_sorted((batch[-1] + 1) * size, side="left")
+        part = with_groups(series_features(frame.slice(start, stop - start), spec, columns), groups)
+        keyed = part.with_columns((pl.col(SERIES) // size).alias(CHUNK_KEY))
+        for (index,), rows_of in keyed.partition_by(CHUNK_KEY, as_dict=True).items():
+            directory = out / f"{CHUNK_KEY}={index}"
+            directory.mkdir()
+            rows_of.drop(CHUNK_KEY).write_parquet(directory / "part-0.parquet")
+
+
+def _batches(wanted: list[int], rows: dict[int, int], limit: int) -> list[list[int]]:
+    """Runs of consecutive wanted chunks of at most `limit` rows (one chunk may be more)."""
+    batches: list[list[int]] = []
+    for _, run in itertools.groupby(enumerate(wanted), key=lambda p: p[1] - p[0]):
+        current: list[int] = []
+        total = 0
+        for _, index in run:
+            if current and total + rows.get(index, 0) > limit:
+                batches.append(current)
+                current, total = [], 0
+            current.append(index)
+            total += rows.get(index, 0)
+        if current:
+            batches.append(current)
+    return batches
