@@ -119,23 +119,29 @@ def _one_line(error: BaseException, limit: int = 300) -> str:
 
 
 def load_series(config: ManyModelsConfig) -> SeriesTable:
-    """Read, check and prepare the series for features and backtesting."""
+    """Read, check and prepare the series for features and backtesting.
+
+    The table is sorted by ids and time once; from then on a series is a run of rows with one
+    integer key (`SERIES`), and the per-series work groups and joins on that key rather than on
+    the id strings: hashing millions of strings is what made reading the driver's largest cost
+    in memory."""
     raw, columns = read_table(config)
     _check_groups(config, columns)
     frame = _typed(raw, columns)
-    _check_duplicates(frame, columns)
+    del raw
     ids, ts, y = list(columns.ids), columns.timestamp, columns.target
-    frame = frame.sort([*ids, ts])
+    frame = frame.sort([*ids, ts]).with_columns(_run_number(ids).alias(SERIES))
+    _check_duplicates(frame, columns)
     # Rows before a series' first observation carry nothing; rows after its last observation are
     # the future (they may hold known covariates).
     observed = pl.col(y).is_not_null()
-    started = observed.cum_max().over(ids)
-    more_to_come = observed.reverse().cum_max().reverse().over(ids)
+    started = observed.cum_max().over(SERIES)
+    more_to_come = observed.reverse().cum_max().reverse().over(SERIES)
     planned = frame.filter(started & ~more_to_come)
     frame = frame.filter(started & more_to_come)
     if config.data.num_series:
-        keep = frame.select(ids).unique(maintain_order=True).head(config.data.num_series)
-        frame = frame.join(keep, on=ids, how="semi")
+        keep = frame[SERIES].unique(maintain_order=True).head(config.data.num_series)
+        frame = frame.filter(pl.col(SERIES).is_in(keep.implode()))
     if frame.height == 0:
         raise ConfigError(f"the table has no rows with a value in '{y}'")
     freq = config.data.freq or infer_freq(frame, columns)
@@ -152,18 +158,24 @@ def load_series(config: ManyModelsConfig) -> SeriesTable:
                 "features.group_by cannot be combined with hierarchy.levels: a group's "
                 "statistics would mix its series with the sums of them; drop one"
             )
-        frame = aggregate(frame, columns, config.hierarchy.levels)
-    index = frame.select(ids).unique(maintain_order=True).with_row_index(SERIES)
-    frame = frame.join(  # an aggregate series (hierarchy.py) has nulls in some id columns
-        index.with_columns(pl.col(SERIES).cast(pl.Int64)), on=ids, nulls_equal=True
-    )
+        frame = aggregate(frame.drop(SERIES), columns, config.hierarchy.levels)
+        # an aggregate series has nulls in the id columns it sums over
+        frame = frame.with_columns(_run_number(ids).alias(SERIES))
+    else:  # 0 … n − 1 again, after the series dropped
+        frame = frame.with_columns(pl.col(SERIES).rle_id().cast(pl.Int64))
     return SeriesTable(
         frame=frame.select(SERIES, *ids, ts, y, *columns.covariates, FUTURE),
         columns=columns,
         freq=freq,
         season_length=season,
-        skipped=skipped,
+        skipped=skipped.drop(SERIES),
     )
+
+
+def _run_number(ids: list[str]) -> pl.Expr:
+    """Series numbers 0, 1, … in row order, for a table sorted by `ids` (runs of equal ids;
+    nulls equal nulls)."""
+    return pl.struct(ids).rle_id().cast(pl.Int64)
 
 
 def _check_groups(config: ManyModelsConfig, columns: Columns) -> None:
@@ -250,25 +262,30 @@ def _parsed_numbers(text: pl.Series) -> pl.Series:
 
 
 def _check_duplicates(frame: pl.DataFrame, columns: Columns) -> None:
-    key = [*columns.ids, columns.timestamp]
-    dupes = frame.group_by(key).len().filter(pl.col("len") > 1)
-    if dupes.height:
-        first = dupes.sort(key).row(0, named=True)
-        where = ", ".join(f"{k}={first[k]}" for k in key)
+    """`frame` is sorted by series and time: a duplicate is a row equal to the one before."""
+    ts = columns.timestamp
+    repeated = (pl.col(SERIES) == pl.col(SERIES).shift(1)) & (pl.col(ts) == pl.col(ts).shift(1))
+    marked = frame.select(SERIES, ts, repeated.fill_null(False).alias("_again"))
+    # a run of equal rows is one duplicated pair: count the runs' first repeats
+    runs = marked.filter(pl.col("_again") & ~pl.col("_again").shift(1).fill_null(False))
+    if runs.height:
+        first = runs.row(0, named=True)
+        rows = frame.filter((pl.col(SERIES) == first[SERIES]) & (pl.col(ts) == first[ts]))
+        where = ", ".join(f"{k}={rows[k][0]}" for k in [*columns.ids, ts])
         raise ConfigError(
-            f"{dupes.height} (series, {columns.timestamp}) pairs appear more than once, e.g. "
-            f"{where} ({first['len']} rows); aggregate or deduplicate the table first"
+            f"{runs.height} (series, {ts}) pairs appear more than once, e.g. "
+            f"{where} ({rows.height} rows); aggregate or deduplicate the table first"
         )
 
 
 def infer_freq(frame: pl.DataFrame, columns: Columns) -> str:
     """The spacing of timestamps as a polars duration: calendar months, quarters and years when
     every step moves the month by the same amount on the same day, else the most common gap."""
-    ids, ts = list(columns.ids), pl.col(columns.timestamp)
+    ts = pl.col(columns.timestamp)
     steps = frame.select(
-        (ts.dt.year() * 12 + ts.dt.month()).diff().over(ids).alias("months"),
+        (ts.dt.year() * 12 + ts.dt.month()).diff().over(SERIES).alias("months"),
         ts.dt.day().alias("day"),
-        ts.diff().over(ids).alias("gap"),
+        ts.diff().over(SERIES).alias("gap"),
     ).drop_nulls()
     if steps.height == 0:
         raise ConfigError("cannot infer the frequency from one row per series; set data.freq")
@@ -287,8 +304,8 @@ def infer_freq(frame: pl.DataFrame, columns: Columns) -> str:
 
 def _check_regular(frame: pl.DataFrame, columns: Columns, freq: str) -> None:
     ids, ts = list(columns.ids), columns.timestamp
-    expected = pl.col(ts).shift(1).dt.offset_by(freq).over(ids)
-    bad = frame.filter(pl.col(ts).shift(1).over(ids).is_not_null() & (pl.col(ts) != expected))
+    expected = pl.col(ts).shift(1).dt.offset_by(freq).over(SERIES)
+    bad = frame.filter(pl.col(ts).shift(1).over(SERIES).is_not_null() & (pl.col(ts) != expected))
     if bad.height:
         row = bad.row(0, named=True)
         series = ", ".join(f"{k}={row[k]}" for k in ids)
@@ -302,22 +319,24 @@ def _append_future(
     frame: pl.DataFrame, planned: pl.DataFrame, columns: Columns, freq: str, horizon: int
 ) -> pl.DataFrame:
     ids, ts = list(columns.ids), columns.timestamp
-    last = frame.group_by(ids).agg(pl.col(ts).max().alias("_last"))
+    last = frame.group_by(SERIES).agg(pl.col(ids).first(), pl.col(ts).max().alias("_last"))
     steps = [
-        last.select(*ids, pl.col("_last").dt.offset_by(_times(freq, k)).alias(ts))
+        last.select(SERIES, *ids, pl.col("_last").dt.offset_by(_times(freq, k)).alias(ts))
         for k in range(1, horizon + 1)
     ]
     future = pl.concat(steps).with_columns(pl.lit(None, dtype=pl.Float64).alias(columns.target))
     if columns.covariates:
         future = future.join(
-            planned.select(*ids, ts, *columns.covariates), on=[*ids, ts], how="left"
+            planned.select(SERIES, ts, *columns.covariates), on=[SERIES, ts], how="left"
         )
     else:
-        future = future.select(*ids, ts, columns.target)
+        future = future.select(SERIES, *ids, ts, columns.target)
     future = future.with_columns(
         pl.col(ts).cast(frame.schema[ts]), pl.lit(True).alias(FUTURE)
     ).select(*frame.columns, FUTURE)
-    return pl.concat([frame.with_columns(pl.lit(False).alias(FUTURE)), future]).sort([*ids, ts])
+    # both sorted by series and time: merged, not sorted again (a copy of the table less)
+    observed = frame.with_columns(pl.lit(False).alias(FUTURE))
+    return observed.merge_sorted(future.sort(SERIES, ts), key=[SERIES, ts])
 
 
 def _times(freq: str, k: int) -> str:
@@ -342,7 +361,9 @@ def _drop_short(
     from shardwise.manymodel.features import FeatureSpec
 
     ids = list(columns.ids)
-    counts = frame.group_by(ids, maintain_order=True).len("observations")
+    counts = frame.group_by(SERIES, maintain_order=True).agg(
+        pl.col(ids).first(), pl.len().alias("observations")
+    )
     longest = int(counts["observations"].max())  # type: ignore[arg-type]
     if config.data.season_length > longest:
         raise ConfigError(
@@ -369,4 +390,4 @@ def _drop_short(
             f"{longest}; lower the longest lag or window, "
             "backtest.min_train, n_windows or horizon"
         )
-    return frame.join(short, on=ids, how="anti"), short
+    return frame.join(short, on=SERIES, how="anti"), short
