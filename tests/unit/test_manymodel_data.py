@@ -89,6 +89,18 @@ def test_bad_tables_get_one_line(tmp_path, rows, change, message):
     assert "\n" not in str(info.value)
 
 
+def test_duplicates_are_counted_per_pair_and_the_first_is_named(tmp_path):
+    extra = [("b", "2024-01-09", 1.0), ("b", "2024-01-09", 2.0), ("a", "2024-01-04", 1.0)]
+    source = write_csv(tmp_path, daily("b", 20) + daily("a", 20) + extra)
+    message = (
+        "2 (series, day) pairs appear more than once, e.g. shop=a, day=2024-01-04 (2 rows); "
+        "aggregate or deduplicate the table first"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_series(config(source))
+    assert str(info.value) == message
+
+
 def test_all_series_too_short_is_an_error(tmp_path):
     source = write_csv(tmp_path, daily("a", 8) + daily("b", 9))
     with pytest.raises(ConfigError, match=r"needs 15 observations .* the longest has 9"):
