@@ -143,12 +143,12 @@ def series_features(frame: pl.DataFrame, spec: FeatureSpec, columns: Columns) ->
     """The rows with every feature that reads one series only (all but the group statistics):
     a batch of whole series gets the same values as the whole table."""
     ids, ts, y = list(columns.ids), columns.timestamp, columns.target
-    frame = frame.sort([*ids, ts])
-    exprs: list[pl.Expr] = [pl.col(y).shift(k).over(ids).alias(f"lag{k}") for k in spec.lags]
+    frame = _numbered(frame.sort([*ids, ts]), ids)
+    exprs: list[pl.Expr] = [pl.col(y).shift(k).over(_RUN).alias(f"lag{k}") for k in spec.lags]
     for name, w, stat in spec.rolling_columns:
-        exprs.append(_rolling(pl.col(_BASE), w, stat).over(ids).alias(name))
+        exprs.append(_rolling(pl.col(_BASE), w, stat).alias(name))
     for name, stat in spec.expanding_columns:
-        exprs.append(_expanding(pl.col(_BASE), stat).over(ids).alias(name))
+        exprs.append(_expanding(pl.col(_BASE), stat).over(_RUN).alias(name))
     exprs += [
         _CALENDAR[part](pl.col(ts)).cast(pl.Int32).alias(name)
         for name, part in spec.calendar_columns
@@ -156,7 +156,7 @@ def series_features(frame: pl.DataFrame, spec: FeatureSpec, columns: Columns) ->
     return (
         frame.with_columns(_shifted(spec, columns))
         .with_columns(exprs)
-        .drop(_BASE)
+        .drop(_BASE, _RUN)
         .with_columns(pl.col(_numeric(spec, exclude_groups=True)).cast(pl.Float64))
     )
 
@@ -170,7 +170,8 @@ def group_features(
         return []
     ids, ts = list(columns.ids), columns.timestamp
     needed = dict.fromkeys([*ids, *(c for g in spec.group_by for c in g), ts, columns.target])
-    base = frame.select(list(needed)).sort([*ids, ts]).with_columns(_shifted(spec, columns))
+    base = _numbered(frame.select(list(needed)).sort([*ids, ts]), ids)
+    base = base.with_columns(_shifted(spec, columns))
     tables = []
     for group in spec.group_by:
         keys = [*group, ts]
@@ -192,11 +193,18 @@ def with_groups(rows: pl.DataFrame, groups: list[tuple[list[str], pl.DataFrame]]
 
 
 _BASE = "_shifted"
+_RUN = "_run"
+
+
+def _numbered(frame: pl.DataFrame, ids: list[str]) -> pl.DataFrame:
+    """`frame`, sorted by `ids`, with each series' rows numbered by one integer: windows over
+    it are much cheaper than over the id strings, which polars would hash for every feature."""
+    return frame.with_columns(pl.struct(ids).rle_id().alias(_RUN))
 
 
 def _shifted(spec: FeatureSpec, columns: Columns) -> pl.Expr:
     """The target `spec.shift` rows back: what rolling, expanding and group statistics read."""
-    return pl.col(columns.target).shift(spec.shift).over(list(columns.ids)).alias(_BASE)
+    return pl.col(columns.target).shift(spec.shift).over(_RUN).alias(_BASE)
 
 
 def _numeric(spec: FeatureSpec, *, exclude_groups: bool) -> list[str]:
@@ -205,15 +213,22 @@ def _numeric(spec: FeatureSpec, *, exclude_groups: bool) -> list[str]:
 
 
 def _rolling(x: pl.Expr, window: int, stat: str) -> pl.Expr:
-    """Over the `window` values up to each row, null unless all are there. The sums run from
-    the newest value to the oldest, as spark.py's do."""
-    if stat == "min":
-        return x.rolling_min(window, min_samples=window)
-    if stat == "max":
-        return x.rolling_max(window, min_samples=window)
-    mean, var = window_moments([x.shift(k) for k in range(window)])
+    """Over the `window` values up to each row of a series, null unless all are there. The sums
+    run from the newest value to the oldest, as spark.py's do. It runs on the whole column (a
+    window per series would evaluate the expression series by series, 40× slower): a value from
+    the series before is masked (`_within`)."""
+    if stat in ("min", "max"):
+        rolled = x.rolling_min if stat == "min" else x.rolling_max
+        return pl.when(_within(window - 1)).then(rolled(window, min_samples=window))
+    lagged = [x] + [pl.when(_within(k)).then(x.shift(k)) for k in range(1, window)]
+    mean, var = window_moments(lagged)
     moment: pl.Expr = mean if stat == "mean" else var.sqrt()
     return moment
+
+
+def _within(k: int) -> pl.Expr:
+    """Whether the row k rows up belongs to the same series (`_RUN`)."""
+    return pl.col(_RUN).shift(k) == pl.col(_RUN)
 
 
 def window_moments(values: list[Any]) -> tuple[Any, Any]:
