@@ -96,3 +96,45 @@ def test_employment_features_match(spark, tmp_path):
     on_spark = run_chunk(spark_table, plan).tables()
     for name in ("metrics", "forecasts", "choices"):
         assert on_polars[name].equals(on_spark[name]), name
+
+
+def test_nanosecond_times_and_only_the_chunks_asked_for(spark, tmp_path):
+    """Spark's Parquet reader refuses nanosecond timestamps (a table from pandas has them); a
+    resumed run asks for some chunks only, and without group statistics Spark reads only
+    their series."""
+    hours = pl.datetime_range(
+        pl.datetime(2024, 1, 1), pl.datetime(2024, 1, 9, 7), "1h", time_unit="ns", eager=True
+    )
+    shops = ["a", "b", "c", "d", "e"]
+    frame = pl.DataFrame(
+        {
+            "shop": [s for s in shops for _ in hours],
+            "t": pl.concat([hours] * len(shops)),
+            "y": [float((h % 24) * (i + 1)) for i in range(len(shops)) for h in range(len(hours))],
+        }
+    )
+    source = tmp_path / "hourly.parquet"
+    frame.write_parquet(source)
+    config = validate_as(
+        ManyModelsConfig,
+        {
+            "data": {
+                "source": str(source),
+                "id_columns": ["shop"],
+                "timestamp": "t",
+                "target": "y",
+            },
+            "features": {"lags": [24, 25], "rolling_windows": [3], "calendar": ["hour"]},
+            "backtest": {"horizon": 24, "n_windows": 1},
+        },
+    )
+    table = load_series(config)
+    assert table.frame.schema["t"] == pl.Datetime("ns")
+    spec = FeatureSpec.from_config(config, table.season_length)
+    files = write_features(
+        table.frame, spec, table.columns, tmp_path / "f", 2, [1],
+        backend="spark", spark_master="local[2]",
+    )  # fmt: skip
+    assert [p.name for p in (tmp_path / "f" / "chunks").glob("chunk=*")] == ["chunk=1"]
+    expected = polars_features(table.frame, spec, table.columns)
+    assert_same(files.read(1), expected.filter(pl.col("_series").is_in([2, 3])))

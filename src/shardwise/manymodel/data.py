@@ -130,7 +130,7 @@ def load_series(config: ManyModelsConfig) -> SeriesTable:
     frame = _typed(raw, columns)
     del raw
     ids, ts, y = list(columns.ids), columns.timestamp, columns.target
-    frame = frame.sort([*ids, ts]).with_columns(_run_number(ids).alias(SERIES))
+    frame = frame.sort([*ids, ts]).with_columns(run_numbers(ids).alias(SERIES))
     _check_duplicates(frame, columns)
     # Rows before a series' first observation carry nothing; rows after its last observation are
     # the future (they may hold known covariates).
@@ -160,7 +160,7 @@ def load_series(config: ManyModelsConfig) -> SeriesTable:
             )
         frame = aggregate(frame.drop(SERIES), columns, config.hierarchy.levels)
         # an aggregate series has nulls in the id columns it sums over
-        frame = frame.with_columns(_run_number(ids).alias(SERIES))
+        frame = frame.with_columns(run_numbers(ids).alias(SERIES))
     else:  # 0 … n − 1 again, after the series dropped
         frame = frame.with_columns(pl.col(SERIES).rle_id().cast(pl.Int64))
     return SeriesTable(
@@ -172,7 +172,7 @@ def load_series(config: ManyModelsConfig) -> SeriesTable:
     )
 
 
-def _run_number(ids: list[str]) -> pl.Expr:
+def run_numbers(ids: list[str]) -> pl.Expr:
     """Series numbers 0, 1, … in row order, for a table sorted by `ids` (runs of equal ids;
     nulls equal nulls)."""
     return pl.struct(ids).rle_id().cast(pl.Int64)
@@ -390,4 +390,4 @@ def _drop_short(
             f"{longest}; lower the longest lag or window, "
             "backtest.min_train, n_windows or horizon"
         )
-    return frame.join(short, on=SERIES, how="anti"), short
+    return frame.filter(~pl.col(SERIES).is_in(short[SERIES].implode())), short

@@ -67,9 +67,6 @@ class FeatureChunks:
             .sort(SERIES, self.timestamp, maintain_order=True)
         )
 
-    def remove(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
-
 
 def write_features(
     frame: pl.DataFrame,
@@ -94,15 +91,15 @@ def write_features(
     wanted = sorted(set(range(n_chunks) if chunks is None else chunks))
     shutil.rmtree(root, ignore_errors=True)
     (root / "chunks").mkdir(parents=True)
-    if backend == "spark":
+    if wanted and backend == "spark":
         from shardwise.manymodel.spark import spark_features
 
-        frame.write_parquet(root / "input.parquet")
+        _for_spark(frame, columns.timestamp).write_parquet(root / "input.parquet")
         spark_features(
             root / "input.parquet", spec, columns, master=spark_master,
             out=root / "chunks", size=size, chunks=wanted,
         )  # fmt: skip
-    else:
+    elif wanted:  # none when a resumed run has every chunk done
         _polars_files(
             frame, spec, columns, root / "chunks", size, _batches(wanted, rows, batch_rows)
         )
@@ -114,6 +111,15 @@ def write_features(
         schema=feature_schema(frame.schema, spec),
         timestamp=columns.timestamp,
     )
+
+
+def _for_spark(frame: pl.DataFrame, ts: str) -> pl.DataFrame:
+    """`frame` as Spark's Parquet reader takes it: it refuses nanosecond timestamps (pandas'
+    unit), so they are written in microseconds (`FeatureChunks.read` casts them back)."""
+    kind = frame.schema[ts]
+    if isinstance(kind, pl.Datetime) and kind.time_unit == "ns":
+        return frame.with_columns(pl.col(ts).cast(pl.Datetime("us", kind.time_zone)))
+    return frame
 
 
 def feature_schema(input_schema: pl.Schema, spec: FeatureSpec) -> pl.Schema:

@@ -157,7 +157,7 @@ def series_features(frame: pl.DataFrame, spec: FeatureSpec, columns: Columns) ->
         frame.with_columns(_shifted(spec, columns))
         .with_columns(exprs)
         .drop(_BASE, _RUN)
-        .with_columns(pl.col(_numeric(spec, exclude_groups=True)).cast(pl.Float64))
+        .with_columns(pl.col(_per_series(spec)).cast(pl.Float64))
     )
 
 
@@ -199,7 +199,9 @@ _RUN = "_run"
 def _numbered(frame: pl.DataFrame, ids: list[str]) -> pl.DataFrame:
     """`frame`, sorted by `ids`, with each series' rows numbered by one integer: windows over
     it are much cheaper than over the id strings, which polars would hash for every feature."""
-    return frame.with_columns(pl.struct(ids).rle_id().alias(_RUN))
+    from shardwise.manymodel.data import run_numbers
+
+    return frame.with_columns(run_numbers(ids).alias(_RUN))
 
 
 def _shifted(spec: FeatureSpec, columns: Columns) -> pl.Expr:
@@ -207,8 +209,9 @@ def _shifted(spec: FeatureSpec, columns: Columns) -> pl.Expr:
     return pl.col(columns.target).shift(spec.shift).over(_RUN).alias(_BASE)
 
 
-def _numeric(spec: FeatureSpec, *, exclude_groups: bool) -> list[str]:
-    groups = {name for name, _, _ in spec.group_columns} if exclude_groups else set()
+def _per_series(spec: FeatureSpec) -> list[str]:
+    """The numeric features `series_features` computes (all but the group statistics)."""
+    groups = {name for name, _, _ in spec.group_columns}
     return [c for c in spec.numeric_columns() if c not in groups]
 
 

@@ -64,7 +64,11 @@ def spark_features(
     spark = session(master)
     ids, ts, y = list(columns.ids), columns.timestamp, columns.target
     by_time = Window.partitionBy(*ids).orderBy(ts)
-    data = spark.read.parquet(str(source)).repartition(*ids)
+    chunk = F.floor(F.col(SERIES) / size).cast("long")
+    data = spark.read.parquet(str(source))
+    if not spec.group_columns:  # a group statistic reads the other chunks' series too
+        data = data.filter(chunk.isin(chunks))
+    data = data.repartition(*ids)
     base = "_shifted"
     data = data.withColumn(base, F.lag(y, spec.shift).over(by_time))
     shifted = F.col(base)
@@ -85,8 +89,8 @@ def spark_features(
         keyed = Window.partitionBy(*group, ts).orderBy(*ids)
         keyed = keyed.rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
         exprs.append(_aggregate(F, shifted, keyed, stat).alias(name))
-    chunk = F.floor(F.col(SERIES) / size).cast("long").alias(CHUNK_KEY)
-    data = data.select("*", *exprs, chunk).drop(base).filter(F.col(CHUNK_KEY).isin(chunks))
+    data = data.select("*", *exprs, chunk.alias(CHUNK_KEY)).drop(base)
+    data = data.filter(F.col(CHUNK_KEY).isin(chunks))
     # one task per chunk, so each chunk's directory gets one file
     data.repartition(CHUNK_KEY).write.partitionBy(CHUNK_KEY).mode("append").parquet(str(out))
 
