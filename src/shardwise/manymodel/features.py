@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import polars as pl
 
 from shardwise.manymodel.config import FeaturesSection, ManyModelsConfig
+from shardwise.manymodel.data import SERIES, run_numbers
 
 if TYPE_CHECKING:
     from shardwise.manymodel.data import Columns
@@ -142,9 +143,9 @@ def polars_features(frame: pl.DataFrame, spec: FeatureSpec, columns: Columns) ->
 def series_features(frame: pl.DataFrame, spec: FeatureSpec, columns: Columns) -> pl.DataFrame:
     """The rows with every feature that reads one series only (all but the group statistics):
     a batch of whole series gets the same values as the whole table."""
-    ids, ts, y = list(columns.ids), columns.timestamp, columns.target
-    frame = _numbered(frame.sort([*ids, ts]), ids)
-    exprs: list[pl.Expr] = [pl.col(y).shift(k).over(_RUN).alias(f"lag{k}") for k in spec.lags]
+    ts, y = columns.timestamp, columns.target
+    frame = _in_order(frame, columns)
+    exprs: list[pl.Expr] = [_lagged(pl.col(y), k).alias(f"lag{k}") for k in spec.lags]
     for name, w, stat in spec.rolling_columns:
         exprs.append(_rolling(pl.col(_BASE), w, stat).alias(name))
     for name, stat in spec.expanding_columns:
@@ -169,8 +170,9 @@ def group_features(
     if not spec.group_columns:
         return []
     ids, ts = list(columns.ids), columns.timestamp
-    needed = dict.fromkeys([*ids, *(c for g in spec.group_by for c in g), ts, columns.target])
-    base = _numbered(frame.select(list(needed)).sort([*ids, ts]), ids)
+    keys = [*(c for g in spec.group_by for c in g), ts, columns.target]
+    needed = [SERIES] if SERIES in frame.columns else ids  # what _in_order orders by
+    base = _in_order(frame.select(list(dict.fromkeys([*needed, *keys]))), columns)
     base = base.with_columns(_shifted(spec, columns))
     tables = []
     for group in spec.group_by:
@@ -196,17 +198,26 @@ _BASE = "_shifted"
 _RUN = "_run"
 
 
-def _numbered(frame: pl.DataFrame, ids: list[str]) -> pl.DataFrame:
-    """`frame`, sorted by `ids`, with each series' rows numbered by one integer: windows over
-    it are much cheaper than over the id strings, which polars would hash for every feature."""
-    from shardwise.manymodel.data import run_numbers
+def _in_order(frame: pl.DataFrame, columns: Columns) -> pl.DataFrame:
+    """`frame` in series and time order, each series' rows numbered by one integer (`_RUN`):
+    windows over it are much cheaper than over the id strings, which polars would hash for every
+    feature. A table from `load_series` is in that order already, its series numbered
+    (`SERIES`), and is used as it is; any other is sorted by its ids and time."""
+    if SERIES in frame.columns and frame[SERIES].is_sorted():
+        return frame.with_columns(pl.col(SERIES).alias(_RUN))
+    ids = list(columns.ids)
+    return frame.sort([*ids, columns.timestamp]).with_columns(run_numbers(ids).alias(_RUN))
 
-    return frame.with_columns(run_numbers(ids).alias(_RUN))
+
+def _lagged(x: pl.Expr, k: int) -> pl.Expr:
+    """`x` k rows back in the same series (null for a series' first k rows): a shift of the
+    whole column with the values of the series before masked."""
+    return pl.when(_within(k)).then(x.shift(k))
 
 
 def _shifted(spec: FeatureSpec, columns: Columns) -> pl.Expr:
     """The target `spec.shift` rows back: what rolling, expanding and group statistics read."""
-    return pl.col(columns.target).shift(spec.shift).over(_RUN).alias(_BASE)
+    return _lagged(pl.col(columns.target), spec.shift).alias(_BASE)
 
 
 def _per_series(spec: FeatureSpec) -> list[str]:
@@ -223,7 +234,7 @@ def _rolling(x: pl.Expr, window: int, stat: str) -> pl.Expr:
     if stat in ("min", "max"):
         rolled = x.rolling_min if stat == "min" else x.rolling_max
         return pl.when(_within(window - 1)).then(rolled(window, min_samples=window))
-    lagged = [x] + [pl.when(_within(k)).then(x.shift(k)) for k in range(1, window)]
+    lagged = [x] + [_lagged(x, k) for k in range(1, window)]
     mean, var = window_moments(lagged)
     moment: pl.Expr = mean if stat == "mean" else var.sqrt()
     return moment
