@@ -98,18 +98,18 @@ def test_employment_features_match(spark, tmp_path):
         assert on_polars[name].equals(on_spark[name]), name
 
 
-def test_nanosecond_times_and_only_the_chunks_asked_for(spark, tmp_path):
-    """Spark's Parquet reader refuses nanosecond timestamps (a table from pandas has them); a
-    resumed run asks for some chunks only, and without group statistics Spark reads only
-    their series."""
+def hourly(tmp_path, dtype: pl.DataType):
+    """Five shops' hourly series with timestamps of `dtype`, read as the runner reads them."""
     hours = pl.datetime_range(
-        pl.datetime(2024, 1, 1), pl.datetime(2024, 1, 9, 7), "1h", time_unit="ns", eager=True
-    )
+        pl.datetime(2024, 1, 1), pl.datetime(2024, 1, 9, 7), "1h", eager=True
+    ).cast(pl.Datetime("ns"))
+    if isinstance(dtype, pl.Datetime) and dtype.time_zone:
+        hours = hours.dt.replace_time_zone("UTC")
     shops = ["a", "b", "c", "d", "e"]
     frame = pl.DataFrame(
         {
             "shop": [s for s in shops for _ in hours],
-            "t": pl.concat([hours] * len(shops)),
+            "t": pl.concat([hours] * len(shops)).cast(dtype),
             "y": [float((h % 24) * (i + 1)) for i in range(len(shops)) for h in range(len(hours))],
         }
     )
@@ -124,13 +124,24 @@ def test_nanosecond_times_and_only_the_chunks_asked_for(spark, tmp_path):
                 "timestamp": "t",
                 "target": "y",
             },
-            "features": {"lags": [24, 25], "rolling_windows": [3], "calendar": ["hour"]},
+            "features": {
+                "lags": [24, 25],
+                "rolling_windows": [3],
+                "calendar": ["hour", "day_of_week", "day_of_month"],
+            },
             "backtest": {"horizon": 24, "n_windows": 1},
         },
     )
     table = load_series(config)
-    assert table.frame.schema["t"] == pl.Datetime("ns")
-    spec = FeatureSpec.from_config(config, table.season_length)
+    assert table.frame.schema["t"] == dtype
+    return table, FeatureSpec.from_config(config, table.season_length)
+
+
+def test_nanosecond_times_and_only_the_chunks_asked_for(spark, tmp_path):
+    """Spark's Parquet reader refuses nanosecond timestamps (a table from pandas has them); a
+    resumed run asks for some chunks only, and without group statistics Spark reads only
+    their series."""
+    table, spec = hourly(tmp_path, pl.Datetime("ns"))
     files = write_features(
         table.frame, spec, table.columns, tmp_path / "f", 2, [1],
         backend="spark", spark_master="local[2]",
@@ -138,3 +149,18 @@ def test_nanosecond_times_and_only_the_chunks_asked_for(spark, tmp_path):
     assert [p.name for p in (tmp_path / "f" / "chunks").glob("chunk=*")] == ["chunk=1"]
     expected = polars_features(table.frame, spec, table.columns)
     assert_same(files.read(1), expected.filter(pl.col("_series").is_in([2, 3])))
+
+
+def test_calendar_parts_in_the_timestamps_zone(spark, tmp_path):
+    """polars takes the hour and the day of a zoned timestamp in its zone: so does Spark (its
+    session's zone is set to it while it computes), not in UTC."""
+    table, spec = hourly(tmp_path, pl.Datetime("us", "Asia/Tokyo"))
+    files = write_features(
+        table.frame, spec, table.columns, tmp_path / "f", 2,
+        backend="spark", spark_master="local[2]",
+    )  # fmt: skip
+    got = pl.concat(files.read(i) for i in range(len(files)))
+    expected = polars_features(table.frame, spec, table.columns)
+    assert expected["cal_hour"][0] == 9  # midnight UTC is 9 o'clock in Tokyo
+    assert_same(got, expected)
+    assert spark.conf.get("spark.sql.session.timeZone") == "UTC"  # put back

@@ -95,9 +95,11 @@ def write_features(
         from shardwise.manymodel.spark import spark_features
 
         _for_spark(frame, columns.timestamp).write_parquet(root / "input.parquet")
+        kind = frame.schema[columns.timestamp]
         spark_features(
             root / "input.parquet", spec, columns, master=spark_master,
             out=root / "chunks", size=size, chunks=wanted,
+            time_zone=kind.time_zone if isinstance(kind, pl.Datetime) else None,
         )  # fmt: skip
     elif wanted:  # none when a resumed run has every chunk done
         _polars_files(

@@ -54,14 +54,35 @@ def spark_features(
     out: Path,
     size: int,
     chunks: list[int],
+    time_zone: str | None = None,
 ) -> None:
     """Read the input table from `source` (Parquet), compute the features and write them to
     `out`, one directory per chunk of `size` series (`feature_files`' layout), only `chunks`.
-    The rows go from files to files through the executors, never through this process."""
+    The rows go from files to files through the executors, never through this process.
+    `time_zone`: the timestamps' zone, where the calendar parts are taken (as polars does)."""
+    spark = session(master)
+    key = "spark.sql.session.timeZone"
+    before = spark.conf.get(key)
+    spark.conf.set(key, time_zone or "UTC")
+    try:
+        _write_features(spark, source, spec, columns, out=out, size=size, chunks=chunks)
+    finally:
+        spark.conf.set(key, before)
+
+
+def _write_features(
+    spark: Any,
+    source: Path,
+    spec: FeatureSpec,
+    columns: Columns,
+    *,
+    out: Path,
+    size: int,
+    chunks: list[int],
+) -> None:
     from pyspark.sql import Window
     from pyspark.sql import functions as F  # noqa: N812 (the conventional name)
 
-    spark = session(master)
     ids, ts, y = list(columns.ids), columns.timestamp, columns.target
     by_time = Window.partitionBy(*ids).orderBy(ts)
     chunk = F.floor(F.col(SERIES) / size).cast("long")
