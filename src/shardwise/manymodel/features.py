@@ -170,9 +170,9 @@ def group_features(
     if not spec.group_columns:
         return []
     ids, ts = list(columns.ids), columns.timestamp
-    keys = [*(c for g in spec.group_by for c in g), ts, columns.target]
-    needed = [SERIES] if SERIES in frame.columns else ids  # what _in_order orders by
-    base = _in_order(frame.select(list(dict.fromkeys([*needed, *keys]))), columns)
+    read = [*(c for g in spec.group_by for c in g), ts, columns.target]
+    order = [SERIES] if SERIES in frame.columns else ids  # what _in_order orders by
+    base = _in_order(frame.select(list(dict.fromkeys([*order, *read]))), columns)
     base = base.with_columns(_shifted(spec, columns))
     tables = []
     for group in spec.group_by:
@@ -229,8 +229,8 @@ def _per_series(spec: FeatureSpec) -> list[str]:
 def _rolling(x: pl.Expr, window: int, stat: str) -> pl.Expr:
     """Over the `window` values up to each row of a series, null unless all are there. The sums
     run from the newest value to the oldest, as spark.py's do. It runs on the whole column (a
-    window per series would evaluate the expression series by series, 40× slower): a value from
-    the series before is masked (`_within`)."""
+    window per series made polars evaluate the expression series by series: 6× slower on 5,000
+    series): a value from the series before is masked (`_within`)."""
     if stat in ("min", "max"):
         rolled = x.rolling_min if stat == "min" else x.rolling_max
         return pl.when(_within(window - 1)).then(rolled(window, min_samples=window))

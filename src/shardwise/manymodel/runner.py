@@ -126,8 +126,11 @@ def run(
             ray.shutdown()
         shutil.rmtree(run_dir / "features", ignore_errors=True)  # scratch: big, and redone
     outputs, selection = _assemble(config, table, n_chunks)
-    if config.hierarchy.levels:
-        _reconcile(config, table, outputs, console)
+    # the chosen forecasts were streamed to their file: read back once, for what needs them
+    wanted = bool(config.hierarchy.levels) or config.tracking.plots
+    chosen = chosen_forecasts(run_dir, table) if wanted else None
+    if chosen is not None and config.hierarchy.levels:
+        _reconcile(config, table, chosen, console)
     summary = summarise(
         config,
         table,
@@ -142,10 +145,9 @@ def run(
             "total": time.perf_counter() - started,
         },
     )
-    if config.tracking.plots:
+    if chosen is not None and config.tracking.plots:
         from shardwise.manymodel.plots import write_plots
 
-        chosen = chosen_forecasts(run_dir, table)
         write_plots(run_dir, table, {**outputs, "forecasts": chosen}, seed=config.job.seed)
     summary.mlflow_run_id = track(mlflow_run, config, summary, run_dir)
     print_summary(console, summary)
@@ -583,13 +585,13 @@ def chosen_forecasts(run_dir: Path, table: SeriesTable) -> pl.DataFrame:
 def _reconcile(
     config: ManyModelsConfig,
     table: SeriesTable,
-    outputs: dict[str, pl.DataFrame],
+    forecast: pl.DataFrame,
     console: Console,
 ) -> None:
-    """Reconcile the forecasts of every level (hierarchy.py): `forecasts_reconciled.parquet`."""
+    """Reconcile the chosen forecasts (`chosen_forecasts`) of every level (hierarchy.py):
+    `forecasts_reconciled.parquet`."""
     from shardwise.manymodel.hierarchy import incoherence, reconcile
 
-    forecast = chosen_forecasts(config.run_dir, table)
     missing = table.num_series - forecast[SERIES].n_unique()
     if missing:
         console.print(
