@@ -83,13 +83,14 @@ def _write_features(
     from pyspark.sql import Window
     from pyspark.sql import functions as F  # noqa: N812 (the conventional name)
 
-    ids, ts, y = list(columns.ids), columns.timestamp, columns.target
-    by_time = Window.partitionBy(*ids).orderBy(ts)
+    # a series is its number (SERIES, in id order), not its id strings: cheaper to hash and sort
+    ts, y = columns.timestamp, columns.target
+    by_time = Window.partitionBy(SERIES).orderBy(ts)
     chunk = F.floor(F.col(SERIES) / size).cast("long")
     data = spark.read.parquet(str(source))
     if not spec.group_columns:  # a group statistic reads the other chunks' series too
         data = data.filter(chunk.isin(chunks))
-    data = data.repartition(*ids)
+    data = data.repartition(SERIES)
     base = "_shifted"
     data = data.withColumn(base, F.lag(y, spec.shift).over(by_time))
     shifted = F.col(base)
@@ -107,7 +108,7 @@ def _write_features(
     exprs = []
     for name, group, stat in spec.group_columns:
         # every series at one timestamp, in id order: the order polars sums them in
-        keyed = Window.partitionBy(*group, ts).orderBy(*ids)
+        keyed = Window.partitionBy(*group, ts).orderBy(SERIES)
         keyed = keyed.rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
         exprs.append(_aggregate(F, shifted, keyed, stat).alias(name))
     data = data.select("*", *exprs, chunk.alias(CHUNK_KEY)).drop(base)
