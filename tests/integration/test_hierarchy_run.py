@@ -33,3 +33,15 @@ def test_a_hierarchical_run_forecasts_every_level_and_reconciles(ray_cluster, tm
     assert reconciled.sort("state", "region", "shop", "month")["base"].equals(
         chosen["forecast"], null_equal=True
     )
+    # the windows' forecasts, with their timestamps and actual values, as the metrics scored them
+    backtest = pl.read_parquet(run_dir / "backtest_forecasts.parquet")
+    assert backtest.height == 13 * 2 * 2 * 6  # series × models × windows × steps
+    last = pl.date(2019, 12, 1)
+    assert backtest["month"].min() == pl.select(last.dt.offset_by("-11mo")).item()
+    mae = (
+        backtest.group_by("state", "region", "shop", "model", "window")
+        .agg((pl.col("forecast") - pl.col("units")).abs().mean().alias("mine"))
+        .join(metrics, on=["state", "region", "shop", "model", "window"], nulls_equal=True)
+    )
+    assert mae.height == backtest.height // 6
+    assert (mae["mine"] - mae["mae"]).abs().max() < 1e-9

@@ -66,7 +66,8 @@ def test_real_subset_best_beats_seasonal_naive_and_is_tracked(ray_cluster, tmp_p
     held_out = summary.selection.held_out["per_series"]["mase"]
     assert record.data.metrics["held_out/per_series_mase"] == pytest.approx(held_out)
     artifacts = {a.path for a in client.list_artifacts(summary.mlflow_run_id)}
-    assert {"forecasts.parquet", "best_models.parquet", "backtest_metrics.parquet"} <= artifacts
+    tables = ("forecasts", "best_models", "backtest_metrics", "backtest_forecasts")
+    assert {f"{name}.parquet" for name in tables} <= artifacts
 
 
 def test_failures_are_isolated_and_a_crashed_worker_is_retried(ray_cluster, tmp_path):

@@ -188,3 +188,40 @@ def test_the_ensemble_has_conformal_intervals_from_its_own_window_errors(tmp_pat
     width = half_widths(errors, 80)
     np.testing.assert_allclose(mean["hi_80"] - mean["forecast"], width, rtol=1e-9)
     np.testing.assert_allclose(mean["forecast"] - mean["lo_80"], width, rtol=1e-9)
+
+
+def test_the_backtest_forecasts_are_the_ones_the_metrics_score(tmp_path):
+    """Every model's forecast of every window is kept, a row per step, and scoring those rows
+    against the window's actual values gives the metrics table's MAE; the ensemble's rows are
+    the mean of the series' final top models on each window."""
+    from shardwise.manymodel.backtest import origins
+
+    config, table = tiny_job(
+        tmp_path,
+        ["seasonal_naive", "ridge"],
+        backtest={"horizon": 6, "n_windows": 3, "ensemble_top_k": 2},
+    )
+    spec = FeatureSpec.from_config(config, table.season_length)
+    plan = make_plan(config, table, spec)
+    tables = run_in_process(config, table).tables()
+    backtest, metrics = tables["backtest"], tables["metrics"]
+    assert backtest.height == 3 * (2 + 1) * 3 * 6  # series × (models + ensemble) × windows × steps
+    for (series,), rows in table.frame.filter(~pl.col("_future")).group_by(SERIES):
+        starts = origins(rows.height, plan)
+        for model in ("seasonal_naive", "ridge"):
+            for window, origin in enumerate(starts):
+                actual = rows["units"].to_numpy()[origin : origin + 6]
+                got = backtest.filter(
+                    pl.col(SERIES) == series, pl.col("model") == model, pl.col("window") == window
+                ).sort("step")
+                assert got["step"].to_list() == [1, 2, 3, 4, 5, 6]
+                mae = metrics.filter(
+                    pl.col(SERIES) == series, pl.col("model") == model, pl.col("window") == window
+                )["mae"].item()
+                assert np.mean(np.abs(actual - got["forecast"].to_numpy())) == pytest.approx(
+                    mae, rel=1e-12
+                )
+    pivot = backtest.pivot("model", index=[SERIES, "window", "step"], values="forecast")
+    np.testing.assert_allclose(
+        pivot["ensemble"], (pivot["seasonal_naive"] + pivot["ridge"]) / 2, rtol=1e-12
+    )

@@ -76,3 +76,56 @@ def test_series_that_end_apart_cannot_form_a_hierarchy(tmp_path):
     cut.write_csv(config.data.source)
     with pytest.raises(ConfigError, match=r"the series end at 2 different timestamps"):
         load_series(config)
+
+
+def test_error_weighted_mint_moves_the_series_forecast_worst_before(tmp_path):
+    """mint_wls_var and mint_shrink weigh each series by its errors on the backtest windows
+    (`past`): a shop forecast almost exactly there keeps its forecast, one forecast badly takes
+    most of the correction. Both add up; without `past` they cannot run."""
+    table = load_series(hierarchical_job(tmp_path))
+    history = table.frame.filter(~pl.col(FUTURE))
+    future = table.frame.filter(pl.col(FUTURE)).select(SERIES, *table.columns.ids, "month")
+    rng = np.random.default_rng(3)
+    last = history.group_by(SERIES).agg(pl.col("units").last().alias("last"))
+    forecasts = future.join(last, on=SERIES).with_columns(
+        (pl.col("last") * pl.Series(rng.uniform(0.8, 1.2, future.height))).alias("forecast")
+    )
+    recent = history.filter(pl.col("month") > history["month"].max() - pl.duration(days=365))
+    noise = pl.when(pl.col("shop") == "s1").then(0.01).when(pl.col("shop") == "s2").then(10.0)
+    error = noise.otherwise(1.0) * pl.Series(rng.normal(0, 1, recent.height))
+    past = recent.select(SERIES, "month", (pl.col("units") + error).alias("forecast"))
+    methods = ["mint_wls_var", "mint_shrink"]
+    reconciled = reconcile(forecasts, history, table.columns, LEVELS, methods, past)
+    for method in methods:
+        assert incoherence(reconciled, method, table.columns, LEVELS) < 1e-9, method
+        moved = reconciled.with_columns((pl.col(method) - pl.col("base")).abs().alias("moved"))
+        s1 = moved.filter(pl.col("shop") == "s1")["moved"].mean()
+        s2 = moved.filter(pl.col("shop") == "s2")["moved"].mean()
+        assert s1 < 0.01 * s2, (method, s1, s2)
+    with pytest.raises(ValueError, match=r"need the backtest forecasts"):
+        reconcile(forecasts, history, table.columns, LEVELS, methods)
+
+
+def test_a_method_that_cannot_run_is_reported_and_the_others_written(tmp_path):
+    """Backtest forecasts without errors leave MinTrace nothing to weigh by: mint_shrink
+    refuses them (hierarchicalforecast: "residuals close to 0"). The run says so in one line
+    and still writes the other methods' reconciled forecasts."""
+    from rich.console import Console
+
+    from shardwise.manymodel.runner import _reconcile
+
+    config = hierarchical_job(tmp_path, hierarchy={"methods": ["bottom_up", "mint_shrink"]})
+    config.run_dir.mkdir(parents=True)
+    table = load_series(config)
+    history = table.frame.filter(~pl.col(FUTURE))
+    future = table.frame.filter(pl.col(FUTURE)).select(SERIES, *table.columns.ids, "month")
+    last = history.group_by(SERIES).agg(pl.col("units").last().alias("forecast"))
+    forecasts = future.join(last, on=SERIES)
+    exact = history.select(SERIES, "month", pl.col("units").alias("forecast"))
+    console = Console(record=True, width=200)
+    _reconcile(config, table, forecasts, exact, console)
+    said = console.export_text()
+    assert "hierarchy.methods: mint_shrink failed: Exception: Insample residuals close to 0" in said
+    written = pl.read_parquet(config.run_dir / "forecasts_reconciled.parquet")
+    assert "bottom_up" in written.columns and "mint_shrink" not in written.columns
+    assert "largest gap to the sum of the series below: bottom_up" in said

@@ -73,6 +73,8 @@ class ChunkResult:
     choices: list[dict[str, Any]] = field(default_factory=list)
     forecasts: list[dict[str, Any]] = field(default_factory=list)
     failures: list[dict[str, Any]] = field(default_factory=list)
+    backtest: list[tuple[int, str, int, np.ndarray]] = field(default_factory=list)
+    """(series, model, window, forecast) per backtest window: the forecasts the metrics score."""
     series: int = 0
     failed_series: int = 0
     started: float = 0.0
@@ -92,7 +94,26 @@ class ChunkResult:
                 self.forecasts, schema={**_FORECAST_SCHEMA, **dict.fromkeys(bounds, pl.Float64)}
             ),
             "failures": pl.DataFrame(self.failures, schema=_FAILURE_SCHEMA),
+            "backtest": self._backtest(),
         }
+
+    def _backtest(self) -> pl.DataFrame:
+        """The windows' forecasts, a row per step: built from arrays, not a dict per row (there
+        are n_windows × horizon rows per model and series)."""
+        if not self.backtest:
+            return pl.DataFrame(schema=_BACKTEST_SCHEMA)
+        series, models, windows, values = zip(*self.backtest, strict=True)
+        lengths = [v.size for v in values]
+        return pl.DataFrame(
+            {
+                SERIES: np.repeat(series, lengths),
+                "model": np.repeat(models, lengths),
+                "window": np.repeat(windows, lengths),
+                "step": np.concatenate([np.arange(1, n + 1) for n in lengths]),
+                "forecast": np.concatenate(values),
+            },
+            schema=_BACKTEST_SCHEMA,
+        )
 
 
 _METRICS_SCHEMA = {
@@ -109,6 +130,13 @@ _CHOICE_SCHEMA: dict[str, pl.DataType] = {
     "top": pl.List(pl.String),
 }
 _FORECAST_SCHEMA = {SERIES: pl.Int64, "step": pl.Int64, "model": pl.String, "forecast": pl.Float64}
+_BACKTEST_SCHEMA = {
+    SERIES: pl.Int64,
+    "model": pl.String,
+    "window": pl.Int64,
+    "step": pl.Int64,
+    "forecast": pl.Float64,
+}
 _FAILURE_SCHEMA = {SERIES: pl.Int64, "model": pl.String, "stage": pl.String, "error": pl.String}
 
 
@@ -169,6 +197,7 @@ def forecast_series(
             out.metrics.append({**truth.keys, "model": label, **row})
             scores[label].append(row[plan.metric] if np.isfinite(row[plan.metric]) else row["mae"])
             predictions[label].append(predicted)
+            out.backtest.append((series, label, window, predicted.values))
             errors[label].append(np.abs(truth.actual - predicted.values))
         ranked = [label for label in ranked if label in predictions]  # not failed here
         if ranked:
@@ -199,15 +228,18 @@ class _Windows:
     actuals: list[np.ndarray]
 
 
+def _ensemble(top: list[str], predictions: dict[str, list[_Forecast]], n: int) -> list[np.ndarray]:
+    """The mean forecast of the `top` models on each of the first `n` windows."""
+    return [np.mean([predictions[label][w].values for label in top], axis=0) for w in range(n)]
+
+
 def _ensemble_errors(
     top: list[str], predictions: dict[str, list[_Forecast]], actuals: list[np.ndarray]
 ) -> list[np.ndarray]:
     """The absolute errors, on each window of `actuals`, of the mean forecast of the `top`
     models: the ensemble's conformal intervals come from them, as a model's from its own."""
-    return [
-        np.abs(actual - np.mean([predictions[label][w].values for label in top], axis=0))
-        for w, actual in enumerate(actuals)
-    ]
+    means = _ensemble(top, predictions, len(actuals))
+    return [np.abs(actual - mean) for actual, mean in zip(actuals, means, strict=True)]
 
 
 def origins(n: int, plan: Plan) -> list[int]:
@@ -297,7 +329,9 @@ def _refit(
     columns = {label: _bounds(plan, finals[label], errors[label]) for label in finals}
     if plan.ensemble_top_k > 1:  # conformal, from the same ensemble's errors on every window
         finals[ENSEMBLE] = _Forecast(np.mean([finals[label].values for label in top], axis=0))
-        ensemble = _ensemble_errors(top, windows.predictions, windows.actuals)
+        means = _ensemble(top, windows.predictions, len(windows.actuals))
+        out.backtest.extend((series, ENSEMBLE, w, mean) for w, mean in enumerate(means))
+        ensemble = [np.abs(a - mean) for a, mean in zip(windows.actuals, means, strict=True)]
         columns[ENSEMBLE] = _bounds(plan, finals[ENSEMBLE], ensemble)
     out.forecasts.extend(
         {

@@ -156,7 +156,13 @@ class BacktestSection(Section):
         return levels
 
 
-Reconciler = Literal["bottom_up", "top_down", "mint_ols", "mint_wls_struct"]
+Reconciler = Literal[
+    "bottom_up", "top_down", "mint_ols", "mint_wls_struct", "mint_wls_var", "mint_shrink"
+]
+
+DEFAULT_RECONCILERS: tuple[Reconciler, ...] = (
+    "bottom_up", "top_down", "mint_ols", "mint_wls_struct", "mint_shrink"
+)  # fmt: skip
 
 
 class HierarchySection(Section):
@@ -165,11 +171,10 @@ class HierarchySection(Section):
     "region"]]: each level's sums of the bottom series (data.id_columns) become series too, as
     does the total. Every series is forecast, then the forecasts are reconciled so they add up
     (manymodel/hierarchy.py)."""
-    methods: list[Reconciler] = Field(
-        default_factory=lambda: ["bottom_up", "top_down", "mint_ols", "mint_wls_struct"]  # type: ignore[arg-type]
-    )
+    methods: list[Reconciler] = Field(default_factory=lambda: list(DEFAULT_RECONCILERS))
     """hierarchicalforecast's reconcilers: BottomUp, TopDown (average historical proportions),
-    MinTrace with OLS or structural (wls_struct) weights."""
+    MinTrace with OLS or structural (wls_struct) weights, or weighted by the backtest errors'
+    variances (wls_var) or shrunk covariance (mint_shrink)."""
 
 
 class RunnerSection(Section):
@@ -249,8 +254,8 @@ def check(config: ManyModelsConfig) -> None:
     _check_models(config)
     if config.hierarchy.levels and not config.hierarchy.methods:
         raise ConfigError(
-            "hierarchy.methods is empty; name a reconciler: bottom_up, top_down, mint_ols or "
-            "mint_wls_struct"
+            "hierarchy.methods is empty; name a reconciler: bottom_up, top_down, mint_ols, "
+            "mint_wls_struct, mint_wls_var or mint_shrink"
         )
 
 

@@ -2,7 +2,14 @@
 level named in `hierarchy.levels` and into the total, every series of every level is forecast
 like any other, and the forecasts are reconciled by hierarchicalforecast so that every level adds
 up (BottomUp, TopDown by average historical proportions, MinTrace with OLS or structural
-weights).
+weights, and MinTrace weighted by the forecasts' own errors: their variances, `mint_wls_var`, or
+their shrunk covariance, `mint_shrink`).
+
+MinTrace's error-weighted forms estimate the errors' covariance across series from forecasts of
+the past. statsforecast's in-sample one-step fitted values would be one choice; here they are the
+backtest windows' forecasts of the same strategy as the forecasts reconciled (`horizon` steps
+ahead, out of sample): the errors of the forecasts being reconciled, at their horizons. The
+series of a hierarchy end together, so every series has them at the same timestamps.
 
 An aggregate series has the id columns of its level and nulls in the others (the total: nulls in
 all); its target is the sum of its bottom series' at each timestamp, its covariates their mean.
@@ -26,8 +33,12 @@ RECONCILERS = {
     "top_down": "TopDown_method-average_proportions",
     "mint_ols": "MinTrace_method-ols",
     "mint_wls_struct": "MinTrace_method-wls_struct",
+    "mint_wls_var": "MinTrace_method-wls_var",
+    "mint_shrink": "MinTrace_method-mint_shrink",
 }
 """Each method's name in hierarchicalforecast's output columns (after `base/`)."""
+FROM_ERRORS = frozenset({"mint_wls_var", "mint_shrink"})
+"""The methods that weigh the series by their backtest errors (`reconcile`'s `past`)."""
 
 
 def check_levels(levels: list[list[str]], columns: Columns) -> None:
@@ -92,10 +103,12 @@ def reconcile(
     columns: Columns,
     levels: list[list[str]],
     methods: Sequence[str],
+    past: pl.DataFrame | None = None,
 ) -> pl.DataFrame:
     """Reconcile `forecasts` (SERIES, timestamp, `forecast`: every series of every level) with
     the observed `history` (SERIES, ids, timestamp, target): the forecasts with a `base` column
-    and one per method."""
+    and one per method. The methods in FROM_ERRORS need `past`: the same strategy's backtest
+    forecasts (SERIES, timestamp, `forecast`) of the history."""
     from hierarchicalforecast.core import HierarchicalReconciliation
     from hierarchicalforecast.methods import BottomUp, MinTrace, TopDown
     from hierarchicalforecast.utils import aggregate as hf_aggregate
@@ -112,13 +125,23 @@ def reconcile(
         "top_down": lambda: TopDown(method="average_proportions"),
         "mint_ols": lambda: MinTrace(method="ols"),
         "mint_wls_struct": lambda: MinTrace(method="wls_struct"),
+        "mint_wls_var": lambda: MinTrace(method="wls_var"),
+        "mint_shrink": lambda: MinTrace(method="mint_shrink"),
     }
     base = forecasts.join(names, on=SERIES).select(
         "unique_id", pl.col(ts).alias("ds"), pl.col("forecast").alias("base")
     )
-    observed = history.join(names, on=SERIES).select(
-        "unique_id", pl.col(ts).alias("ds"), pl.col(y).alias("y")
-    )
+    observed = history.join(names, on=SERIES)
+    fitted: list[pl.Expr] = []
+    if FROM_ERRORS & set(methods):
+        if past is None:
+            raise ValueError(f"{sorted(FROM_ERRORS & set(methods))} need the backtest forecasts")
+        # null where no window forecast the row: their covariance skips those
+        observed = observed.join(
+            past.select(SERIES, ts, pl.col("forecast").alias("_base")), on=[SERIES, ts], how="left"
+        )
+        fitted = [pl.col("_base").alias("base")]
+    observed = observed.select("unique_id", pl.col(ts).alias("ds"), pl.col(y).alias("y"), *fitted)
     reconciled = HierarchicalReconciliation([made[m]() for m in methods]).reconcile(
         Y_hat_df=base, S_df=structure, tags=tags, Y_df=observed
     )

@@ -131,7 +131,10 @@ def track(tracker: Any, config: ManyModelsConfig, summary: Summary, run_dir: Pat
             if value is not None and math.isfinite(value):
                 metrics[f"{row['model']}/{key}"] = float(value)
     tracker.log_metrics({k: v for k, v in metrics.items() if math.isfinite(v)}, step=0)
-    names = ("backtest_metrics", "best_models", "forecasts", "forecasts_by_model", "failures")
+    names = (
+        "backtest_metrics", "backtest_forecasts", "best_models", "forecasts", "forecasts_by_model",
+        "failures",
+    )  # fmt: skip
     for name in (*names, "skipped"):
         tracker.log_artifact(run_dir / f"{name}.parquet")
     if config.hierarchy.levels and (run_dir / "forecasts_reconciled.parquet").exists():

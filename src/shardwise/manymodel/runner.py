@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from shardwise.config import ConfigError, flatten, shown
-from shardwise.manymodel.backtest import ChunkResult, Plan, run_chunk
+from shardwise.manymodel.backtest import ChunkResult, Plan, failure_message, run_chunk
 from shardwise.manymodel.config import (
     BUILTIN_MODELS,
     ManyModelsConfig,
@@ -48,7 +48,7 @@ from shardwise.manymodel.selection import Selection, forecasts, select
 from shardwise.manymodel.transforms import TARGET, TargetTransform
 from shardwise.ray_cluster import check_ray_address, loopback_ray
 
-TABLES = ("metrics", "choices", "forecasts", "failures")
+TABLES = ("metrics", "choices", "forecasts", "failures", "backtest")
 GLOBAL_FILE = "global.parquet"
 _MAX_CHUNK = 100
 _CHUNKS_PER_SLOT = 4
@@ -130,7 +130,8 @@ def run(
     wanted = bool(config.hierarchy.levels) or config.tracking.plots
     chosen = chosen_forecasts(run_dir, table) if wanted else None
     if chosen is not None and config.hierarchy.levels:
-        _reconcile(config, table, chosen, console)
+        past = _chosen_backtest(config, table, outputs["choices"], selection)
+        _reconcile(config, table, chosen, past, console)
     summary = summarise(
         config,
         table,
@@ -553,11 +554,39 @@ def _assemble(
     chosen = forecasts(by_model, outputs["choices"].lazy(), selection)
     by_model.drop(SERIES).sink_parquet(run_dir / "forecasts_by_model.parquet")
     chosen.drop(SERIES).sink_parquet(run_dir / "forecasts.parquet")
+    _backtest_forecasts(config, table, ids, paths["backtest"]).drop(SERIES).sink_parquet(
+        run_dir / "backtest_forecasts.parquet"
+    )
     files = {"metrics": "backtest_metrics", "choices": "best_models", "failures": "failures"}
     for name, filename in files.items():
         outputs[name].drop(SERIES).write_parquet(run_dir / f"{filename}.parquet")
     table.skipped.write_parquet(run_dir / "skipped.parquet")
     return outputs, selection
+
+
+def _backtest_forecasts(
+    config: ManyModelsConfig, table: SeriesTable, ids: pl.DataFrame, paths: list[Path]
+) -> pl.LazyFrame:
+    """Every window's forecasts (the chunks' `backtest` tables) with the series' ids, each
+    step's timestamp and actual value, in series, model, window and step order."""
+    ts, y = table.columns.timestamp, table.columns.target
+    backtest = config.backtest
+    observed = table.frame.lazy().filter(~pl.col(FUTURE)).select(SERIES, ts, y)
+    observed = observed.with_columns(
+        pl.int_range(pl.len()).over(SERIES).alias("_row"), pl.len().over(SERIES).alias("_n")
+    )
+    # the row a step forecasts: its window's origin (backtest.origins) + step - 1
+    last = backtest.n_windows - 1 - pl.col("window")
+    row = pl.col("_n") - backtest.horizon - config.backtest_step * last + pl.col("step") - 1
+    return (
+        pl.scan_parquet(paths)
+        .join(observed.select(SERIES, "_n").unique(SERIES), on=SERIES)
+        .with_columns(row.alias("_row"))
+        .join(observed.select(SERIES, "_row", ts, y), on=[SERIES, "_row"], how="left")
+        .join(ids.lazy(), on=SERIES)
+        .select(SERIES, *table.columns.ids, ts, "model", "window", "step", "forecast", y)
+        .sort(SERIES, "model", "window", "step")
+    )
 
 
 def _chunk_files(run_dir: Path, name: str, n_chunks: int) -> list[Path]:
@@ -582,14 +611,33 @@ def chosen_forecasts(run_dir: Path, table: SeriesTable) -> pl.DataFrame:
     return ids.join(chosen, on=list(table.columns.ids), nulls_equal=True).sort(SERIES, "step")
 
 
+def _chosen_backtest(
+    config: ManyModelsConfig, table: SeriesTable, choices: pl.DataFrame, selection: Selection
+) -> pl.DataFrame | None:
+    """The backtest windows' forecasts of the strategy `forecasts.parquet` holds, with each
+    series' number; None when no hierarchy method needs them."""
+    from shardwise.manymodel.hierarchy import FROM_ERRORS
+
+    if not FROM_ERRORS & set(config.hierarchy.methods):
+        return None
+    ids = table.frame.select(SERIES, *table.columns.ids).unique(SERIES)
+    rows = pl.scan_parquet(config.run_dir / "backtest_forecasts.parquet")
+    numbered = ids.lazy().join(rows, on=list(table.columns.ids), nulls_equal=True)
+    chosen = forecasts(numbered, choices.lazy(), selection)
+    return chosen.select(SERIES, table.columns.timestamp, "forecast").collect()
+
+
 def _reconcile(
     config: ManyModelsConfig,
     table: SeriesTable,
     forecast: pl.DataFrame,
+    past: pl.DataFrame | None,
     console: Console,
 ) -> None:
-    """Reconcile the chosen forecasts (`chosen_forecasts`) of every level (hierarchy.py):
-    `forecasts_reconciled.parquet`."""
+    """Reconcile the chosen forecasts (`chosen_forecasts`) of every level (hierarchy.py), the
+    error-weighted methods with the same strategy's backtest forecasts `past`:
+    `forecasts_reconciled.parquet`. A method hierarchicalforecast cannot apply to these series
+    is reported and left out; the others are still written."""
     from shardwise.manymodel.hierarchy import incoherence, reconcile
 
     missing = table.num_series - forecast[SERIES].n_unique()
@@ -601,7 +649,20 @@ def _reconcile(
         return
     levels, methods = config.hierarchy.levels, list(config.hierarchy.methods)
     history = table.frame.filter(~pl.col(FUTURE))
-    reconciled = reconcile(forecast, history, table.columns, levels, methods)
+    try:
+        reconciled = reconcile(forecast, history, table.columns, levels, methods, past)
+    except Exception:  # which method: each alone
+        parts, failed = [], []
+        for method in methods:
+            try:
+                parts.append(reconcile(forecast, history, table.columns, levels, [method], past))
+            except Exception as e:
+                failed.append(method)
+                console.print(f"hierarchy.methods: {method} failed: {failure_message(e)}")
+        if not parts:
+            return
+        reconciled = parts[0].with_columns(part[m] for part in parts[1:] for m in part.columns[-1:])
+        methods = [m for m in methods if m not in failed]
     reconciled.drop(SERIES).write_parquet(config.run_dir / "forecasts_reconciled.parquet")
     gaps = {m: incoherence(reconciled, m, table.columns, levels) for m in methods}
     shown = ", ".join(f"{m} {gap:.0e}" for m, gap in gaps.items())
