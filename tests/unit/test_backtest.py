@@ -181,7 +181,7 @@ def test_the_ensemble_has_conformal_intervals_from_its_own_window_errors(tmp_pat
         train = observed.head(origin).rename({"units": "y"})
         test = observed.slice(origin, 6).rename({"units": "y"})
         both = [
-            _fit_predict(build(n, {}, plan.context), n, train, test.drop("y"), plan).values
+            _fit_predict(build(n, {}, plan.context), n, train, test.drop("y"), plan)[0].values
             for n in ("seasonal_naive", "ridge")
         ]
         errors.append(np.abs(test["y"].to_numpy() - np.mean(both, axis=0)))

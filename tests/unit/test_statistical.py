@@ -136,3 +136,50 @@ def test_a_models_own_intervals_are_statsforecasts(tmp_path):
     assert naive["lo_80"].is_not_null().all()  # conformal, from the two windows' errors
     first = tables["metrics"].filter((pl.col("window") == 0) & (pl.col("model") == "auto_ets"))
     assert first["coverage_80"].is_not_null().all()  # its own: no earlier window needed
+
+
+@pytest.mark.parametrize("refit", [False, 2])
+def test_refit_false_or_k_updates_fits_as_statsforecasts_cross_validation_does(tmp_path, refit):
+    """`backtest.refit = false` (or k) re-estimates the models on the first window (and every
+    k-th) only and carries that fit through the longer histories of the others: the windows'
+    forecasts equal statsforecast's `cross_validation(refit=...)`, and the forecast (the window
+    after the last) is the last fit carried to every observation."""
+    from statsforecast import StatsForecast
+    from statsforecast.models import MSTL, AutoARIMA
+
+    y = {"a": _multiplicative(), "b": _multiplicative()[::-1].copy()}
+    names = ["auto_ets", "auto_theta", "mstl", "auto_arima"]
+    _, tables = _job(
+        tmp_path, y, names, backtest={"horizon": 6, "n_windows": 3, "refit": refit}
+    )
+    assert tables["failures"].height == 0
+    made = {
+        "auto_ets": AutoETS(season_length=12),
+        "auto_theta": AutoTheta(season_length=12),
+        "mstl": MSTL(season_length=[12], trend_forecaster=AutoETS(model="ZZN")),
+        "auto_arima": AutoARIMA(season_length=12),
+    }
+    df = pl.DataFrame(
+        {
+            "unique_id": np.repeat(["a", "b"], MONTHS),
+            "ds": np.tile(np.arange(MONTHS), 2),
+            "y": np.concatenate([y["a"], y["b"]]),
+        }
+    )
+    cv = StatsForecast(models=list(made.values()), freq=1).cross_validation(
+        df=df, h=6, n_windows=3, step_size=6, refit=refit
+    )
+    cv = pl.from_pandas(cv) if not isinstance(cv, pl.DataFrame) else cv
+    backtest = tables["backtest"].sort("_series", "model", "window", "step")
+    for series, uid in enumerate(("a", "b")):
+        theirs = cv.filter(pl.col("unique_id") == uid).sort("ds")
+        for label, model in made.items():
+            ours = backtest.filter(pl.col("_series") == series, pl.col("model") == label)
+            np.testing.assert_allclose(ours["forecast"], theirs[str(model)], rtol=1e-9)
+        # the forecast: refit = 2 re-estimates on windows 0 and 2, false on 0; 3 is not fitted
+        last_fit = 2 if refit == 2 else 0
+        origin = MONTHS - 6 - 6 * (2 - last_fit)
+        fitted = AutoETS(season_length=12).fit(y[uid][:origin])
+        expected = fitted.forward(y=y[uid], h=6)["mean"]
+        final = tables["forecasts"].filter(pl.col("_series") == series, model="auto_ets")
+        np.testing.assert_allclose(final.sort("step")["forecast"], expected, rtol=1e-9)

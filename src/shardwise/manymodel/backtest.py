@@ -65,6 +65,14 @@ class Plan:
     global_models: frozenset[str] = frozenset()
     """Labels of the models fitted across series (global_models.py): the chunks get their
     forecasts (`Given`) instead of fitting them."""
+    refit: int = 1
+    """Windows between re-estimations (`backtest.refit`; 0: the first window only); the
+    forecast counts as window n_windows."""
+
+    def refits(self, window: int) -> bool:
+        """Whether a model is re-estimated for `window` (n_windows: the forecast) rather than
+        updated from its last fit."""
+        return window == 0 or (self.refit > 0 and window % self.refit == 0)
 
 
 @dataclass
@@ -173,6 +181,7 @@ def forecast_series(
     observed = frame.filter(~pl.col(FUTURE))
     future = frame.filter(pl.col(FUTURE))
     scores: dict[str, list[float]] = {label: [] for label in models}
+    fits: dict[str, Any] = {}  # each model's last fit, for the windows that update it
     predictions: dict[str, list[_Forecast]] = {label: [] for label in models}
     errors: dict[str, list[np.ndarray]] = {label: [] for label in models}
     actuals: list[np.ndarray] = []
@@ -188,7 +197,10 @@ def forecast_series(
         ranked = sorted(scores, key=lambda label: _score(scores[label])) if window else []
         for label in list(scores):
             try:
-                predicted = _fit_predict(models[label], label, train, test.drop(TARGET), plan)
+                previous = None if plan.refits(window) else fits[label]
+                predicted, fits[label] = _fit_predict(
+                    models[label], label, train, test.drop(TARGET), plan, previous
+                )
             except Exception as e:
                 out.failures.append(_failure(series, label, f"window {window}", e))
                 del scores[label], predictions[label], errors[label]
@@ -213,7 +225,7 @@ def forecast_series(
                     {**truth.keys, "model": ENSEMBLE} | truth.scores(_Forecast(mean), plan, earlier)
                 )
     out.series += 1
-    windows = _Windows(scores, errors, predictions, actuals)
+    windows = _Windows(scores, errors, predictions, actuals, fits)
     _refit(plan, series, models, (observed, future.drop(TARGET)), windows, out)
 
 
@@ -226,6 +238,8 @@ class _Windows:
     errors: dict[str, list[np.ndarray]]
     predictions: dict[str, list[_Forecast]]
     actuals: list[np.ndarray]
+    fits: dict[str, Any]
+    """Each model's last fit (what `backtest.refit` may update instead of fitting again)."""
 
 
 def _ensemble(top: list[str], predictions: dict[str, list[_Forecast]], n: int) -> list[np.ndarray]:
@@ -307,15 +321,17 @@ def _refit(
     windows: _Windows,
     out: ChunkResult,
 ) -> None:
-    """Refit every model on all the observed rows and forecast the future ones, with intervals
-    from every window's errors; the series' choice (best mean over the windows) and its top k."""
+    """Refit (or, as `backtest.refit` says, update) every model on all the observed rows and
+    forecast the future ones, with intervals from every window's errors; the series' choice
+    (best mean over the windows) and its top k."""
     observed, future = rows
     scores, errors = windows.scores, windows.errors
     ranked = sorted(scores, key=lambda label: _score(scores[label]))
     finals: dict[str, _Forecast] = {}
     for label in ranked:
         try:
-            finals[label] = _fit_predict(models[label], label, observed, future, plan)
+            previous = None if plan.refits(plan.n_windows) else windows.fits.get(label)
+            finals[label], _ = _fit_predict(models[label], label, observed, future, plan, previous)
         except Exception as e:
             out.failures.append(_failure(series, label, "refit", e))
     if not finals:
@@ -382,13 +398,24 @@ class _Forecast:
 
 
 def _fit_predict(
-    model: Model, label: str, train: pl.DataFrame, rows: pl.DataFrame, plan: Plan
-) -> _Forecast:
-    """Fit on `train` and predict `rows`, in the target's own units (transforms undone)."""
+    model: Model,
+    label: str,
+    train: pl.DataFrame,
+    rows: pl.DataFrame,
+    plan: Plan,
+    previous: Any = None,
+) -> tuple[_Forecast, Any]:
+    """Fit on `train` (or, given a `previous` fit and a model that can, update that fit with
+    `train`) and predict `rows`, in the target's own units (transforms undone); and the fit."""
     if isinstance(model, Given):  # forecast across series, already in the target's units
-        return _Forecast(as_values(model.predict(model.fit(train), rows), rows.height, label))
+        fitted = model.fit(train)
+        return _Forecast(as_values(model.predict(fitted, rows), rows.height, label)), fitted
     train, rows, back = plan.transforms[label].apply(train, rows)
-    fitted = model.fit(train)
+    update = getattr(model, "update", None)
+    if previous is not None and update is not None:
+        fitted = update(previous, train)
+    else:
+        fitted = model.fit(train)
     predicted = as_values(model.predict(fitted, rows), rows.height, label)
     own = {}
     interval = getattr(model, "predict_interval", None)
@@ -399,7 +426,7 @@ def _fit_predict(
                 back(as_values(lower, rows.height, label)),
                 back(as_values(upper, rows.height, label)),
             )
-    return _Forecast(back(predicted), own)
+    return _Forecast(back(predicted), own), fitted
 
 
 def _seasonal_mae(y: np.ndarray, season: int) -> float:

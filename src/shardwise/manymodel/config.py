@@ -146,6 +146,20 @@ class BacktestSection(Section):
     min_train: int = Field(0, ge=0)
     """Fewest training rows with complete features in the earliest window; 0 means
     max(2 × season_length, 10). Shorter series are skipped and listed."""
+    refit: bool | int = True
+    """Which fits re-estimate a model, as statsforecast's cross-validation counts them, the
+    forecast being the window after the last: true, every window's and the forecast's; k, those
+    of windows 0, k, 2k, …; false, the first window's only. The others keep the last fit's
+    parameters and run its state through the longer history (statsforecast's `forward`): one fit
+    per series instead of n_windows + 1. Models without `update` (ridge, lightgbm, mlp, global
+    models, user models without it) are fitted every time."""
+
+    @field_validator("refit", mode="before")
+    @classmethod
+    def _windows_between_fits(cls, refit: object) -> bool | int:
+        if isinstance(refit, bool) or (isinstance(refit, int) and refit >= 0):
+            return refit
+        raise ValueError("is true, false or how many windows apart models are re-estimated (≥ 1)")
 
     @field_validator("levels")
     @classmethod
@@ -232,6 +246,12 @@ class ManyModelsConfig(Section):
     @property
     def backtest_step(self) -> int:
         return self.backtest.step or self.backtest.horizon
+
+    @property
+    def refit_every(self) -> int:
+        """`backtest.refit` as windows between fits: 1 (true), k, or 0 (false: the first only)."""
+        refit = self.backtest.refit
+        return int(refit) if isinstance(refit, bool) else refit
 
 
 def check(config: ManyModelsConfig) -> None:

@@ -197,6 +197,7 @@ def make_plan(config: ManyModelsConfig, table: SeriesTable, spec: FeatureSpec) -
         ensemble_top_k=config.backtest.ensemble_top_k,
         levels=tuple(sorted(set(config.backtest.levels))),
         intervals=config.backtest.intervals,
+        refit=config.refit_every,
         global_models=frozenset(
             model_label(name) for name in config.models.names if model_global(config, name)
         ),

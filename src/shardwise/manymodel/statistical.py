@@ -11,6 +11,7 @@ forms need). The season length comes from the data's frequency (`data.season_len
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -36,9 +37,19 @@ def _history(frame: pl.DataFrame, target: str) -> np.ndarray:
     return np.asarray(values, dtype=np.float64)
 
 
+@dataclass(frozen=True)
+class Updated:
+    """A fitted statsforecast model and a longer history of its series: it forecasts from the
+    end of that history with the parameters it was fitted with (statsforecast's `forward`)."""
+
+    model: Any
+    y: np.ndarray
+
+
 class Statistical:
     """A statsforecast model fitted per series. `make(season_length, n, **args)` builds an
-    unfitted model for a series of `n` observations."""
+    unfitted model for a series of `n` observations; `update` carries a fit to a longer history
+    without estimating it again (`backtest.refit`)."""
 
     def __init__(
         self, context: ModelContext, make: Callable[..., Any], name: str, **args: Any
@@ -53,8 +64,12 @@ class Statistical:
         y = _history(frame, self.context.target)
         return self.make(self.context.season_length, y.size, **self.args).fit(y)
 
+    def update(self, fitted: Any, frame: pl.DataFrame) -> Updated:
+        model = fitted.model if isinstance(fitted, Updated) else fitted
+        return Updated(model, _history(frame, self.context.target))
+
     def predict(self, fitted: Any, frame: pl.DataFrame) -> np.ndarray:
-        return np.asarray(fitted.predict(h=frame.height)["mean"], dtype=np.float64)
+        return np.asarray(_forecast(fitted, frame.height)["mean"], dtype=np.float64)
 
 
 class WithIntervals(Statistical):
@@ -65,8 +80,17 @@ class WithIntervals(Statistical):
         self, fitted: Any, frame: pl.DataFrame, level: int
     ) -> tuple[np.ndarray, np.ndarray]:
         """The model's own interval at `level` percent (ETS, ARIMA, Theta and MSTL have one)."""
-        out = fitted.predict(h=frame.height, level=[level])
+        out = _forecast(fitted, frame.height, level=[level])
         return np.asarray(out[f"lo-{level}"]), np.asarray(out[f"hi-{level}"])
+
+
+def _forecast(fitted: Any, h: int, **level: Any) -> dict[str, Any]:
+    """The next `h` steps of a fit, or of an updated fit from the end of its longer history."""
+    if isinstance(fitted, Updated):
+        out: dict[str, Any] = fitted.model.forward(y=fitted.y, h=h, **level)
+        return out
+    predicted: dict[str, Any] = fitted.predict(h=h, **level)
+    return predicted
 
 
 def _seasonal(season: int, n: int) -> int:
