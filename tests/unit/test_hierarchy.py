@@ -112,7 +112,7 @@ def test_a_method_that_cannot_run_is_reported_and_the_others_written(tmp_path):
     and still writes the other methods' reconciled forecasts."""
     from rich.console import Console
 
-    from shardwise.manymodel.runner import _reconcile
+    from shardwise.manymodel.reconciliation import _reconcile
 
     config = hierarchical_job(tmp_path, hierarchy={"methods": ["bottom_up", "mint_shrink"]})
     config.run_dir.mkdir(parents=True)

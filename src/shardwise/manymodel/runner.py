@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from shardwise.config import ConfigError, flatten, shown
-from shardwise.manymodel.backtest import ChunkResult, Plan, failure_message, run_chunk
+from shardwise.manymodel.backtest import ChunkResult, Plan, run_chunk
 from shardwise.manymodel.config import (
     BUILTIN_MODELS,
     ManyModelsConfig,
@@ -130,8 +130,9 @@ def run(
     wanted = bool(config.hierarchy.levels) or config.tracking.plots
     chosen = chosen_forecasts(run_dir, table) if wanted else None
     if chosen is not None and config.hierarchy.levels:
-        past = _chosen_backtest(config, table, outputs["choices"], selection)
-        _reconcile(config, table, chosen, past, console)
+        from shardwise.manymodel.reconciliation import reconcile_run
+
+        reconcile_run(config, table, chosen, (outputs["choices"], selection), console)
     summary = summarise(
         config,
         table,
@@ -610,67 +611,6 @@ def chosen_forecasts(run_dir: Path, table: SeriesTable) -> pl.DataFrame:
     ids = table.frame.select(SERIES, *table.columns.ids).unique(SERIES)
     chosen = pl.read_parquet(run_dir / "forecasts.parquet")
     return ids.join(chosen, on=list(table.columns.ids), nulls_equal=True).sort(SERIES, "step")
-
-
-def _chosen_backtest(
-    config: ManyModelsConfig, table: SeriesTable, choices: pl.DataFrame, selection: Selection
-) -> pl.DataFrame | None:
-    """The backtest windows' forecasts of the strategy `forecasts.parquet` holds, with each
-    series' number; None when no hierarchy method needs them."""
-    from shardwise.manymodel.hierarchy import FROM_ERRORS
-
-    if not FROM_ERRORS & set(config.hierarchy.methods):
-        return None
-    ids = table.frame.select(SERIES, *table.columns.ids).unique(SERIES)
-    rows = pl.scan_parquet(config.run_dir / "backtest_forecasts.parquet")
-    numbered = ids.lazy().join(rows, on=list(table.columns.ids), nulls_equal=True)
-    chosen = forecasts(numbered, choices.lazy(), selection)
-    return chosen.select(SERIES, table.columns.timestamp, "forecast").collect()
-
-
-def _reconcile(
-    config: ManyModelsConfig,
-    table: SeriesTable,
-    forecast: pl.DataFrame,
-    past: pl.DataFrame | None,
-    console: Console,
-) -> None:
-    """Reconcile the chosen forecasts (`chosen_forecasts`) of every level (hierarchy.py), the
-    error-weighted methods with the same strategy's backtest forecasts `past`:
-    `forecasts_reconciled.parquet`. A method hierarchicalforecast cannot apply to these series
-    is reported and left out; the others are still written."""
-    from shardwise.manymodel.hierarchy import incoherence, reconcile
-
-    missing = table.num_series - forecast[SERIES].n_unique()
-    if missing:
-        console.print(
-            f"forecasts not reconciled: {missing} series of the hierarchy have none (see "
-            "failures.parquet)"
-        )
-        return
-    levels, methods = config.hierarchy.levels, list(config.hierarchy.methods)
-    history = table.frame.filter(~pl.col(FUTURE))
-    try:
-        reconciled = reconcile(forecast, history, table.columns, levels, methods, past)
-    except Exception:  # which method: each alone
-        parts, failed = [], []
-        for method in methods:
-            try:
-                parts.append(reconcile(forecast, history, table.columns, levels, [method], past))
-            except Exception as e:
-                failed.append(method)
-                console.print(f"hierarchy.methods: {method} failed: {failure_message(e)}")
-        if not parts:
-            return
-        reconciled = parts[0].with_columns(part[m] for part in parts[1:] for m in part.columns[-1:])
-        methods = [m for m in methods if m not in failed]
-    reconciled.drop(SERIES).write_parquet(config.run_dir / "forecasts_reconciled.parquet")
-    gaps = {m: incoherence(reconciled, m, table.columns, levels) for m in methods}
-    shown = ", ".join(f"{m} {gap:.0e}" for m, gap in gaps.items())
-    console.print(
-        f"reconciled forecasts ({len(levels) + 2} levels; largest gap to the sum of the "
-        f"series below: {shown}): {config.run_dir / 'forecasts_reconciled.parquet'}"
-    )
 
 
 def _peak_concurrency(intervals: list[tuple[float, float]]) -> int:
