@@ -1,15 +1,28 @@
 """A hierarchical run's reconciliation (`[hierarchy]`): the chosen forecasts of every level are
 reconciled by each of `hierarchy.methods` (hierarchy.py) into `forecasts_reconciled.parquet`, the
-error-weighted methods with the same strategy's backtest forecasts."""
+error-weighted methods with the same strategy's backtest forecasts.
+
+Each method is also scored on the backtest, so that a forecaster can see whether reconciling
+helps and which method to use: the same strategy's forecasts of each window are reconciled with
+the history before the window (and, for the error-weighted methods, the earlier windows' errors:
+they are scored from the second window on, and then so are the others) and scored against the
+window's actual values, per series: `reconciled_metrics.parquet`, and the mean MASE per level in
+the run's output. Every method reconciles the same forecasts, so they compare fairly with each
+other and with the unreconciled `base`; the per-series choices in those forecasts were made on
+all windows, as the final forecasts' are.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import polars as pl
 from rich.console import Console
+from rich.table import Table
 
 from shardwise.manymodel.backtest import failure_message
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.data import FUTURE, SERIES, SeriesTable
+from shardwise.manymodel.data import FUTURE, SERIES, Columns, SeriesTable
 from shardwise.manymodel.hierarchy import FROM_ERRORS, incoherence, reconcile
 from shardwise.manymodel.selection import Selection, forecasts
 
@@ -24,22 +37,47 @@ def reconcile_run(
     """Reconcile the run's `chosen` forecasts (runner.chosen_forecasts), with the backtest
     forecasts of the same `choice` (each series' choices, and the strategy) where a method
     needs them."""
-    past = chosen_backtest(config, table, *choice)
-    _reconcile(config, table, chosen, past, console)
+    rows = chosen_backtest(config, table, *choice)
+    weighted = bool(FROM_ERRORS & set(config.hierarchy.methods))
+    _reconcile(config, table, chosen, rows if weighted else None, console)
+    _score(config, table, rows, console)
 
 
 def chosen_backtest(
     config: ManyModelsConfig, table: SeriesTable, choices: pl.DataFrame, selection: Selection
-) -> pl.DataFrame | None:
-    """The backtest windows' forecasts of the strategy `forecasts.parquet` holds, with each
-    series' number; None when no hierarchy method needs them."""
-    if not FROM_ERRORS & set(config.hierarchy.methods):
-        return None
+) -> pl.DataFrame:
+    """The backtest windows' forecasts of the strategy `forecasts.parquet` holds: each series'
+    number, window, timestamp, forecast and actual value."""
     ids = table.frame.select(SERIES, *table.columns.ids).unique(SERIES)
     rows = pl.scan_parquet(config.run_dir / "backtest_forecasts.parquet")
     numbered = ids.lazy().join(rows, on=list(table.columns.ids), nulls_equal=True)
     chosen = forecasts(numbered, choices.lazy(), selection)
-    return chosen.select(SERIES, table.columns.timestamp, "forecast").collect()
+    ts, y = table.columns.timestamp, table.columns.target
+    return chosen.select(SERIES, "window", ts, "forecast", y).sort(SERIES, ts).collect()
+
+
+def reconcile_each(
+    forecast: pl.DataFrame,
+    history: pl.DataFrame,
+    columns: Columns,
+    levels: list[list[str]],
+    methods: Sequence[str],
+    past: pl.DataFrame | None,
+) -> tuple[pl.DataFrame | None, dict[str, str]]:
+    """`hierarchy.reconcile` with every method, or, when that fails, with each method alone:
+    the methods that ran (None if none did), and why each other one failed."""
+    try:
+        return reconcile(forecast, history, columns, levels, methods, past), {}
+    except Exception:  # which method: each alone
+        parts, failed = [], {}
+        for method in methods:
+            try:
+                parts.append(reconcile(forecast, history, columns, levels, [method], past))
+            except Exception as e:
+                failed[method] = failure_message(e)
+    if not parts:
+        return None, failed
+    return parts[0].with_columns(part[m] for part in parts[1:] for m in part.columns[-1:]), failed
 
 
 def _reconcile(
@@ -62,24 +100,92 @@ def _reconcile(
         return
     levels, methods = config.hierarchy.levels, list(config.hierarchy.methods)
     history = table.frame.filter(~pl.col(FUTURE))
-    try:
-        reconciled = reconcile(forecast, history, table.columns, levels, methods, past)
-    except Exception:  # which method: each alone
-        parts, failed = [], []
-        for method in methods:
-            try:
-                parts.append(reconcile(forecast, history, table.columns, levels, [method], past))
-            except Exception as e:
-                failed.append(method)
-                console.print(f"hierarchy.methods: {method} failed: {failure_message(e)}")
-        if not parts:
-            return
-        reconciled = parts[0].with_columns(part[m] for part in parts[1:] for m in part.columns[-1:])
-        methods = [m for m in methods if m not in failed]
+    reconciled, failed = reconcile_each(forecast, history, table.columns, levels, methods, past)
+    for method, why in failed.items():
+        console.print(f"hierarchy.methods: {method} failed: {why}")
+    if reconciled is None:
+        return
+    methods = [m for m in methods if m not in failed]
     reconciled.drop(SERIES).write_parquet(config.run_dir / "forecasts_reconciled.parquet")
     gaps = {m: incoherence(reconciled, m, table.columns, levels) for m in methods}
     shown = ", ".join(f"{m} {gap:.0e}" for m, gap in gaps.items())
     console.print(
         f"reconciled forecasts ({len(levels) + 2} levels; largest gap to the sum of the "
         f"series below: {shown}): {config.run_dir / 'forecasts_reconciled.parquet'}"
+    )
+
+
+def _score(
+    config: ManyModelsConfig, table: SeriesTable, rows: pl.DataFrame, console: Console
+) -> None:
+    """Score the base forecasts and each method's reconciliation of them on the backtest
+    windows (module docstring): `reconciled_metrics.parquet` and a table of mean MASE per level
+    and method."""
+    columns, levels = table.columns, config.hierarchy.levels
+    ids, ts, y = list(columns.ids), columns.timestamp, columns.target
+    methods = list(config.hierarchy.methods)
+    first = 1 if FROM_ERRORS & set(methods) else 0
+    observed = table.frame.filter(~pl.col(FUTURE))
+    scored, failed = [], {}
+    for window in range(first, config.backtest.n_windows):
+        these = rows.filter(pl.col("window") == window)
+        if these[SERIES].n_unique() < table.num_series:  # a series without a forecast there
+            continue
+        history = observed.filter(pl.col(ts) < these[ts].min())
+        earlier = rows.filter(pl.col("window") < window) if first else None
+        reconciled, failures = reconcile_each(these, history, columns, levels, methods, earlier)
+        failed.update(failures)
+        if reconciled is not None:
+            actual = these.select(SERIES, ts, pl.col(y).alias("_actual"))
+            scale = _seasonal_naive_mae(history, columns, table.season_length)
+            scored.append(_errors(reconciled, actual, scale, columns).with_columns(window=window))
+    for method, why in failed.items():
+        console.print(f"hierarchy.methods: {method} not scored on the backtest: {why}")
+    if not scored:
+        return
+    metrics = pl.concat(scored, how="diagonal_relaxed")
+    level = pl.lit("total")
+    for named in [*levels, ids]:
+        present = (pl.col(c).is_not_null() if c in named else pl.col(c).is_null() for c in ids)
+        level = pl.when(pl.all_horizontal(present)).then(pl.lit("/".join(named))).otherwise(level)
+    metrics = metrics.with_columns(level.alias("level"))
+    metrics = metrics.select(*ids, "level", "window", "method", "mae", "mase")
+    metrics.write_parquet(config.run_dir / "reconciled_metrics.parquet")
+    windows = sorted(metrics["window"].unique().to_list())
+    shown = Table(title=f"reconciled: backtest MASE, windows {', '.join(map(str, windows))}")
+    order = ["total", *("/".join(level) for level in levels), "/".join(ids)]
+    means = (
+        metrics.group_by("level", "method", *ids)
+        .agg(pl.col("mase").drop_nans().mean())
+        .group_by("level", "method")
+        .agg(pl.col("mase").drop_nans().mean())
+    )
+    shown.add_column("method")
+    for name in order:
+        shown.add_column(name, justify="right")
+    for method in ["base", *(m for m in methods if m not in failed)]:
+        values = dict(means.filter(pl.col("method") == method).select("level", "mase").iter_rows())
+        shown.add_row(method, *(f"{values.get(name, float('nan')):.3f}" for name in order))
+    console.print(shown)
+
+
+def _seasonal_naive_mae(history: pl.DataFrame, columns: Columns, season: int) -> pl.DataFrame:
+    """Each series' in-sample MAE of the seasonal naive forecast (MASE's scale, as the backtest
+    computes it)."""
+    y = pl.col(columns.target)
+    lag = pl.when(pl.len() > season).then(pl.lit(max(season, 1))).otherwise(pl.lit(1))
+    return history.group_by(SERIES).agg((y - y.shift(lag)).abs().mean().alias("_scale"))
+
+
+def _errors(
+    reconciled: pl.DataFrame, actual: pl.DataFrame, scale: pl.DataFrame, columns: Columns
+) -> pl.DataFrame:
+    """Per series and method (`base` included), MAE and MASE against the `actual` values
+    (`_actual`)."""
+    methods = reconciled.columns[reconciled.columns.index("base") :]
+    both = reconciled.join(actual, on=[SERIES, columns.timestamp]).join(scale, on=SERIES)
+    long = both.unpivot(methods, index=[SERIES, *columns.ids, "_actual", "_scale"])
+    mae = (pl.col("value") - pl.col("_actual")).abs().mean()
+    return long.group_by(SERIES, *columns.ids, pl.col("variable").alias("method")).agg(
+        mae.alias("mae"), (mae / pl.col("_scale").first()).alias("mase")
     )

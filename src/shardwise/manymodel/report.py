@@ -137,8 +137,9 @@ def track(tracker: Any, config: ManyModelsConfig, summary: Summary, run_dir: Pat
     )  # fmt: skip
     for name in (*names, "skipped"):
         tracker.log_artifact(run_dir / f"{name}.parquet")
-    if config.hierarchy.levels and (run_dir / "forecasts_reconciled.parquet").exists():
-        tracker.log_artifact(run_dir / "forecasts_reconciled.parquet")
+    for name in ("forecasts_reconciled", "reconciled_metrics"):  # with a hierarchy
+        if config.hierarchy.levels and (run_dir / f"{name}.parquet").exists():
+            tracker.log_artifact(run_dir / f"{name}.parquet")
     tracker.log_artifact(run_dir / "job.toml")
     if config.tracking.plots:
         tracker.log_artifact(run_dir / "plots")
