@@ -66,6 +66,8 @@ def test_a_hierarchical_run_forecasts_every_level_and_reconciles(ray_cluster, tm
     assert both.height == 13
     assert (both["mase"] - both["mase_right"]).abs().max() < 1e-9
     bottom = scores.filter(pl.col("level") == "state/region/shop")
-    assert bottom.filter(pl.col("method") == "bottom_up")["mae"].sort().equals(
-        bottom.filter(pl.col("method") == "base")["mae"].sort()
+    assert (
+        bottom.filter(pl.col("method") == "bottom_up")["mae"]
+        .sort()
+        .equals(bottom.filter(pl.col("method") == "base")["mae"].sort())
     )

@@ -129,3 +129,39 @@ def test_a_method_that_cannot_run_is_reported_and_the_others_written(tmp_path):
     written = pl.read_parquet(config.run_dir / "forecasts_reconciled.parquet")
     assert "bottom_up" in written.columns and "mint_shrink" not in written.columns
     assert "largest gap to the sum of the series below: bottom_up" in said
+
+
+def test_reconcilers_are_scored_on_the_windows_after_the_first(tmp_path):
+    """The backtest's forecasts of each window are reconciled with the history before it and
+    scored per series, at every level; with an error-weighted method every method starts at the
+    second window (the first has no earlier errors). Exact forecasts stay exact."""
+    from rich.console import Console
+
+    from shardwise.manymodel.reconciliation import _score
+
+    config = hierarchical_job(
+        tmp_path,
+        backtest={"horizon": 6, "n_windows": 3},
+        hierarchy={"methods": ["bottom_up", "mint_shrink"]},
+    )
+    config.run_dir.mkdir(parents=True)
+    table = load_series(config)
+    observed = table.frame.filter(~pl.col(FUTURE))
+    last = observed["month"].max()
+    window = (  # windows 0, 1, 2: the last 18 months, 6 each; forecasts without error
+        pl.when(pl.col("month") > last - pl.duration(days=6 * 30)).then(2)
+        .when(pl.col("month") > last - pl.duration(days=12 * 30)).then(1)
+        .when(pl.col("month") > last - pl.duration(days=18 * 30)).then(0)
+    )  # fmt: skip
+    rows = observed.select(
+        SERIES, window.alias("window"), "month", pl.col("units").alias("forecast"), "units"
+    ).drop_nulls("window")
+    assert rows.group_by("window").len()["len"].to_list() == [13 * 6] * 3
+    console = Console(record=True, width=200)
+    _score(config, table, rows, console)
+    assert "reconciled: backtest MASE, windows 1, 2" in console.export_text()
+    scores = pl.read_parquet(config.run_dir / "reconciled_metrics.parquet")
+    assert scores["window"].unique().sort().to_list() == [1, 2]
+    assert set(scores["method"]) == {"base", "bottom_up", "mint_shrink"}
+    assert scores.height == 2 * 13 * 3
+    assert scores["mae"].max() < 1e-9

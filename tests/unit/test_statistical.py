@@ -149,9 +149,7 @@ def test_refit_false_or_k_updates_fits_as_statsforecasts_cross_validation_does(t
 
     y = {"a": _multiplicative(), "b": _multiplicative()[::-1].copy()}
     names = ["auto_ets", "auto_theta", "mstl", "auto_arima"]
-    _, tables = _job(
-        tmp_path, y, names, backtest={"horizon": 6, "n_windows": 3, "refit": refit}
-    )
+    _, tables = _job(tmp_path, y, names, backtest={"horizon": 6, "n_windows": 3, "refit": refit})
     assert tables["failures"].height == 0
     made = {
         "auto_ets": AutoETS(season_length=12),
