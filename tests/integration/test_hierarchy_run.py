@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_hierarchical_run_forecasts_every_level_and_reconciles(ray_cluster, tmp_path):
-    config = hierarchical_job(tmp_path)
+    config = hierarchical_job(tmp_path, tracking={"mlflow": True})
     summary = run(config)
     assert summary.series == 13 and summary.failed == 0
     run_dir = tmp_path / "run"
@@ -71,3 +71,12 @@ def test_a_hierarchical_run_forecasts_every_level_and_reconciles(ray_cluster, tm
         .sort()
         .equals(bottom.filter(pl.col("method") == "base")["mae"].sort())
     )
+    # and tracked: each method's mean MASE per level
+    import mlflow
+
+    record = mlflow.tracking.MlflowClient(config.tracking_uri).get_run(summary.mlflow_run_id)
+    tracked = record.data.metrics
+    total = scores.filter(level="total", method="mint_shrink")["mase"].item()
+    assert tracked["reconciled/total/mint_shrink_mase"] == pytest.approx(total)
+    shops = scores.filter(level="state/region/shop", method="base")["mase"].mean()
+    assert tracked["reconciled/state/region/shop/base_mase"] == pytest.approx(shops)

@@ -154,12 +154,7 @@ def _score(
     windows = sorted(metrics["window"].unique().to_list())
     shown = Table(title=f"reconciled: backtest MASE, windows {', '.join(map(str, windows))}")
     order = ["total", *("/".join(level) for level in levels), "/".join(ids)]
-    means = (
-        metrics.group_by("level", "method", *ids)
-        .agg(pl.col("mase").drop_nans().mean())
-        .group_by("level", "method")
-        .agg(pl.col("mase").drop_nans().mean())
-    )
+    means = mean_mase(metrics)
     shown.add_column("method")
     for name in order:
         shown.add_column(name, justify="right")
@@ -188,4 +183,17 @@ def _errors(
     mae = (pl.col("value") - pl.col("_actual")).abs().mean()
     return long.group_by(SERIES, *columns.ids, pl.col("variable").alias("method")).agg(
         mae.alias("mae"), (mae / pl.col("_scale").first()).alias("mase")
+    )
+
+
+def mean_mase(metrics: pl.DataFrame) -> pl.DataFrame:
+    """`reconciled_metrics.parquet`'s mean MASE per level and method: over each series' windows,
+    then over the level's series."""
+    ids = [c for c in metrics.columns if c not in ("level", "window", "method", "mae", "mase")]
+    return (
+        metrics.group_by("level", "method", *ids)
+        .agg(pl.col("mase").drop_nans().mean())
+        .group_by("level", "method")
+        .agg(pl.col("mase").drop_nans().mean())
+        .sort("level", "method")
     )

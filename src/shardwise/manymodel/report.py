@@ -114,6 +114,17 @@ def start_tracking(config: ManyModelsConfig, run_dir: Path) -> Any:
     )
 
 
+def _reconciled(config: ManyModelsConfig, run_dir: Path) -> dict[str, float]:
+    """With a hierarchy, each method's mean backtest MASE per level (reconciliation.py)."""
+    path = run_dir / "reconciled_metrics.parquet"
+    if not (config.hierarchy.levels and path.exists()):
+        return {}
+    from shardwise.manymodel.reconciliation import mean_mase
+
+    means = mean_mase(pl.read_parquet(path))
+    return {f"reconciled/{level}/{method}_mase": mase for level, method, mase in means.iter_rows()}
+
+
 def track(tracker: Any, config: ManyModelsConfig, summary: Summary, run_dir: Path) -> str | None:
     """One MLflow run: the config, aggregate metrics overall and per model, the tables."""
     if tracker is None:
@@ -130,6 +141,7 @@ def track(tracker: Any, config: ManyModelsConfig, summary: Summary, run_dir: Pat
             value = row[key]
             if value is not None and math.isfinite(value):
                 metrics[f"{row['model']}/{key}"] = float(value)
+    metrics.update(_reconciled(config, run_dir))
     tracker.log_metrics({k: v for k, v in metrics.items() if math.isfinite(v)}, step=0)
     names = (
         "backtest_metrics", "backtest_forecasts", "best_models", "forecasts", "forecasts_by_model",
