@@ -40,7 +40,8 @@ def in_one_process(config: ManyModelsConfig) -> pl.DataFrame:
     frames = []
     for label in sorted(plan.global_models):
         for window in range(plan.n_windows + 1):
-            worker.fit(label, window)
+            if plan.refits(window):
+                worker.fit(label, window)
             frames.append(worker.predict(label, window))
     return pl.concat(frames)
 
@@ -75,6 +76,29 @@ def test_global_ridge_and_mlp_on_two_actors_match_one_process(ray_cluster, tmp_p
     assert {"ridge", "mlp", "seasonal_naive", "selected"} <= set(metrics["model"])
     by_model = pl.read_parquet(tmp_path / "run" / "forecasts_by_model.parquet")
     assert by_model.filter(pl.col("model") == "mlp").height == 16 * 12
+
+
+def test_refit_false_fits_a_global_model_once_and_forecasts_every_window_with_it(
+    ray_cluster, tmp_path
+):
+    """`backtest.refit = false`: the global ridge is fitted on the first window's rows only;
+    every later window and the forecast use that fit on their own rows (their features from the
+    longer history), on two actors as in one process, and unlike refitting."""
+    config = job(tmp_path, ["seasonal_naive", "ridge"], **{"global": {"ridge": True}})
+    config.backtest.refit = False
+    spread, alone, both = compared(tmp_path, config)
+    np.testing.assert_allclose(spread, alone, rtol=1e-9)
+    config.backtest.refit = True
+    refitted = in_one_process(config)
+    keys = [SERIES, "model", "origin", "step"]
+    against = both.join(refitted, on=keys, suffix="_refit").with_columns(
+        (pl.col("origin").rank("dense").over(SERIES) - 1).alias("window")
+    )
+    first = against.filter(pl.col("window") == 0)  # fitted either way
+    np.testing.assert_allclose(first["forecast"], first["forecast_refit"], rtol=1e-9)
+    later = against.filter(pl.col("window") > 0)
+    assert later.height == 16 * 12 * 2
+    assert (later["forecast"] - later["forecast_refit"]).abs().max() > 1e-6
 
 
 def test_global_lightgbm_data_parallel_matches_one_process(ray_cluster, tmp_path):

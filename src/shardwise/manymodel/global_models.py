@@ -9,7 +9,8 @@ per series (transforms.py), and then:
   own rows: LightGBM trains data-parallel over its sockets, the MLP sums its gradients over gloo;
 - any other model is fitted once, on every actor's rows gathered to the first.
 Each actor then forecasts its own series, and the forecasts (in the target's units) go to the
-chunk tasks, which score, select and refit around them like any model's (`backtest.Given`).
+chunk tasks, which score, select and refit around them like any model's (`backtest.Given`). A
+window that `backtest.refit` does not refit is forecast with the last fit.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ class Worker:
         return None
 
     def predict(self, label: str, window: int, fitted: Any = None) -> pl.DataFrame:
-        """Forecast this actor's series for `window` with `fitted` (or the model it fitted)."""
+        """Forecast this actor's series for `window` with `fitted` (or the model it fitted last:
+        a window that `backtest.refit` does not refit forecasts with an earlier window's)."""
         from shardwise.manymodel.backtest import _one_thread
 
         name, args = self._model(label)
@@ -109,7 +111,6 @@ class Worker:
         frame = pl.concat([rows for _, rows, _ in parts], how="diagonal")
         with _one_thread(torch_too=name == "mlp"):
             values = as_values(model.predict(fitted, frame), frame.height, label)
-        self.fitted = None
         out: list[tuple[Any, ...]] = []
         start = 0
         for _, rows, (series, origin, back) in parts:
@@ -171,32 +172,60 @@ def fit_global(
             if label not in plan.global_models:
                 continue
             together = size == 1 or takes_group(build(name, args, plan.context))
+            fit = _Fit(label, together)
             for window in range(plan.n_windows + 1):
-                parts.extend(_fit_window(ray, actors, label, window, together))
+                parts.extend(fit.window(ray, actors, window, refit=plan.refits(window)))
         return pl.concat(parts) if parts else pl.DataFrame(schema=GIVEN_SCHEMA)
     finally:
         for a in actors:
             ray.kill(a)
 
 
-def _fit_window(
-    ray: Any, actors: list[Any], label: str, window: int, together: bool
-) -> list[pl.DataFrame]:
-    try:
-        if together:
+class _Fit:
+    """One global model's fits, window after window: a window `backtest.refit` does not refit
+    forecasts with the last fit (kept by every actor, or by the driver as an object ref when
+    fitted on gathered rows), and fails as that fit did."""
+
+    def __init__(self, label: str, together: bool) -> None:
+        self.label, self.together = label, together
+        self.fitted: Any = None
+        self.error = ""
+
+    def window(
+        self, ray: Any, actors: list[Any], window: int, *, refit: bool
+    ) -> list[pl.DataFrame]:
+        """Every actor's forecasts of its series for `window`, after fitting when `refit`."""
+        if refit:
+            self.error, self.fitted = "", None
+            try:
+                self._fit(ray, actors, window)
+            except ray.exceptions.RayTaskError as e:
+                self.error = _message(e)
+        if self.error:  # the fit this window forecasts with failed
+            return self._failed(ray, actors, window, self.error)
+        try:
+            frames: list[pl.DataFrame] = ray.get(
+                [a.predict.remote(self.label, window, self.fitted) for a in actors]
+            )
+            return frames
+        except ray.exceptions.RayTaskError as e:
+            return self._failed(ray, actors, window, _message(e))
+
+    def _fit(self, ray: Any, actors: list[Any], window: int) -> None:
+        if self.together:
             endpoints = ray.get([a.endpoint.remote() for a in actors])
-            ray.get([a.fit.remote(label, window, None, endpoints) for a in actors])
-            fitted = None
-        else:
-            rows = [a.rows.remote(label, window) for a in actors]
-            fitted = actors[0].fit.remote(label, window, rows)
-        frames: list[pl.DataFrame] = ray.get(
-            [a.predict.remote(label, window, fitted) for a in actors]
-        )
-        return frames
-    except ray.exceptions.RayTaskError as e:
-        error = failure_message(e.cause if isinstance(e.cause, BaseException) else e)
-        return ray.get([a.failed.remote(label, window, error) for a in actors])  # type: ignore[no-any-return]
+            ray.get([a.fit.remote(self.label, window, None, endpoints) for a in actors])
+        else:  # fitted when predict needs it: a failure shows there
+            rows = [a.rows.remote(self.label, window) for a in actors]
+            self.fitted = actors[0].fit.remote(self.label, window, rows)
+
+    def _failed(self, ray: Any, actors: list[Any], window: int, error: str) -> list[pl.DataFrame]:
+        return ray.get([a.failed.remote(self.label, window, error) for a in actors])  # type: ignore[no-any-return]
+
+
+def _message(error: Exception) -> str:
+    cause = getattr(error, "cause", None)
+    return failure_message(cause if isinstance(cause, BaseException) else error)
 
 
 @contextlib.contextmanager
