@@ -225,3 +225,35 @@ def test_the_backtest_forecasts_are_the_ones_the_metrics_score(tmp_path):
     np.testing.assert_allclose(
         pivot["ensemble"], (pivot["seasonal_naive"] + pivot["ridge"]) / 2, rtol=1e-12
     )
+
+
+def test_refit_false_carries_the_first_windows_fit_of_a_feature_model(tmp_path):
+    """Per-series ridge under `backtest.refit = false`: fitted on the first window's rows, it
+    forecasts every later window (and the forecast) from those rows' own features, unlike a
+    model fitted again there."""
+    from shardwise.manymodel.backtest import _fit_predict, origins
+    from shardwise.manymodel.models import build
+
+    backtest = {"horizon": 6, "n_windows": 3, "refit": False}
+    config, table = tiny_job(tmp_path, ["ridge"], backtest=backtest)
+    tables = run_in_process(config, table).tables()
+    spec = FeatureSpec.from_config(config, table.season_length)
+    plan = make_plan(config, table, spec)
+    features = polars_features(table.frame, spec, table.columns).filter(pl.col(SERIES) == 0)
+    observed = features.filter(~pl.col("_future")).rename({"units": "y"})
+    future = features.filter(pl.col("_future")).rename({"units": "y"})
+    starts = origins(observed.height, plan)
+    model = build("ridge", {}, plan.context)
+    _, first = _fit_predict(model, "ridge", observed.head(starts[0]), observed.drop("y"), plan)
+    got = tables["backtest"].filter(pl.col(SERIES) == 0).sort("window", "step")
+    for window, origin in enumerate(starts):
+        rows = observed.slice(origin, 6).drop("y")
+        carried, _ = _fit_predict(model, "ridge", observed.head(origin), rows, plan, first)
+        refitted, _ = _fit_predict(model, "ridge", observed.head(origin), rows, plan)
+        ours = got.filter(pl.col("window") == window)["forecast"].to_numpy()
+        np.testing.assert_allclose(ours, carried.values, rtol=1e-12)
+        if window:
+            assert np.abs(ours - refitted.values).max() > 1e-9
+    final = tables["forecasts"].filter(pl.col(SERIES) == 0).sort("step")["forecast"].to_numpy()
+    carried, _ = _fit_predict(model, "ridge", observed, future.drop("y"), plan, first)
+    np.testing.assert_allclose(final, carried.values, rtol=1e-12)

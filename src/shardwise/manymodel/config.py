@@ -151,9 +151,9 @@ class BacktestSection(Section):
     forecast being the window after the last: true, every window's and the forecast's; k, those
     of windows 0, k, 2k, …; false, the first window's only. The others keep the last fit's
     parameters and run its state through the longer history (statsforecast's `forward`): one fit
-    per series instead of n_windows + 1. A global model forecasts with its last fit as it is;
-    per-series models without `update` (ridge, lightgbm, mlp, user models without it) are
-    fitted every time."""
+    per series instead of n_windows + 1. Models on features (ridge, lightgbm, mlp, per series
+    or global) forecast with their last fit as it is; user models without `update` are fitted
+    every time."""
 
     @field_validator("refit", mode="before")
     @classmethod

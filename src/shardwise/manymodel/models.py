@@ -5,7 +5,9 @@ column `y` (scaled when `features.scale` says so; absent from the frame given to
 covariates and feature columns. `predict` returns one number per row of its frame, in order.
 Built-in models know which columns are features from a `ModelContext`; a user model is an
 importable module or `module:object` with those two functions (a class is instantiated with
-`models.args.<name>`), see examples/croston.py.
+`models.args.<name>`), see examples/croston.py. A model may also have `update(fitted, frame) ->
+fitted`: the fit carried to a longer history of the same series without estimating it again,
+which `backtest.refit` uses on the windows it does not refit.
 """
 
 from __future__ import annotations
@@ -132,7 +134,15 @@ def _training_rows(frame: pl.DataFrame, context: ModelContext) -> pl.DataFrame:
     return frame.drop_nulls([context.target, *context.features])
 
 
-class Ridge:
+class _OnFeatures:
+    """A model that forecasts from each row's features alone: a fit carries to a longer history
+    as it is (`backtest.refit`), the rows' features (lags, windows) coming from that history."""
+
+    def update(self, fitted: Any, frame: pl.DataFrame) -> Any:
+        return fitted
+
+
+class Ridge(_OnFeatures):
     """Ridge regression (scikit-learn) on standardised features, calendar parts one-hot."""
 
     def __init__(self, context: ModelContext, alpha: float = 1.0) -> None:
@@ -151,7 +161,7 @@ class Ridge:
         return np.asarray(model.predict(design.transform(frame)))
 
 
-class LightGBM:
+class LightGBM(_OnFeatures):
     """Gradient-boosted trees (LightGBM) on the raw features; one thread per task."""
 
     def __init__(
@@ -190,7 +200,7 @@ class LightGBM:
         return np.asarray(fitted.predict(frame.select(list(self.context.features)).to_numpy()))
 
 
-class MLP:
+class MLP(_OnFeatures):
     """A small torch MLP (one hidden layer) on standardised features, trained full-batch."""
 
     def __init__(
