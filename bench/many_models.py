@@ -12,6 +12,7 @@ ratios are printed.
     python bench/many_models.py                       # about 20 minutes on 2 cores
     python bench/many_models.py --series 1000 --repeats 1
     python bench/many_models.py --scale 2000,20000,100000  # ~40 minutes: cost per series by size
+    python bench/many_models.py --scale 20000 --no-refit   # each model fitted once per series
 
 `--scale` runs the whole job (`shardwise.many_models`: generate, features, Ray tasks, chunk
 files, assembled outputs) once per size, each in a fresh driver process, and prints series/s,
@@ -260,6 +261,7 @@ sys.path.insert(0, {bench!r})
 from many_models import job
 from shardwise.manymodel.runner import run
 config = job("retail_synthetic", {series}, Path({run_dir!r}))
+config.backtest.refit = {refit!r}
 began = time.perf_counter()
 summary = run(config)
 print(json.dumps({{
@@ -270,15 +272,21 @@ print(json.dumps({{
 """
 
 
-def bench_scale(sizes: list[int], scratch: Path) -> None:
+def bench_scale(sizes: list[int], scratch: Path, refit: bool = True) -> None:
     """The whole job at each size in a fresh driver process: time and the driver's memory."""
     import json
 
-    print(f"\nscale: retail_synthetic, models {MODELS['names']}, one run per size")
+    print(
+        f"\nscale: retail_synthetic, models {MODELS['names']}, backtest.refit = "
+        f"{str(refit).lower()}, one run per size"
+    )
     rows = []
     for size in sizes:
         code = _SCALE_RUN.format(
-            bench=str(Path(__file__).parent), series=size, run_dir=str(scratch / f"scale-{size}")
+            bench=str(Path(__file__).parent),
+            series=size,
+            run_dir=str(scratch / f"scale-{size}"),
+            refit=refit,
         )
         out = subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, check=False
@@ -316,10 +324,16 @@ def main() -> None:
     parser.add_argument(
         "--scale", default="", help="comma-separated series counts: the whole job at each size"
     )
+    parser.add_argument(
+        "--no-refit",
+        action="store_true",
+        help="with --scale: backtest.refit = false (each model fitted once per series)",
+    )
     args = parser.parse_args()
     if args.scale:
         with tempfile.TemporaryDirectory(prefix="shardwise-bench-") as tmp:
-            bench_scale([int(n) for n in args.scale.split(",")], Path(tmp))
+            sizes = [int(n) for n in args.scale.split(",")]
+            bench_scale(sizes, Path(tmp), refit=not args.no_refit)
         return
     if args.only is None:  # each part in its own process, with its own thread settings
         for part in ("features", "models"):
