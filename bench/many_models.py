@@ -330,6 +330,8 @@ def main() -> None:
         help="with --scale: backtest.refit = false (each model fitted once per series)",
     )
     args = parser.parse_args()
+    if args.no_refit and not args.scale:
+        parser.error("--no-refit applies to --scale runs only")
     if args.scale:
         with tempfile.TemporaryDirectory(prefix="shardwise-bench-") as tmp:
             sizes = [int(n) for n in args.scale.split(",")]

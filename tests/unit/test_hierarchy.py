@@ -102,7 +102,7 @@ def test_error_weighted_mint_moves_the_series_forecast_worst_before(tmp_path):
         s1 = moved.filter(pl.col("shop") == "s1")["moved"].mean()
         s2 = moved.filter(pl.col("shop") == "s2")["moved"].mean()
         assert s1 < 0.01 * s2, (method, s1, s2)
-    with pytest.raises(ValueError, match=r"need the backtest forecasts"):
+    with pytest.raises(ValueError, match=r"these reconcilers need the backtest forecasts"):
         reconcile(forecasts, history, table.columns, LEVELS, methods)
 
 
@@ -165,3 +165,46 @@ def test_reconcilers_are_scored_on_the_windows_after_the_first(tmp_path):
     assert set(scores["method"]) == {"base", "bottom_up", "mint_shrink"}
     assert scores.height == 2 * 13 * 3
     assert scores["mae"].max() < 1e-9
+
+
+def test_overlapping_windows_give_mint_one_error_per_row(tmp_path):
+    """With `backtest.step` shorter than the horizon the windows overlap, so a row has several
+    backtest forecasts: MinTrace takes the latest window's, and every method still reconciles
+    and is scored."""
+    from rich.console import Console
+
+    from shardwise.manymodel.reconciliation import _reconcile, _score, latest
+
+    config = hierarchical_job(tmp_path, backtest={"horizon": 6, "n_windows": 3, "step": 3})
+    config.run_dir.mkdir(parents=True)
+    table = load_series(config)
+    observed = table.frame.filter(~pl.col(FUTURE))
+    rng = np.random.default_rng(4)
+    windows = []
+    for window in range(3):
+        start = 60 - 6 - 3 * (2 - window)
+        part = observed.filter(pl.int_range(pl.len()).over(SERIES).is_between(start, start + 5))
+        noise = pl.Series(rng.normal(0, 1, part.height))
+        windows.append(
+            part.select(
+                SERIES,
+                pl.lit(window).alias("window"),
+                "month",
+                (pl.col("units") + noise).alias("forecast"),
+                "units",
+            )
+        )
+    rows = pl.concat(windows).sort(SERIES, "month", "window")
+    assert rows.height > rows.unique([SERIES, "month"]).height  # overlapping
+    past = latest(rows, "month")
+    assert past.height == past.unique([SERIES, "month"]).height == 13 * 12
+    future = table.frame.filter(pl.col(FUTURE)).select(SERIES, *table.columns.ids, "month")
+    last = observed.group_by(SERIES).agg(pl.col("units").last().alias("forecast"))
+    console = Console(record=True, width=200)
+    _reconcile(config, table, future.join(last, on=SERIES), past, console)
+    _score(config, table, rows, console)
+    assert "failed" not in console.export_text()
+    written = pl.read_parquet(config.run_dir / "forecasts_reconciled.parquet")
+    assert set(config.hierarchy.methods) <= set(written.columns)
+    scores = pl.read_parquet(config.run_dir / "reconciled_metrics.parquet")
+    assert set(scores["method"]) == {"base", *config.hierarchy.methods}

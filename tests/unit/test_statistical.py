@@ -181,3 +181,16 @@ def test_refit_false_or_k_updates_fits_as_statsforecasts_cross_validation_does(t
         expected = fitted.forward(y=y[uid], h=6)["mean"]
         final = tables["forecasts"].filter(pl.col("_series") == series, model="auto_ets")
         np.testing.assert_allclose(final.sort("step")["forecast"], expected, rtol=1e-9)
+
+
+def test_models_without_forward_are_fitted_again_under_refit_false(tmp_path):
+    """Croston, TSB and ADIDA have no statsforecast `forward` to carry a fit with: under
+    `backtest.refit = false` they are fitted again on every window, as under true."""
+    y = {"a": _intermittent()}
+    names = ["croston", "tsb", "adida"]
+    backtest = {"horizon": 6, "n_windows": 3}
+    _, carried = _job(tmp_path, y, names, backtest={**backtest, "refit": False})
+    _, refitted = _job(tmp_path, y, names, backtest=backtest)
+    assert carried["failures"].height == 0
+    for name in ("backtest", "forecasts"):
+        assert carried[name].equals(refitted[name]), name

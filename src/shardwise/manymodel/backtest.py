@@ -11,9 +11,11 @@ chosen on the windows before it (`selected`) and the mean of the `ensemble_top_k
 (`ensemble`) are scored as if they were models, so their scores are never the scores they were
 chosen by (the runner compares them, and the best single model, and picks what the forecasts
 use). Every model is then refitted on
-every observation and forecasts the `horizon` future rows; the per-series choice is the model with
-the best mean `metric` over all windows. A model that raises is recorded and left out for that
-series; the series fails only when no model succeeds.
+every observation (or, as `backtest.refit` says, its last fit carried to them: `update`) and
+forecasts the `horizon` future rows; the per-series choice is the model with the best mean
+`metric` over all windows. `backtest.refit` applies to the windows too: one that is not refitted
+forecasts with the last fit, updated to its longer history. A model that raises is recorded and
+left out for that series; the series fails only when no model succeeds.
 """
 
 from __future__ import annotations
@@ -82,7 +84,9 @@ class ChunkResult:
     forecasts: list[dict[str, Any]] = field(default_factory=list)
     failures: list[dict[str, Any]] = field(default_factory=list)
     backtest: list[tuple[int, str, int, np.ndarray]] = field(default_factory=list)
-    """(series, model, window, forecast) per backtest window: the forecasts the metrics score."""
+    """(series, model, window, forecast) per backtest window: each model's, which the metrics
+    score, and the ensemble's of the series' final top k (not the nested one the metrics score:
+    the forecasts' ensemble on past windows, for the conformal widths and the reconciliation)."""
     series: int = 0
     failed_series: int = 0
     started: float = 0.0
@@ -347,7 +351,7 @@ def _refit(
         finals[ENSEMBLE] = _Forecast(np.mean([finals[label].values for label in top], axis=0))
         means = _ensemble(top, windows.predictions, len(windows.actuals))
         out.backtest.extend((series, ENSEMBLE, w, mean) for w, mean in enumerate(means))
-        ensemble = [np.abs(a - mean) for a, mean in zip(windows.actuals, means, strict=True)]
+        ensemble = _ensemble_errors(top, windows.predictions, windows.actuals)
         columns[ENSEMBLE] = _bounds(plan, finals[ENSEMBLE], ensemble)
     out.forecasts.extend(
         {

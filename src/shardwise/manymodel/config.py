@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import Field, field_validator, model_validator
 
@@ -160,7 +160,9 @@ class BacktestSection(Section):
     def _windows_between_fits(cls, refit: object) -> bool | int:
         if isinstance(refit, bool) or (isinstance(refit, int) and refit >= 0):
             return refit
-        raise ValueError("is true, false or how many windows apart models are re-estimated (≥ 1)")
+        raise ValueError(
+            "is true, false (or 0) or how many windows apart models are re-estimated (≥ 1)"
+        )
 
     @field_validator("levels")
     @classmethod
@@ -275,8 +277,7 @@ def check(config: ManyModelsConfig) -> None:
     _check_models(config)
     if config.hierarchy.levels and not config.hierarchy.methods:
         raise ConfigError(
-            "hierarchy.methods is empty; name a reconciler: bottom_up, top_down, mint_ols, "
-            "mint_wls_struct, mint_wls_var or mint_shrink"
+            f"hierarchy.methods is empty; name a reconciler: {', '.join(get_args(Reconciler))}"
         )
 
 

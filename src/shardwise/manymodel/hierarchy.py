@@ -135,7 +135,8 @@ def reconcile(
     fitted: list[pl.Expr] = []
     if FROM_ERRORS & set(methods):
         if past is None:
-            raise ValueError(f"{sorted(FROM_ERRORS & set(methods))} need the backtest forecasts")
+            needing = ", ".join(sorted(FROM_ERRORS & set(methods)))
+            raise ValueError(f"{needing}: these reconcilers need the backtest forecasts (`past`)")
         # null where no window forecast the row: their covariance skips those
         observed = observed.join(
             past.select(SERIES, ts, pl.col("forecast").alias("_base")), on=[SERIES, ts], how="left"

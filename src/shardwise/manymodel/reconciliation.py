@@ -24,36 +24,39 @@ from shardwise.manymodel.backtest import failure_message
 from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.manymodel.data import FUTURE, SERIES, Columns, SeriesTable
 from shardwise.manymodel.hierarchy import FROM_ERRORS, incoherence, reconcile
-from shardwise.manymodel.selection import Selection, forecasts
 
 
 def reconcile_run(
-    config: ManyModelsConfig,
-    table: SeriesTable,
-    chosen: pl.DataFrame,
-    choice: tuple[pl.DataFrame, Selection],
-    console: Console,
+    config: ManyModelsConfig, table: SeriesTable, chosen: pl.DataFrame, console: Console
 ) -> None:
-    """Reconcile the run's `chosen` forecasts (runner.chosen_forecasts), with the backtest
-    forecasts of the same `choice` (each series' choices, and the strategy) where a method
-    needs them."""
-    rows = chosen_backtest(config, table, *choice)
+    """Reconcile the run's `chosen` forecasts (runner.chosen_forecasts), with the same models'
+    backtest forecasts where a method needs them, and score every method on the backtest."""
+    rows = chosen_backtest(config, table, chosen)
     weighted = bool(FROM_ERRORS & set(config.hierarchy.methods))
-    _reconcile(config, table, chosen, rows if weighted else None, console)
+    past = latest(rows, table.columns.timestamp) if weighted else None
+    _reconcile(config, table, chosen, past, console)
     _score(config, table, rows, console)
 
 
 def chosen_backtest(
-    config: ManyModelsConfig, table: SeriesTable, choices: pl.DataFrame, selection: Selection
+    config: ManyModelsConfig, table: SeriesTable, chosen: pl.DataFrame
 ) -> pl.DataFrame:
-    """The backtest windows' forecasts of the strategy `forecasts.parquet` holds: each series'
-    number, window, timestamp, forecast and actual value."""
+    """The backtest windows' forecasts of the model (or ensemble) each series' `chosen`
+    forecasts come from: each series' number, window, timestamp, forecast and actual value."""
     ids = table.frame.select(SERIES, *table.columns.ids).unique(SERIES)
     rows = pl.scan_parquet(config.run_dir / "backtest_forecasts.parquet")
     numbered = ids.lazy().join(rows, on=list(table.columns.ids), nulls_equal=True)
-    chosen = forecasts(numbered, choices.lazy(), selection)
+    used = chosen.lazy().select(SERIES, "model").unique()
     ts, y = table.columns.timestamp, table.columns.target
-    return chosen.select(SERIES, "window", ts, "forecast", y).sort(SERIES, ts).collect()
+    own = numbered.join(used, on=[SERIES, "model"], how="semi")
+    return own.select(SERIES, "window", ts, "forecast", y).sort(SERIES, ts, "window").collect()
+
+
+def latest(rows: pl.DataFrame, ts: str) -> pl.DataFrame:
+    """One backtest forecast per series and timestamp `ts` (`rows` sorted by series, time and
+    window): the latest window's, for MinTrace's errors. Windows overlap when `backtest.step` is
+    shorter than the horizon."""
+    return rows.unique([SERIES, ts], keep="last", maintain_order=True)
 
 
 def reconcile_each(
@@ -132,7 +135,7 @@ def _score(
         if these[SERIES].n_unique() < table.num_series:  # a series without a forecast there
             continue
         history = observed.filter(pl.col(ts) < these[ts].min())
-        earlier = rows.filter(pl.col("window") < window) if first else None
+        earlier = latest(rows.filter(pl.col("window") < window), ts) if first else None
         reconciled, failures = reconcile_each(these, history, columns, levels, methods, earlier)
         failed.update(failures)
         if reconciled is not None:
@@ -142,8 +145,18 @@ def _score(
     for method, why in failed.items():
         console.print(f"hierarchy.methods: {method} not scored on the backtest: {why}")
     if not scored:
+        console.print(
+            "reconciliation not scored on the backtest: "
+            + (
+                "mint_wls_var and mint_shrink need an earlier window's errors; use "
+                "backtest.n_windows ≥ 2"
+                if first and config.backtest.n_windows < 2
+                else "no window has a forecast for every series of the hierarchy"
+            )
+        )
         return
     metrics = pl.concat(scored, how="diagonal_relaxed")
+    metrics = metrics.filter(~pl.col("method").is_in(list(failed)))  # only what every window has
     level = pl.lit("total")
     for named in [*levels, ids]:
         present = (pl.col(c).is_not_null() if c in named else pl.col(c).is_null() for c in ids)

@@ -132,7 +132,7 @@ def run(
     if chosen is not None and config.hierarchy.levels:
         from shardwise.manymodel.reconciliation import reconcile_run
 
-        reconcile_run(config, table, chosen, (outputs["choices"], selection), console)
+        reconcile_run(config, table, chosen, console)
     summary = summarise(
         config,
         table,

@@ -64,8 +64,12 @@ class Statistical:
         y = _history(frame, self.context.target)
         return self.make(self.context.season_length, y.size, **self.args).fit(y)
 
-    def update(self, fitted: Any, frame: pl.DataFrame) -> Updated:
+    def update(self, fitted: Any, frame: pl.DataFrame) -> Any:
+        """The fit carried to the longer history `frame`; fitted again where statsforecast's
+        model cannot be carried (Croston, TSB and ADIDA have no `forward`)."""
         model = fitted.model if isinstance(fitted, Updated) else fitted
+        if not hasattr(model, "forward"):
+            return self.fit(frame)
         return Updated(model, _history(frame, self.context.target))
 
     def predict(self, fitted: Any, frame: pl.DataFrame) -> np.ndarray:
