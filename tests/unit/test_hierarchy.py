@@ -208,3 +208,20 @@ def test_overlapping_windows_give_mint_one_error_per_row(tmp_path):
     assert set(config.hierarchy.methods) <= set(written.columns)
     scores = pl.read_parquet(config.run_dir / "reconciled_metrics.parquet")
     assert set(scores["method"]) == {"base", *config.hierarchy.methods}
+
+
+def test_one_window_cannot_score_mint_shrink_and_says_so(tmp_path):
+    from rich.console import Console
+
+    from shardwise.manymodel.reconciliation import _score
+
+    config = hierarchical_job(tmp_path, backtest={"horizon": 6, "n_windows": 1})
+    config.run_dir.mkdir(parents=True)
+    table = load_series(config)
+    rows = table.frame.filter(~pl.col(FUTURE)).select(
+        SERIES, pl.lit(0).alias("window"), "month", pl.col("units").alias("forecast"), "units"
+    )
+    console = Console(record=True, width=200)
+    _score(config, table, rows, console)
+    assert "need an earlier window's errors; use backtest.n_windows ≥ 2" in console.export_text()
+    assert not (config.run_dir / "reconciled_metrics.parquet").exists()
