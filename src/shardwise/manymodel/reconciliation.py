@@ -1,9 +1,10 @@
 """A hierarchical run's reconciliation (`[hierarchy]`): the chosen forecasts of every level are
 reconciled by each of `hierarchy.methods` (hierarchy.py) into `forecasts_reconciled.parquet`, the
-error-weighted methods with the same strategy's backtest forecasts.
+error-weighted methods with the backtest forecasts of the model (or ensemble) each series'
+forecast comes from.
 
 Each method is also scored on the backtest, so that a forecaster can see whether reconciling
-helps and which method to use: the same strategy's forecasts of each window are reconciled with
+helps and which method to use: those models' forecasts of each window are reconciled with
 the history before the window (and, for the error-weighted methods, the earlier windows' errors:
 they are scored from the second window on, and then so are the others) and scored against the
 window's actual values, per series: `reconciled_metrics.parquet`, and the mean MASE per level in
@@ -91,7 +92,7 @@ def _reconcile(
     console: Console,
 ) -> None:
     """Reconcile the chosen forecasts (`chosen_forecasts`) of every level (hierarchy.py), the
-    error-weighted methods with the same strategy's backtest forecasts `past`:
+    error-weighted methods with the same models' backtest forecasts `past`:
     `forecasts_reconciled.parquet`. A method hierarchicalforecast cannot apply to these series
     is reported and left out; the others are still written."""
     missing = table.num_series - forecast[SERIES].n_unique()
@@ -164,17 +165,22 @@ def _score(
     metrics = metrics.with_columns(level.alias("level"))
     metrics = metrics.select(*ids, "level", "window", "method", "mae", "mase")
     metrics.write_parquet(config.run_dir / "reconciled_metrics.parquet")
-    windows = sorted(metrics["window"].unique().to_list())
-    shown = Table(title=f"reconciled: backtest MASE, windows {', '.join(map(str, windows))}")
     order = ["total", *("/".join(level) for level in levels), "/".join(ids)]
-    means = mean_mase(metrics)
+    console.print(_table(metrics, ["base", *(m for m in methods if m not in failed)], order))
+
+
+def _table(metrics: pl.DataFrame, methods: list[str], levels: list[str]) -> Table:
+    """Mean MASE per method (rows) and level (columns)."""
+    windows = ", ".join(map(str, sorted(metrics["window"].unique().to_list())))
+    shown = Table(title=f"reconciled: backtest MASE, windows {windows}")
     shown.add_column("method")
-    for name in order:
+    for name in levels:
         shown.add_column(name, justify="right")
-    for method in ["base", *(m for m in methods if m not in failed)]:
+    means = mean_mase(metrics)
+    for method in methods:
         values = dict(means.filter(pl.col("method") == method).select("level", "mase").iter_rows())
-        shown.add_row(method, *(f"{values.get(name, float('nan')):.3f}" for name in order))
-    console.print(shown)
+        shown.add_row(method, *(f"{values.get(name, float('nan')):.3f}" for name in levels))
+    return shown
 
 
 def _seasonal_naive_mae(history: pl.DataFrame, columns: Columns, season: int) -> pl.DataFrame:
@@ -194,8 +200,10 @@ def _errors(
     both = reconciled.join(actual, on=[SERIES, columns.timestamp]).join(scale, on=SERIES)
     long = both.unpivot(methods, index=[SERIES, *columns.ids, "_actual", "_scale"])
     mae = (pl.col("value") - pl.col("_actual")).abs().mean()
+    naive = pl.col("_scale").first()
+    mase = pl.when(naive > 0).then(mae / naive)  # a constant history has no MASE (NaN there)
     return long.group_by(SERIES, *columns.ids, pl.col("variable").alias("method")).agg(
-        mae.alias("mae"), (mae / pl.col("_scale").first()).alias("mase")
+        mae.alias("mae"), mase.alias("mase")
     )
 
 
