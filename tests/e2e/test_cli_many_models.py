@@ -173,7 +173,7 @@ def test_killed_run_resumes_only_unfinished_chunks(tmp_path):
         ("features.lags=[1]", "features.lags contains 1 but backtest.horizon is 12"),
         ("backtest.horizn=3", "unknown key 'backtest.horizn'; did you mean 'backtest.horizon'?"),
         ("data.freq='0d'", "data.freq: expected a positive count and a unit"),
-        ("backtest.refit=-2", "backtest.refit: is true, false or how many windows apart"),
+        ("backtest.refit=-2", "backtest.refit: is true, false (or 0) or how many windows apart"),
         ("data.season_length=100000000", "data.season_length = 100000000 is longer than the"),
         ("runner.ray_address='127.0.0.1:1'", ":1 (connection refused; waited up to 10 s)"),
     ],
