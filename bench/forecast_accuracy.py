@@ -32,6 +32,7 @@ import numpy as np
 import polars as pl
 
 from shardwise.config import validate_as
+from shardwise.manymodel.backtest import refits
 from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.manymodel.data import FUTURE, load_series
 from shardwise.manymodel.runner import run
@@ -139,8 +140,7 @@ def statsforecast_cv(
 
 def fits(refit: bool | int, windows: int) -> int:
     """Fits per model and series when `windows` windows are counted as statsforecast does."""
-    every = int(refit)
-    return sum(1 for w in range(windows) if w == 0 or (every > 0 and w % every == 0))
+    return sum(refits(int(refit), w) for w in range(windows))
 
 
 def mean_over_windows_then_series(metrics: pl.DataFrame, windows: list[int]) -> pl.DataFrame:

@@ -74,7 +74,12 @@ class Plan:
     def refits(self, window: int) -> bool:
         """Whether a model is re-estimated for `window` (n_windows: the forecast) rather than
         updated from its last fit."""
-        return window == 0 or (self.refit > 0 and window % self.refit == 0)
+        return refits(self.refit, window)
+
+
+def refits(every: int, window: int) -> bool:
+    """statsforecast's rule: a model is fitted on window 0 and every `every`-th (0: none more)."""
+    return window == 0 or (every > 0 and window % every == 0)
 
 
 @dataclass
@@ -83,10 +88,11 @@ class ChunkResult:
     choices: list[dict[str, Any]] = field(default_factory=list)
     forecasts: list[dict[str, Any]] = field(default_factory=list)
     failures: list[dict[str, Any]] = field(default_factory=list)
-    backtest: list[tuple[int, str, int, np.ndarray]] = field(default_factory=list)
-    """(series, model, window, forecast) per backtest window: each model's, which the metrics
-    score, and the ensemble's of the series' final top k (not the nested one the metrics score:
-    the forecasts' ensemble on past windows, for the conformal widths and the reconciliation)."""
+    backtest: list[tuple[int, str, int, int, np.ndarray]] = field(default_factory=list)
+    """(series, model, window, origin, forecast) per backtest window: each model's, which the
+    metrics score, and the ensemble's of the series' final top k (not the nested one the metrics
+    score: the forecasts' ensemble on past windows, for the conformal widths and the
+    reconciliation)."""
     series: int = 0
     failed_series: int = 0
     started: float = 0.0
@@ -114,13 +120,14 @@ class ChunkResult:
         are n_windows × horizon rows per model and series)."""
         if not self.backtest:
             return pl.DataFrame(schema=_BACKTEST_SCHEMA)
-        series, models, windows, values = zip(*self.backtest, strict=True)
+        series, models, windows, starts, values = zip(*self.backtest, strict=True)
         lengths = [v.size for v in values]
         return pl.DataFrame(
             {
                 SERIES: np.repeat(series, lengths),
                 "model": np.repeat(models, lengths),
                 "window": np.repeat(windows, lengths),
+                "origin": np.repeat(starts, lengths),
                 "step": np.concatenate([np.arange(1, n + 1) for n in lengths]),
                 "forecast": np.concatenate(values),
             },
@@ -146,6 +153,7 @@ _BACKTEST_SCHEMA = {
     SERIES: pl.Int64,
     "model": pl.String,
     "window": pl.Int64,
+    "origin": pl.Int64,
     "step": pl.Int64,
     "forecast": pl.Float64,
 }
@@ -193,7 +201,7 @@ def forecast_series(
         train, test = observed.head(origin), observed.slice(origin, plan.horizon)
         truth = _Truth(
             test[TARGET].to_numpy().astype(np.float64),
-            _seasonal_mae(train[TARGET].to_numpy().astype(np.float64), plan.context.season_length),
+            seasonal_mae(train[TARGET].to_numpy().astype(np.float64), plan.context.season_length),
             {SERIES: series, "window": window, "origin": origin},
         )
         actuals.append(truth.actual)
@@ -213,7 +221,7 @@ def forecast_series(
             out.metrics.append({**truth.keys, "model": label, **row})
             scores[label].append(row[plan.metric] if np.isfinite(row[plan.metric]) else row["mae"])
             predictions[label].append(predicted)
-            out.backtest.append((series, label, window, predicted.values))
+            out.backtest.append((series, label, window, origin, predicted.values))
             errors[label].append(np.abs(truth.actual - predicted.values))
         ranked = [label for label in ranked if label in predictions]  # not failed here
         if ranked:
@@ -350,7 +358,11 @@ def _refit(
     if plan.ensemble_top_k > 1:  # conformal, from the same ensemble's errors on every window
         finals[ENSEMBLE] = _Forecast(np.mean([finals[label].values for label in top], axis=0))
         means = _ensemble(top, windows.predictions, len(windows.actuals))
-        out.backtest.extend((series, ENSEMBLE, w, mean) for w, mean in enumerate(means))
+        starts = origins(observed.height, plan)
+        out.backtest.extend(
+            (series, ENSEMBLE, w, start, mean)
+            for w, (start, mean) in enumerate(zip(starts, means, strict=True))
+        )
         ensemble = _ensemble_errors(top, windows.predictions, windows.actuals)
         columns[ENSEMBLE] = _bounds(plan, finals[ENSEMBLE], ensemble)
     out.forecasts.extend(
@@ -433,7 +445,7 @@ def _fit_predict(
     return _Forecast(back(predicted), own), fitted
 
 
-def _seasonal_mae(y: np.ndarray, season: int) -> float:
+def seasonal_mae(y: np.ndarray, season: int) -> float:
     """In-sample MAE of the seasonal naive forecast: MASE's denominator."""
     lag = max(season, 1) if y.size > season else 1
     errors = np.abs(y[lag:] - y[:-lag])

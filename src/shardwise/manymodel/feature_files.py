@@ -94,12 +94,11 @@ def write_features(
     if wanted and backend == "spark":
         from shardwise.manymodel.spark import spark_features
 
-        _for_spark(frame, columns.timestamp).write_parquet(root / "input.parquet")
-        kind = frame.schema[columns.timestamp]
+        readable, zone = _for_spark(frame, columns.timestamp)
+        readable.write_parquet(root / "input.parquet")
         spark_features(
             root / "input.parquet", spec, columns, master=spark_master,
-            out=root / "chunks", size=size, chunks=wanted,
-            time_zone=kind.time_zone if isinstance(kind, pl.Datetime) else None,
+            out=root / "chunks", size=size, chunks=wanted, time_zone=zone,
         )  # fmt: skip
     elif wanted:  # none when a resumed run has every chunk done
         _polars_files(
@@ -115,13 +114,16 @@ def write_features(
     )
 
 
-def _for_spark(frame: pl.DataFrame, ts: str) -> pl.DataFrame:
-    """`frame` as Spark's Parquet reader takes it: it refuses nanosecond timestamps (pandas'
-    unit), so they are written in microseconds (`FeatureChunks.read` casts them back)."""
+def _for_spark(frame: pl.DataFrame, ts: str) -> tuple[pl.DataFrame, str | None]:
+    """`frame` as Spark's Parquet reader takes it, and its timestamps' zone (where Spark takes
+    the calendar parts). Spark refuses nanosecond timestamps (pandas' unit), so they are written
+    in microseconds (`FeatureChunks.read` casts them back)."""
     kind = frame.schema[ts]
-    if isinstance(kind, pl.Datetime) and kind.time_unit == "ns":
-        return frame.with_columns(pl.col(ts).cast(pl.Datetime("us", kind.time_zone)))
-    return frame
+    if not isinstance(kind, pl.Datetime):
+        return frame, None
+    if kind.time_unit == "ns":
+        frame = frame.with_columns(pl.col(ts).cast(pl.Datetime("us", kind.time_zone)))
+    return frame, kind.time_zone
 
 
 def feature_schema(input_schema: pl.Schema, spec: FeatureSpec) -> pl.Schema:

@@ -170,9 +170,9 @@ def group_features(
     if not spec.group_columns:
         return []
     ids, ts = list(columns.ids), columns.timestamp
-    read = [*(c for g in spec.group_by for c in g), ts, columns.target]
-    order = [SERIES] if SERIES in frame.columns else ids  # what _in_order orders by
-    base = _in_order(frame.select(list(dict.fromkeys([*order, *read]))), columns)
+    numbered = [SERIES] if SERIES in frame.columns else []
+    read = [*numbered, *ids, *(c for g in spec.group_by for c in g), ts, columns.target]
+    base = _in_order(frame.select(list(dict.fromkeys(read))), columns)  # what it orders by too
     base = base.with_columns(_shifted(spec, columns))
     tables = []
     for group in spec.group_by:

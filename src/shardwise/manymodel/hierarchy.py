@@ -7,7 +7,7 @@ their shrunk covariance, `mint_shrink`).
 
 MinTrace's error-weighted forms estimate the errors' covariance across series from forecasts of
 the past. statsforecast's in-sample one-step fitted values would be one choice; here they are the
-backtest windows' forecasts of the same strategy as the forecasts reconciled (`horizon` steps
+backtest windows' forecasts of the models the reconciled forecasts come from (`horizon` steps
 ahead, out of sample): the errors of the forecasts being reconciled, at their horizons. The
 series of a hierarchy end together, so every series has them at the same timestamps.
 
@@ -107,7 +107,7 @@ def reconcile(
 ) -> pl.DataFrame:
     """Reconcile `forecasts` (SERIES, timestamp, `forecast`: every series of every level) with
     the observed `history` (SERIES, ids, timestamp, target): the forecasts with a `base` column
-    and one per method. The methods in FROM_ERRORS need `past`: the same strategy's backtest
+    and one per method. The methods in FROM_ERRORS need `past`: the same models' backtest
     forecasts (SERIES, timestamp, `forecast`) of the history."""
     from hierarchicalforecast.core import HierarchicalReconciliation
     from hierarchicalforecast.methods import BottomUp, MinTrace, TopDown

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import polars as pl
 from rich.console import Console
 from rich.table import Table
 
-from shardwise.manymodel.backtest import failure_message
+from shardwise.manymodel.backtest import failure_message, seasonal_mae
 from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.manymodel.data import FUTURE, SERIES, Columns, SeriesTable
 from shardwise.manymodel.hierarchy import FROM_ERRORS, incoherence, reconcile
@@ -184,11 +185,18 @@ def _table(metrics: pl.DataFrame, methods: list[str], levels: list[str]) -> Tabl
 
 
 def _seasonal_naive_mae(history: pl.DataFrame, columns: Columns, season: int) -> pl.DataFrame:
-    """Each series' in-sample MAE of the seasonal naive forecast (MASE's scale, as the backtest
-    computes it)."""
-    y = pl.col(columns.target)
-    lag = pl.when(pl.len() > season).then(pl.lit(max(season, 1))).otherwise(pl.lit(1))
-    return history.group_by(SERIES).agg((y - y.shift(lag)).abs().mean().alias("_scale"))
+    """Each series' MASE scale, as the backtest computes it (`backtest.seasonal_mae`)."""
+    parts = history.partition_by(SERIES, as_dict=True)
+    return pl.DataFrame(
+        {
+            SERIES: [key for (key,) in parts],
+            "_scale": [
+                seasonal_mae(part[columns.target].to_numpy().astype(np.float64), season)
+                for part in parts.values()
+            ],
+        },
+        schema={SERIES: pl.Int64, "_scale": pl.Float64},
+    )
 
 
 def _errors(

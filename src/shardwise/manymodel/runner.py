@@ -556,7 +556,7 @@ def _assemble(
     chosen = forecasts(by_model, outputs["choices"].lazy(), selection)
     by_model.drop(SERIES).sink_parquet(run_dir / "forecasts_by_model.parquet")
     chosen.drop(SERIES).sink_parquet(run_dir / "forecasts.parquet")
-    _backtest_forecasts(config, table, ids, paths["backtest"]).drop(SERIES).sink_parquet(
+    _backtest_forecasts(table, ids, paths["backtest"]).drop(SERIES).sink_parquet(
         run_dir / "backtest_forecasts.parquet"
     )
     files = {"metrics": "backtest_metrics", "choices": "best_models", "failures": "failures"}
@@ -566,25 +566,16 @@ def _assemble(
     return outputs, selection
 
 
-def _backtest_forecasts(
-    config: ManyModelsConfig, table: SeriesTable, ids: pl.DataFrame, paths: list[Path]
-) -> pl.LazyFrame:
+def _backtest_forecasts(table: SeriesTable, ids: pl.DataFrame, paths: list[Path]) -> pl.LazyFrame:
     """Every window's forecasts (the chunks' `backtest` tables) with the series' ids, each
     step's timestamp and actual value, in series, model, window and step order."""
     ts, y = table.columns.timestamp, table.columns.target
-    backtest = config.backtest
     observed = table.frame.lazy().filter(~pl.col(FUTURE)).select(SERIES, ts, y)
-    observed = observed.with_columns(
-        pl.int_range(pl.len()).over(SERIES).alias("_row"), pl.len().over(SERIES).alias("_n")
-    )
-    # the row a step forecasts: its window's origin (backtest.origins) + step - 1
-    last = backtest.n_windows - 1 - pl.col("window")
-    row = pl.col("_n") - backtest.horizon - config.backtest_step * last + pl.col("step") - 1
+    observed = observed.with_columns(pl.int_range(pl.len()).over(SERIES).alias("_row"))
     return (
         pl.scan_parquet(paths)
-        .join(observed.select(SERIES, "_n").unique(SERIES), on=SERIES)
-        .with_columns(row.alias("_row"))
-        .join(observed.select(SERIES, "_row", ts, y), on=[SERIES, "_row"], how="left")
+        .with_columns((pl.col("origin") + pl.col("step") - 1).alias("_row"))  # the row forecast
+        .join(observed, on=[SERIES, "_row"], how="left")
         .join(ids.lazy(), on=SERIES)
         .select(SERIES, *table.columns.ids, ts, "model", "window", "step", "forecast", y)
         .sort(SERIES, "model", "window", "step")
