@@ -42,10 +42,19 @@ def many_models(
 
 
 def test_us_employment_with_spark_features(tmp_path):
+    """From the user's own Parquet file, which Spark's executors read themselves (issue 19)."""
+    from shardwise.datasets import series
+
+    source = tmp_path / "employment.parquet"
+    series.us_employment().frame.write_parquet(source)
     run_dir = tmp_path / "emp"
     done = many_models(
         "examples/us-employment.toml",
         "--set", f"job.run_dir={run_dir}",
+        "--set", f"data.source='{source}'",
+        "--set", "data.id_columns=['series_id']",
+        "--set", "data.timestamp='month'",
+        "--set", "data.target='employed'",
         "--set", "data.num_series=8",
         "--set", "models.names=['seasonal_naive', 'ridge']",
         "--features-backend", "spark",
@@ -54,7 +63,7 @@ def test_us_employment_with_spark_features(tmp_path):
         "--plot",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert "features (spark)" in done.stderr
+    assert f"features (spark, read {source} itself)" in " ".join(done.stderr.split())
     assert "8 of 8 series forecast" in done.stderr
     assert "mlflow run:" in done.stderr
     for name in ("backtest_metrics", "best_models", "forecasts", "failures", "skipped"):

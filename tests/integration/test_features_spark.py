@@ -7,7 +7,7 @@ from __future__ import annotations
 import polars as pl
 import pytest
 
-from shardwise.config import validate_as
+from shardwise.config import ConfigError, validate_as
 from shardwise.manymodel.backtest import run_chunk
 from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.manymodel.data import load_series
@@ -137,30 +137,131 @@ def hourly(tmp_path, dtype: pl.DataType):
     return table, FeatureSpec.from_config(config, table.season_length)
 
 
-def test_nanosecond_times_and_only_the_chunks_asked_for(spark, tmp_path):
-    """Spark's Parquet reader refuses nanosecond timestamps (a table from pandas has them); a
-    resumed run asks for some chunks only, and without group statistics Spark reads only
-    their series."""
-    table, spec = hourly(tmp_path, pl.Datetime("ns"))
+@pytest.mark.parametrize(
+    ("unit", "own_file"),
+    [("ns", False), ("ns", True), ("us", True)],
+    ids=["driver-copy-nanoseconds", "own-file-nanoseconds", "own-file-microseconds"],
+)
+def test_naive_times_and_only_the_chunks_asked_for(spark, tmp_path, unit, own_file):
+    """Spark's Parquet reader refuses nanosecond timestamps (a table from pandas has them), in
+    the driver's copy and in the user's own file; a resumed run asks for some chunks only, and
+    without group statistics Spark reads only their series."""
+    table, spec = hourly(tmp_path, pl.Datetime(unit))
+    source = str(tmp_path / "hourly.parquet") if own_file else None
     files = write_features(
         table.frame, spec, table.columns, tmp_path / "f", 2, [1],
-        backend="spark", spark_master="local[2]",
+        backend="spark", spark_master="local[2]", source=source,
     )  # fmt: skip
+    assert ("itself" in files.made_by) == own_file
     assert [p.name for p in (tmp_path / "f" / "chunks").glob("chunk=*")] == ["chunk=1"]
     expected = polars_features(table.frame, spec, table.columns)
     assert_same(files.read(1), expected.filter(pl.col("_series").is_in([2, 3])))
 
 
-def test_calendar_parts_in_the_timestamps_zone(spark, tmp_path):
+@pytest.mark.parametrize("unit", ["us", "ns"], ids=["driver-copy", "own-file-nanoseconds"])
+def test_calendar_parts_in_the_timestamps_zone(spark, tmp_path, unit):
     """polars takes the hour and the day of a zoned timestamp in its zone: so does Spark (its
-    session's zone is set to it while it computes), not in UTC."""
-    table, spec = hourly(tmp_path, pl.Datetime("us", "Asia/Tokyo"))
+    session's zone is set to it while it computes), not in UTC; from the driver's copy, and from
+    the user's own file with zoned nanoseconds."""
+    table, spec = hourly(tmp_path, pl.Datetime(unit, "Asia/Tokyo"))
+    source = str(tmp_path / "hourly.parquet") if unit == "ns" else None
     files = write_features(
         table.frame, spec, table.columns, tmp_path / "f", 2,
-        backend="spark", spark_master="local[2]",
+        backend="spark", spark_master="local[2]", source=source,
     )  # fmt: skip
+    assert ("itself" in files.made_by) == (source is not None)
     got = pl.concat(files.read(i) for i in range(len(files)))
     expected = polars_features(table.frame, spec, table.columns)
     assert expected["cal_hour"][0] == 9  # midnight UTC is 9 o'clock in Tokyo
     assert_same(got, expected)
     assert spark.conf.get("spark.sql.session.timeZone") == "UTC"  # put back
+
+
+def awkward_file(path, *, drop_series: str | None = None) -> None:
+    """Seven weekly store × item series as a user's file may hold them: rows shuffled, an unused
+    column, integer item ids, float32 sales with NaN and empty weeks before the first sale,
+    nanosecond times (pandas'), and future weeks with their promotions; one series too short."""
+    weeks = pl.datetime_range(
+        pl.datetime(2023, 1, 2), pl.datetime(2024, 6, 24), "1w", eager=True
+    ).cast(pl.Datetime("ns"))
+    rows = []
+    for k, (store, item) in enumerate([(s, i) for s in ("n", "s") for i in (3, 17, 250)]):
+        for t, week in enumerate(weeks):
+            sales = None if t < k else float((t * (k + 1)) % 23)
+            if t == 40 + k:
+                sales = float("nan")
+            if t >= len(weeks) - 4:
+                sales = None  # the future: promotions planned, sales to come
+            rows.append((store, item, week, sales, (t + k) % 3 == 0, f"row {t}"))
+    for t, week in enumerate(weeks[-12:]):  # too short for the backtest
+        rows.append(("n", 1, week, float(t), False, ""))
+    frame = pl.DataFrame(
+        rows, schema=["store", "item", "week", "sales", "promo", "note"], orient="row"
+    ).with_columns(
+        pl.col("item").cast(pl.Int32), pl.col("sales").cast(pl.Float32),
+        pl.col("promo").cast(pl.Int8),
+    )  # fmt: skip
+    if drop_series:
+        frame = frame.filter(pl.format("{}-{}", "store", "item") != drop_series)
+    frame.sample(fraction=1.0, shuffle=True, seed=3).write_parquet(path)
+
+
+def awkward_config(path) -> ManyModelsConfig:
+    return validate_as(
+        ManyModelsConfig,
+        {
+            "data": {
+                "source": str(path), "id_columns": ["store", "item"], "timestamp": "week",
+                "target": "sales", "covariates": ["promo"], "num_series": 6,
+            },
+            "features": {
+                "lags": [1, 4],
+                "rolling_windows": [4],
+                "rolling_stats": ["mean", "std"],
+                "expanding_stats": ["mean", "max"],
+                "calendar": ["month", "week"],
+                "group_by": [["store"]],
+                "group_stats": ["mean"],
+            },
+            "backtest": {"horizon": 4, "n_windows": 2, "min_train": 1},
+        },
+    )  # fmt: skip
+
+
+def test_spark_reads_the_users_file_itself(spark, tmp_path):
+    """Issue 19: on a cluster Spark reads the source, not a table from the driver. From the
+    user's Parquet file, typed and cut as the driver's checks cut it (the series kept, from their
+    first observation, NaN as missing, the future rows after them), Spark computes the features
+    polars computes from the checked table, bit for bit; the driver writes no copy of the rows."""
+    source = tmp_path / "sales.parquet"
+    awkward_file(source)
+    config = awkward_config(source)
+    table = load_series(config)
+    assert table.num_series == 5 and table.skipped.height == 1  # num_series = 6, one too short
+    spec = FeatureSpec.from_config(config, table.season_length)
+    files = write_features(
+        table.frame, spec, table.columns, tmp_path / "f", 2,
+        backend="spark", spark_master="local[2]", source=str(source),
+    )  # fmt: skip
+    assert files.made_by == f"spark, read {source} itself"
+    assert not (tmp_path / "f" / "input.parquet").exists()
+    got = pl.concat(files.read(i) for i in range(len(files)))
+    expected = polars_features(table.frame, spec, table.columns)
+    assert_same(got, expected)
+    assert expected["sales"].null_count() > 4 * 5 and expected["promo"].null_count() == 0
+
+
+def test_a_source_changed_under_the_run_is_an_error(spark, tmp_path):
+    """The executors read the file after the driver checked it: rows gone in between are
+    reported (which chunk, how many rows), not features missing for a series."""
+    source = tmp_path / "sales.parquet"
+    awkward_file(source)
+    config = awkward_config(source)
+    table = load_series(config)
+    spec = FeatureSpec.from_config(config, table.season_length)
+    awkward_file(source, drop_series="n-17")
+    with pytest.raises(ConfigError, match=r"chunk 0 has \d+ rows where the checked table has \d+"):
+        write_features(
+            table.frame, spec, table.columns, tmp_path / "f", 2,
+            backend="spark", spark_master="local[2]", source=str(source),
+        )  # fmt: skip

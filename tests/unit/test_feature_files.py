@@ -3,6 +3,8 @@ the whole table computed at once (group statistics span batches), read back chun
 
 from __future__ import annotations
 
+from datetime import datetime
+
 import polars as pl
 import pytest
 
@@ -62,3 +64,33 @@ def test_only_the_chunks_asked_for_are_written(retail, tmp_path):
         pl.col(SERIES).is_between(10, 19)
     )
     assert files.read(1).equals(expected.sort(SERIES, "week"))
+
+
+def test_which_files_spark_reads_itself(tmp_path):
+    """Spark's executors read the user's file where its types read alike in Spark and polars;
+    otherwise they read the driver's checked copy, and the run says why."""
+    from shardwise.manymodel.data import Columns
+    from shardwise.manymodel.spark import source_file_problem
+
+    columns = Columns(ids=("shop",), timestamp="t", target="y", covariates=("price",))
+    good = pl.DataFrame(
+        {"shop": [1, 2], "t": [datetime(2024, 1, 1)] * 2, "y": [1, 2], "price": [1.5, None]},
+        schema_overrides={"t": pl.Datetime("ns"), "y": pl.Int16, "price": pl.Float32},
+    )
+    good.write_parquet(tmp_path / "good.parquet")
+    assert source_file_problem(str(tmp_path / "good.parquet"), columns) is None
+    good.write_csv(tmp_path / "good.csv")
+    assert source_file_problem(str(tmp_path / "good.csv"), columns) == "not Parquet"
+    assert source_file_problem("s3://bucket/good.parquet", columns) == (
+        "a URL, which Spark may not reach as fsspec does"
+    )
+    cases = {
+        "t": (pl.col("t").cast(pl.String), "its column 't' is String, not a date or time"),
+        "shop": (pl.col("shop").cast(pl.Float64), "its id column 'shop' is Float64"),
+        "price": (pl.col("price").cast(pl.Decimal(10, 2)), "its column 'price' is Decimal"),
+    }
+    for name, (changed, reason) in cases.items():
+        path = tmp_path / f"{name}.parquet"
+        good.with_columns(changed).write_parquet(path)
+        problem = source_file_problem(str(path), columns)
+        assert problem is not None and problem.startswith(reason), (name, problem)

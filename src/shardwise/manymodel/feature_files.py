@@ -3,8 +3,10 @@ of it: polars computes it a batch of chunks at a time, Spark's executors write i
 the runner reads a chunk back when it submits the chunk's task.
 
 Layout: `<root>/chunks/chunk=<i>/*.parquet` (the shape of Spark's partitioned output too); chunk
-i holds series i·size … (i+1)·size − 1. `<root>/input.parquet` is the checked input table Spark
-reads (from the driver's disk locally; on a cluster `job.run_dir` must be storage every executor
+i holds series i·size … (i+1)·size − 1. Spark reads the user's Parquet file itself where it can
+(`spark.SourceFile`: with `<root>/keys.parquet` and `<root>/future.parquet`, the series kept and
+the rows added by the driver's checks), and otherwise `<root>/input.parquet`, the driver's checked
+copy (from the driver's disk locally; on a cluster `job.run_dir` must be storage every executor
 sees).
 """
 
@@ -19,7 +21,8 @@ from typing import TYPE_CHECKING
 
 import polars as pl
 
-from shardwise.manymodel.data import SERIES
+from shardwise.config import ConfigError
+from shardwise.manymodel.data import FUTURE, SERIES
 from shardwise.manymodel.features import (
     FeatureSpec,
     group_features,
@@ -29,6 +32,7 @@ from shardwise.manymodel.features import (
 
 if TYPE_CHECKING:
     from shardwise.manymodel.data import Columns
+    from shardwise.manymodel.spark import SourceFile
 
 BATCH_ROWS = 500_000
 """Rows of input the polars backend turns into features at a time (≈ 100 MB of features with
@@ -49,6 +53,9 @@ class FeatureChunks:
     """Input rows per chunk: the work grows with them (`_run_chunks` runs long ones first)."""
     schema: pl.Schema
     timestamp: str
+    made_by: str = "polars"
+    """Which backend computed the features, and from what (Spark: the user's file or the
+    driver's copy, and why)."""
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -78,10 +85,13 @@ def write_features(
     *,
     backend: str = "polars",
     spark_master: str = "",
+    source: str | None = None,
     batch_rows: int = BATCH_ROWS,
 ) -> FeatureChunks:
     """Compute the features of `frame` (load_series' table: series numbered 0 … n − 1) and write
-    them under `root`, chunk by chunk (`chunks`: only those; all by default)."""
+    them under `root`, chunk by chunk (`chunks`: only those; all by default). `source`: the file
+    `frame` was read from (data.source), which Spark reads itself where it can; None when `frame`
+    is not the file's rows (a built-in source, a hierarchy's sums)."""
     if not frame[SERIES].is_sorted():
         frame = frame.sort(SERIES, columns.timestamp, maintain_order=True)
     n_series = int(frame[SERIES].max()) + 1 if frame.height else 0  # type: ignore[arg-type]
@@ -91,15 +101,17 @@ def write_features(
     wanted = sorted(set(range(n_chunks) if chunks is None else chunks))
     shutil.rmtree(root, ignore_errors=True)
     (root / "chunks").mkdir(parents=True)
+    made_by = backend
     if wanted and backend == "spark":
         from shardwise.manymodel.spark import spark_features
 
         readable, zone = _for_spark(frame, columns.timestamp)
-        readable.write_parquet(root / "input.parquet")
+        spark_input, made_by = _spark_input(readable, columns, root, source)
         spark_features(
-            root / "input.parquet", spec, columns, master=spark_master,
+            spark_input, spec, columns, master=spark_master,
             out=root / "chunks", size=size, chunks=wanted, time_zone=zone,
         )  # fmt: skip
+        _check_rows(root / "chunks", wanted, rows, made_by)
     elif wanted:  # none when a resumed run has every chunk done
         _polars_files(
             frame, spec, columns, root / "chunks", size, _batches(wanted, rows, batch_rows)
@@ -111,7 +123,50 @@ def write_features(
         rows=tuple(rows.get(i, 0) for i in range(n_chunks)),
         schema=feature_schema(frame.schema, spec),
         timestamp=columns.timestamp,
+        made_by=made_by,
     )
+
+
+def _spark_input(
+    readable: pl.DataFrame, columns: Columns, root: Path, source: str | None
+) -> tuple[Path | SourceFile, str]:
+    """What Spark reads the checked table from, and a phrase saying so: the user's file with the
+    driver's two small tables beside it where `spark.source_file_problem` finds none, or else the
+    driver's checked copy."""
+    from shardwise.manymodel.spark import FIRST, LAST, SourceFile, source_file_problem
+
+    problem = source_file_problem(source, columns) if source else None
+    if source is None or problem is not None:
+        readable.write_parquet(root / "input.parquet")
+        why = f": data.source is {problem}" if source else ""
+        return root / "input.parquet", f"spark, from the driver's copy{why}"
+    ids, ts = list(columns.ids), columns.timestamp
+    observed = readable.filter(~pl.col(FUTURE))
+    keys = observed.group_by(SERIES, maintain_order=True).agg(
+        pl.col(ids).first(), pl.col(ts).first().alias(FIRST), pl.col(ts).last().alias(LAST)
+    )
+    keys.write_parquet(root / "keys.parquet")
+    readable.filter(pl.col(FUTURE)).write_parquet(root / "future.parquet")
+    kind = pl.read_parquet_schema(source)[ts]
+    nanos = isinstance(kind, pl.Datetime) and kind.time_unit == "ns"
+    path = str(Path(source).resolve())
+    return SourceFile(path, root / "keys.parquet", root / "future.parquet", nanos), (
+        f"spark, read {source} itself"
+    )
+
+
+def _check_rows(out: Path, wanted: list[int], rows: dict[int, int], made_by: str) -> None:
+    """Spark wrote as many rows for each chunk as the checked table has (the user's file read
+    again by the executors could have changed since the driver read it)."""
+    for index in wanted:
+        files = sorted((out / f"{CHUNK_KEY}={index}").glob("*.parquet"))
+        got = pl.scan_parquet(files).select(pl.len()).collect().item() if files else 0
+        if got != rows.get(index, 0):
+            raise ConfigError(
+                f"features ({made_by}): chunk {index} has {got} rows where the checked table "
+                f"has {rows.get(index, 0)}; did data.source change during the run? Run again, "
+                "or set features.backend = 'polars'"
+            )
 
 
 def _for_spark(frame: pl.DataFrame, ts: str) -> tuple[pl.DataFrame, str | None]:

@@ -33,6 +33,7 @@ from shardwise.config import ConfigError, flatten, shown
 from shardwise.manymodel.backtest import ChunkResult, Plan, run_chunk
 from shardwise.manymodel.config import (
     BUILTIN_MODELS,
+    BUILTIN_SOURCES,
     ManyModelsConfig,
     model_differenced,
     model_global,
@@ -106,11 +107,12 @@ def run(
             table.frame, spec, table.columns, run_dir / "features", chunk_size,
             todo if fitted or not plan.global_models else None,  # global fits read every chunk
             backend=config.features.backend, spark_master=config.features.spark_master,
+            source=_file_rows(config),
         )  # fmt: skip
         features_seconds = time.perf_counter() - features_started
         console.print(
             f"{table.num_series} series, {table.freq} steps, season {table.season_length}; "
-            f"{len(spec.columns())} features ({config.features.backend}) in "
+            f"{len(spec.columns())} features ({features.made_by}) in "
             f"{features_seconds:.1f} s"
         )
         if done:
@@ -156,6 +158,12 @@ def run(
     if config.tracking.plots:
         console.print(f"plots: {run_dir / 'plots'}")
     return summary
+
+
+def _file_rows(config: ManyModelsConfig) -> str | None:
+    """data.source where the checked table is its rows (a file, and no hierarchy's sums)."""
+    source = config.data.source
+    return None if source in BUILTIN_SOURCES or config.hierarchy.levels else source
 
 
 def make_plan(config: ManyModelsConfig, table: SeriesTable, spec: FeatureSpec) -> Plan:

@@ -2,16 +2,22 @@
 with Spark's window functions (lag, rows-between frames, partition aggregates), so the work is
 distributed by series over the cluster with no Python UDFs. The executors read the input from
 Parquet and write the features to Parquet (`feature_files`): no row passes through the driver.
+
+The input is the user's own Parquet file where its column types let Spark read the same values
+the driver's checks kept (`SourceFile`), and otherwise the driver's checked copy of it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
+import polars as pl
+
 from shardwise.launch.env import environment
-from shardwise.manymodel.data import SERIES
+from shardwise.manymodel.data import FUTURE, SERIES
 from shardwise.manymodel.feature_files import CHUNK_KEY
 from shardwise.manymodel.features import FeatureSpec, window_moments
 
@@ -45,8 +51,51 @@ def session(master: str, *, app: str = "shardwise-features", python: str | None 
     return spark
 
 
+FIRST, LAST = "_first", "_last"
+"""`SourceFile.keys`' columns: the times of a series' first and last observations."""
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """The user's Parquet file, which the executors read themselves, and what the driver's checks
+    (`data.load_series`) made of it, in two small tables: `keys`, one row per series kept (its
+    ids, its number `SERIES`, and the times of its first and last observations, `FIRST` and
+    `LAST`), and `future`, the rows the driver adds after them (the horizon's, in the checked
+    table's columns). The rows of a kept series between those times, typed as the checks type
+    them, and then the future rows, are the checked table."""
+
+    path: str
+    keys: Path
+    future: Path
+    nanos: bool
+    """Its timestamps are in nanoseconds (pandas' unit), which Spark reads only as integers."""
+
+
+def source_file_problem(source: str, columns: Columns) -> str | None:
+    """Why the executors cannot read `source` (data.source) themselves and get the values the
+    driver's checks kept (None when they can): only a local Parquet file (on a cluster, a path on
+    storage every executor sees) whose column types both read alike; text the driver parses, and
+    decimals, are not."""
+    if "://" in source:
+        return "a URL, which Spark may not reach as fsspec does"
+    if PurePosixPath(source).suffix.lower() not in (".parquet", ".pq"):
+        return "not Parquet"
+    schema = pl.read_parquet_schema(source)
+    ts = schema.get(columns.timestamp)
+    if not isinstance(ts, pl.Date | pl.Datetime):
+        return f"its column '{columns.timestamp}' is {ts}, not a date or time"
+    for name in columns.ids:
+        if not (schema[name] in (pl.String, pl.Categorical) or schema[name].is_integer()):
+            return f"its id column '{name}' is {schema[name]}, not text or integers"
+    for name in (columns.target, *columns.covariates):
+        kind = schema[name]
+        if not (kind.is_integer() or kind in (pl.Float32, pl.Float64, pl.Null)):
+            return f"its column '{name}' is {kind}, not integers or floats"
+    return None
+
+
 def spark_features(
-    source: Path,
+    source: Path | SourceFile,
     spec: FeatureSpec,
     columns: Columns,
     *,
@@ -56,23 +105,59 @@ def spark_features(
     chunks: list[int],
     time_zone: str | None = None,
 ) -> None:
-    """Read the input table from `source` (Parquet), compute the features and write them to
-    `out`, one directory per chunk of `size` series (`feature_files`' layout), only `chunks`.
-    The rows go from files to files through the executors, never through this process.
-    `time_zone`: the timestamps' zone, where the calendar parts are taken (as polars does)."""
+    """Read the input table from `source` (the driver's checked copy, or the user's file),
+    compute the features and write them to `out`, one directory per chunk of `size` series
+    (`feature_files`' layout), only `chunks`. The rows go from files to files through the
+    executors, never through this process. `time_zone`: the timestamps' zone, where the calendar
+    parts are taken (as polars does)."""
     spark = session(master)
-    key = "spark.sql.session.timeZone"
-    before = spark.conf.get(key)
-    spark.conf.set(key, time_zone or "UTC")
+    settings = {"spark.sql.session.timeZone": time_zone or "UTC"}
+    if isinstance(source, SourceFile) and source.nanos:
+        settings["spark.sql.legacy.parquet.nanosAsLong"] = "true"
+    before = {key: spark.conf.get(key, None) for key in settings}
+    for key, value in settings.items():
+        spark.conf.set(key, value)
     try:
-        _write_features(spark, source, spec, columns, out=out, size=size, chunks=chunks)
+        data = _input(spark, source, columns, naive=time_zone is None)
+        _write_features(data, spec, columns, out=out, size=size, chunks=chunks)
     finally:
-        spark.conf.set(key, before)
+        for key, value in before.items():
+            if value is None:
+                spark.conf.unset(key)
+            else:
+                spark.conf.set(key, value)
+
+
+def _input(spark: Any, source: Path | SourceFile, columns: Columns, *, naive: bool) -> Any:
+    """The checked table (`data.load_series`' columns and values): the driver's copy as it is,
+    or the user's file typed as the checks type it (ids as text, numbers as doubles, NaN as
+    missing, nanoseconds as whole microseconds rounded down, as polars casts them), its kept
+    series' rows between their first and last observations, and the future rows."""
+    if not isinstance(source, SourceFile):
+        return spark.read.parquet(str(source))
+    from pyspark.sql import functions as F  # noqa: N812 (the conventional name)
+
+    ids, ts = list(columns.ids), columns.timestamp
+    numbers = [columns.target, *columns.covariates]
+    when = F.col(ts)
+    if source.nanos:
+        name = f"`{ts}`"
+        when = F.timestamp_micros(F.expr(f"({name} - pmod({name}, 1000)) div 1000"))
+        when = when.cast("timestamp_ntz") if naive else when
+    missing = F.lit(None).cast("double")
+    rows = spark.read.parquet(source.path).select(
+        *(F.col(c).cast("string").alias(c) for c in ids),
+        when.alias(ts),
+        *(F.nanvl(F.col(c).cast("double"), missing).alias(c) for c in numbers),
+    )
+    kept = rows.join(F.broadcast(spark.read.parquet(str(source.keys))), on=ids)
+    kept = kept.filter(F.col(ts).between(F.col(FIRST), F.col(LAST)))
+    kept = kept.select(SERIES, *ids, ts, *numbers, F.lit(False).alias(FUTURE))
+    return kept.unionByName(spark.read.parquet(str(source.future)))
 
 
 def _write_features(
-    spark: Any,
-    source: Path,
+    data: Any,
     spec: FeatureSpec,
     columns: Columns,
     *,
@@ -87,7 +172,6 @@ def _write_features(
     ts, y = columns.timestamp, columns.target
     by_time = Window.partitionBy(SERIES).orderBy(ts)
     chunk = F.floor(F.col(SERIES) / size).cast("long")
-    data = spark.read.parquet(str(source))
     if not spec.group_columns:  # a group statistic reads the other chunks' series too
         data = data.filter(chunk.isin(chunks))
     data = data.repartition(SERIES)
