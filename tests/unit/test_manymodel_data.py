@@ -58,6 +58,30 @@ def test_reads_a_csv_infers_daily_and_appends_future_rows(tmp_path):
     assert table.frame[SERIES].unique().sort().to_list() == [0, 1]
 
 
+def test_series_are_numbered_in_the_ids_text_order_whatever_the_rows_order(tmp_path):
+    """Each series' number is its rank in the id columns' text order (`"10" < "9"`, capitals
+    first, accents after), its rows carry its own ids, and nothing else moves: the table equals
+    the one sorting by the id strings gives."""
+    rows = []
+    for region in ("west", "East", "éa"):
+        for shop in ("9", "10", "b"):
+            rows += [(region, shop, day, units) for _, day, units in daily("x", 20)]
+    frame = pl.DataFrame(rows, orient="row", schema=["region", "shop", "day", "units"])
+    path = tmp_path / "sales.parquet"
+    frame.sample(fraction=1.0, shuffle=True, seed=5).with_columns(
+        pl.col("day").str.to_date()
+    ).write_parquet(path)
+    table = load_series(config(path, data={"id_columns": ["region", "shop"]}))
+    observed = table.frame.filter(~pl.col(FUTURE))
+    expected = (
+        frame.with_columns(pl.col("day").str.to_date())
+        .sort("region", "shop", "day")
+        .with_columns(pl.struct("region", "shop").rle_id().cast(pl.Int64).alias(SERIES))
+    )
+    assert observed.select(expected.columns).equals(expected)
+    assert table.frame[SERIES].is_sorted() and table.num_series == 9
+
+
 def test_short_series_are_skipped_and_listed(tmp_path):
     source = write_csv(tmp_path, daily("a", 30) + daily("tiny", 8))
     table = load_series(config(source))

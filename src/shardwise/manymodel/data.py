@@ -121,17 +121,18 @@ def _one_line(error: BaseException, limit: int = 300) -> str:
 def load_series(config: ManyModelsConfig) -> SeriesTable:
     """Read, check and prepare the series for features and backtesting.
 
-    The table is sorted by ids and time once; from then on a series is a run of rows with one
-    integer key (`SERIES`), and the per-series work groups and joins on that key rather than on
-    the id strings: hashing millions of strings is what made reading the driver's largest cost
-    in memory."""
+    Each row gets its series' number (`SERIES`, in id order) first, and the id columns are set
+    aside, one row per series, until the end: the sorting, filtering and checks in between move
+    and hash integers, not the id strings, which are most of a long table's bytes (the driver's
+    memory peaks here)."""
     raw, columns = read_table(config)
     _check_groups(config, columns)
     frame = _typed(raw, columns)
     del raw
     ids, ts, y = list(columns.ids), columns.timestamp, columns.target
-    frame = frame.sort([*ids, ts]).with_columns(run_numbers(ids).alias(SERIES))
-    _check_duplicates(frame, columns)
+    frame, names = _numbered(frame, ids)
+    frame = frame.sort(SERIES, ts)
+    _check_duplicates(frame, columns, names)
     # Rows before a series' first observation carry nothing; rows after its last observation are
     # the future (they may hold known covariates).
     observed = pl.col(y).is_not_null()
@@ -145,10 +146,12 @@ def load_series(config: ManyModelsConfig) -> SeriesTable:
     if frame.height == 0:
         raise ConfigError(f"the table has no rows with a value in '{y}'")
     freq = config.data.freq or infer_freq(frame, columns)
-    _check_regular(frame, columns, freq)
+    _check_regular(frame, columns, freq, names)
     season = config.data.season_length or _SEASONS.get(freq, 1)
-    frame, skipped = _drop_short(frame, columns, config, season)
+    frame, skipped = _drop_short(frame, columns, config, season, names)
     frame = _append_future(frame, planned, columns, freq, config.backtest.horizon)
+    del planned
+    frame = _with_ids(frame, names)  # and numbered 0 … n − 1 again, after the series dropped
     if config.hierarchy.levels:  # the sums of every level become series too
         from shardwise.manymodel.hierarchy import aggregate, check_levels
 
@@ -161,15 +164,39 @@ def load_series(config: ManyModelsConfig) -> SeriesTable:
         frame = aggregate(frame.drop(SERIES), columns, config.hierarchy.levels)
         # an aggregate series has nulls in the id columns it sums over
         frame = frame.with_columns(run_numbers(ids).alias(SERIES))
-    else:  # 0 … n − 1 again, after the series dropped
-        frame = frame.with_columns(pl.col(SERIES).rle_id().cast(pl.Int64))
     return SeriesTable(
         frame=frame.select(SERIES, *ids, ts, y, *columns.covariates, FUTURE),
         columns=columns,
         freq=freq,
         season_length=season,
-        skipped=skipped.drop(SERIES),
+        skipped=skipped,
     )
+
+
+def _numbered(frame: pl.DataFrame, ids: list[str]) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """`frame` with its series' numbers (`SERIES`: 0 … n − 1, in the ids' lexical order) instead
+    of its id columns, and those columns, one row per series, in a table whose row i is series
+    i. The ids are ranked as categoricals (lexical order, as strings sort): integer codes are a
+    quarter of the bytes of the strings, and ranking them is faster."""
+    frame = frame.with_columns(pl.col(ids).cast(pl.Categorical))  # the strings freed
+    frame = frame.with_columns((pl.struct(ids).rank("dense") - 1).cast(pl.Int64).alias(SERIES))
+    names = frame.group_by(SERIES).agg(pl.col(ids).first()).sort(SERIES)
+    return frame.drop(ids), names.with_columns(pl.col(ids).cast(pl.String))
+
+
+def _with_ids(frame: pl.DataFrame, names: pl.DataFrame) -> pl.DataFrame:
+    """`frame` (sorted by `SERIES`, some series dropped) numbered 0 … n − 1 again, with each
+    row's ids from `names` (`_numbered`'s table)."""
+    ids = names.drop(SERIES)
+    return frame.with_columns(
+        *(ids[c].gather(frame[SERIES]) for c in ids.columns),
+        pl.col(SERIES).rle_id().cast(pl.Int64),
+    )
+
+
+def _ids_of(names: pl.DataFrame, series: int) -> str:
+    """A series' ids as `store=n, item=3`, for messages."""
+    return ", ".join(f"{k}={v}" for k, v in names.row(series, named=True).items() if k != SERIES)
 
 
 def run_numbers(ids: list[str]) -> pl.Expr:
@@ -261,7 +288,7 @@ def _parsed_numbers(text: pl.Series) -> pl.Series:
     return parsed
 
 
-def _check_duplicates(frame: pl.DataFrame, columns: Columns) -> None:
+def _check_duplicates(frame: pl.DataFrame, columns: Columns, names: pl.DataFrame) -> None:
     """`frame` is sorted by series and time: a duplicate is a row equal to the one before."""
     ts = columns.timestamp
     repeated = (pl.col(SERIES) == pl.col(SERIES).shift(1)) & (pl.col(ts) == pl.col(ts).shift(1))
@@ -271,7 +298,7 @@ def _check_duplicates(frame: pl.DataFrame, columns: Columns) -> None:
     if runs.height:
         first = runs.row(0, named=True)
         rows = frame.filter((pl.col(SERIES) == first[SERIES]) & (pl.col(ts) == first[ts]))
-        where = ", ".join(f"{k}={rows[k][0]}" for k in [*columns.ids, ts])
+        where = f"{_ids_of(names, first[SERIES])}, {ts}={first[ts]}"
         raise ConfigError(
             f"{runs.height} (series, {ts}) pairs appear more than once, e.g. "
             f"{where} ({rows.height} rows); aggregate or deduplicate the table first"
@@ -302,26 +329,26 @@ def infer_freq(frame: pl.DataFrame, columns: Columns) -> str:
     return f"{seconds}s"
 
 
-def _check_regular(frame: pl.DataFrame, columns: Columns, freq: str) -> None:
-    ids, ts = list(columns.ids), columns.timestamp
+def _check_regular(frame: pl.DataFrame, columns: Columns, freq: str, names: pl.DataFrame) -> None:
+    ts = columns.timestamp
     expected = pl.col(ts).shift(1).dt.offset_by(freq).over(SERIES)
     bad = frame.filter(pl.col(ts).shift(1).over(SERIES).is_not_null() & (pl.col(ts) != expected))
     if bad.height:
         row = bad.row(0, named=True)
-        series = ", ".join(f"{k}={row[k]}" for k in ids)
         raise ConfigError(
-            f"{bad.height} rows do not follow the previous one by {freq}, e.g. series {series} "
-            f"at {row[ts]}; add the missing rows (empty target) or set data.freq"
+            f"{bad.height} rows do not follow the previous one by {freq}, e.g. series "
+            f"{_ids_of(names, row[SERIES])} at {row[ts]}; add the missing rows (empty target) or "
+            "set data.freq"
         )
 
 
 def _append_future(
     frame: pl.DataFrame, planned: pl.DataFrame, columns: Columns, freq: str, horizon: int
 ) -> pl.DataFrame:
-    ids, ts = list(columns.ids), columns.timestamp
-    last = frame.group_by(SERIES).agg(pl.col(ids).first(), pl.col(ts).max().alias("_last"))
+    ts = columns.timestamp
+    last = frame.group_by(SERIES).agg(pl.col(ts).max().alias("_last"))
     steps = [
-        last.select(SERIES, *ids, pl.col("_last").dt.offset_by(_times(freq, k)).alias(ts))
+        last.select(SERIES, pl.col("_last").dt.offset_by(_times(freq, k)).alias(ts))
         for k in range(1, horizon + 1)
     ]
     future = pl.concat(steps).with_columns(pl.lit(None, dtype=pl.Float64).alias(columns.target))
@@ -330,7 +357,7 @@ def _append_future(
             planned.select(SERIES, ts, *columns.covariates), on=[SERIES, ts], how="left"
         )
     else:
-        future = future.select(SERIES, *ids, ts, columns.target)
+        future = future.select(SERIES, ts, columns.target)
     future = future.with_columns(
         pl.col(ts).cast(frame.schema[ts]), pl.lit(True).alias(FUTURE)
     ).select(*frame.columns, FUTURE)
@@ -354,16 +381,18 @@ def required_observations(config: ManyModelsConfig, reach: int, season: int) -> 
 
 
 def _drop_short(
-    frame: pl.DataFrame, columns: Columns, config: ManyModelsConfig, season: int
+    frame: pl.DataFrame,
+    columns: Columns,
+    config: ManyModelsConfig,
+    season: int,
+    names: pl.DataFrame,
 ) -> tuple[pl.DataFrame, pl.DataFrame]:
     """Drop the series too short for the backtest, before any work that grows with the horizon,
-    the season or the lags: values too large for every series fail here, in one line."""
+    the season or the lags: values too large for every series fail here, in one line. The
+    series dropped, by their ids, with their number of observations and the reason."""
     from shardwise.manymodel.features import FeatureSpec
 
-    ids = list(columns.ids)
-    counts = frame.group_by(SERIES, maintain_order=True).agg(
-        pl.col(ids).first(), pl.len().alias("observations")
-    )
+    counts = frame.group_by(SERIES, maintain_order=True).agg(pl.len().alias("observations"))
     longest = int(counts["observations"].max())  # type: ignore[arg-type]
     if config.data.season_length > longest:
         raise ConfigError(
@@ -390,4 +419,5 @@ def _drop_short(
             f"{longest}; lower the longest lag or window, "
             "backtest.min_train, n_windows or horizon"
         )
-    return frame.filter(~pl.col(SERIES).is_in(short[SERIES].implode())), short
+    dropped = names.join(short, on=SERIES, maintain_order="left").drop(SERIES)
+    return frame.filter(~pl.col(SERIES).is_in(short[SERIES].implode())), dropped
