@@ -13,6 +13,7 @@ ratios are printed.
     python bench/many_models.py --series 1000 --repeats 1
     python bench/many_models.py --scale 2000,20000,100000  # ~40 minutes: cost per series by size
     python bench/many_models.py --scale 20000 --no-refit   # each model fitted once per series
+    python bench/many_models.py --scale 100000 --from-file # read from Parquet, as users' data is
 
 `--scale` runs the whole job (`shardwise.many_models`: generate, features, Ray tasks, chunk
 files, assembled outputs) once per size, each in a fresh driver process, and prints series/s,
@@ -262,6 +263,10 @@ from many_models import job
 from shardwise.manymodel.runner import run
 config = job("retail_synthetic", {series}, Path({run_dir!r}))
 config.backtest.refit = {refit!r}
+if {source!r}:  # the same series from a Parquet file, as a user's data would come
+    config.data.source, config.data.num_series = {source!r}, 0
+    config.data.id_columns, config.data.timestamp = ["store", "item"], "week"
+    config.data.target, config.data.covariates = "sales", ["promo"]
 began = time.perf_counter()
 summary = run(config)
 print(json.dumps({{
@@ -272,21 +277,47 @@ print(json.dumps({{
 """
 
 
-def bench_scale(sizes: list[int], scratch: Path, refit: bool = True) -> None:
-    """The whole job at each size in a fresh driver process: time and the driver's memory."""
+_WRITE_FILE = """
+import sys
+from pathlib import Path
+sys.path.insert(0, {bench!r})
+from many_models import job
+from shardwise.datasets import series
+config = job("retail_synthetic", {series}, Path("unused"))
+data = series.retail_synthetic(
+    {series}, config.data.periods, future=config.backtest.horizon, seed=config.job.seed
+)
+data.frame.write_parquet({source!r})
+"""
+
+
+def bench_scale(
+    sizes: list[int], scratch: Path, refit: bool = True, from_file: bool = False
+) -> None:
+    """The whole job at each size in a fresh driver process: time and the driver's memory.
+    `from_file`: the series are read from a Parquet file (written first, by another process)
+    rather than generated in the driver."""
     import json
 
     print(
-        f"\nscale: retail_synthetic, models {MODELS['names']}, backtest.refit = "
-        f"{str(refit).lower()}, one run per size"
+        f"\nscale: retail_synthetic{' from a Parquet file' if from_file else ''}, models "
+        f"{MODELS['names']}, backtest.refit = {str(refit).lower()}, one run per size"
     )
     rows = []
+    bench = str(Path(__file__).parent)
     for size in sizes:
+        source = str(scratch / f"retail-{size}.parquet") if from_file else ""
+        if source:
+            subprocess.run(
+                [sys.executable, "-c", _WRITE_FILE.format(bench=bench, series=size, source=source)],
+                check=True,
+            )
         code = _SCALE_RUN.format(
-            bench=str(Path(__file__).parent),
+            bench=bench,
             series=size,
             run_dir=str(scratch / f"scale-{size}"),
             refit=refit,
+            source=source,
         )
         out = subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, check=False
@@ -329,13 +360,18 @@ def main() -> None:
         action="store_true",
         help="with --scale: backtest.refit = false (each model fitted once per series)",
     )
+    parser.add_argument(
+        "--from-file",
+        action="store_true",
+        help="with --scale: read the series from a Parquet file, not generate them in the driver",
+    )
     args = parser.parse_args()
-    if args.no_refit and not args.scale:
-        parser.error("--no-refit applies to --scale runs only")
+    if (args.no_refit or args.from_file) and not args.scale:
+        parser.error("--no-refit and --from-file apply to --scale runs only")
     if args.scale:
         with tempfile.TemporaryDirectory(prefix="shardwise-bench-") as tmp:
             sizes = [int(n) for n in args.scale.split(",")]
-            bench_scale(sizes, Path(tmp), refit=not args.no_refit)
+            bench_scale(sizes, Path(tmp), refit=not args.no_refit, from_file=args.from_file)
         return
     if args.only is None:  # each part in its own process, with its own thread settings
         for part in ("features", "models"):
