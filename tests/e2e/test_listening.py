@@ -102,7 +102,7 @@ def test_many_models_with_local_ray_and_spark_listens_on_loopback_only(tmp_path)
             "--spark-master",
             "local[1]",
         ],
-        ready="features (spark)",
+        ready="features (spark",  # "(spark, from the driver's copy)" for a built-in source
         expect=5,  # at least Ray's GCS, the raylet's two servers, the driver and one worker
     )
     assert len(found) >= 5, found
