@@ -105,8 +105,10 @@ def write_features(
     if wanted and backend == "spark":
         from shardwise.manymodel.spark import spark_features
 
+        kind = frame.schema[columns.timestamp]  # the file's, when Spark reads the file
+        nanos = isinstance(kind, pl.Datetime) and kind.time_unit == "ns"
         readable, zone = _for_spark(frame, columns.timestamp)
-        spark_input, made_by = _spark_input(readable, columns, root, source)
+        spark_input, made_by = _spark_input(readable, columns, root, source, nanos=nanos)
         spark_features(
             spark_input, spec, columns, master=spark_master,
             out=root / "chunks", size=size, chunks=wanted, time_zone=zone,
@@ -128,7 +130,7 @@ def write_features(
 
 
 def _spark_input(
-    readable: pl.DataFrame, columns: Columns, root: Path, source: str | None
+    readable: pl.DataFrame, columns: Columns, root: Path, source: str | None, *, nanos: bool
 ) -> tuple[Path | SourceFile, str]:
     """What Spark reads the checked table from, and a phrase saying so: the user's file with the
     driver's two small tables beside it where `spark.source_file_problem` finds none, or else the
@@ -147,8 +149,6 @@ def _spark_input(
     )
     keys.write_parquet(root / "keys.parquet")
     readable.filter(pl.col(FUTURE)).write_parquet(root / "future.parquet")
-    kind = pl.read_parquet_schema(source)[ts]
-    nanos = isinstance(kind, pl.Datetime) and kind.time_unit == "ns"
     path = str(Path(source).resolve())
     return SourceFile(path, root / "keys.parquet", root / "future.parquet", nanos), (
         f"spark, read {source} itself"
