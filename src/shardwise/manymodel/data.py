@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import PurePosixPath
+from typing import Any
 
 import polars as pl
 
@@ -76,10 +77,12 @@ def read_table(config: ManyModelsConfig) -> tuple[pl.DataFrame, Columns]:
             "and data.target to its column names"
         )
     columns = Columns(tuple(data.id_columns), data.timestamp, data.target, tuple(data.covariates))
-    return _read_file(data.source), columns
+    return _read_file(data.source, columns), columns
 
 
-def _read_file(source: str) -> pl.DataFrame:
+def _read_file(source: str, columns: Columns) -> pl.DataFrame:
+    """The file's rows; of a Parquet file, only the job's columns, its ids as categoricals
+    (`_parquet_rows`)."""
     import fsspec
 
     suffix = PurePosixPath(source.split("?")[0]).suffix.lower()
@@ -93,7 +96,7 @@ def _read_file(source: str) -> pl.DataFrame:
             if suffix == ".csv":
                 frame = pl.read_csv(handle, try_parse_dates=True)
             else:
-                frame = pl.read_parquet(handle)
+                frame = _parquet_rows(handle, columns)
     except FileNotFoundError:
         raise ConfigError(f"data.source = '{source}' does not exist; check the path") from None
     except pl.exceptions.NoDataError:
@@ -109,6 +112,20 @@ def _read_file(source: str) -> pl.DataFrame:
             "and timestamp"
         )
     return frame
+
+
+def _parquet_rows(handle: Any, columns: Columns) -> pl.DataFrame:
+    """A Parquet file's rows of the job's columns (the others are not read), read in batches
+    that each turn their ids into categoricals: the id strings, most of the file's bytes once
+    decoded, are never all in memory at once."""
+    scan = pl.scan_parquet(handle)
+    _check_columns(scan.collect_schema().names(), columns)
+    wanted = (*columns.ids, columns.timestamp, columns.target, *columns.covariates)
+    return (
+        scan.select(list(dict.fromkeys(wanted)))
+        .with_columns(pl.col(columns.ids).cast(pl.String).cast(pl.Categorical))
+        .collect(engine="streaming")
+    )
 
 
 def _one_line(error: BaseException, limit: int = 300) -> str:
@@ -176,9 +193,8 @@ def load_series(config: ManyModelsConfig) -> SeriesTable:
 def _numbered(frame: pl.DataFrame, ids: list[str]) -> tuple[pl.DataFrame, pl.DataFrame]:
     """`frame` with its series' numbers (`SERIES`: 0 … n − 1, in the ids' lexical order) instead
     of its id columns, and those columns, one row per series, in a table whose row i is series
-    i. The ids are ranked as categoricals (lexical order, as strings sort): integer codes are a
-    quarter of the bytes of the strings, and ranking them is faster."""
-    frame = frame.with_columns(pl.col(ids).cast(pl.Categorical))  # the strings freed
+    i. The ids are ranked as the categoricals `_typed` leaves them (lexical order, as strings
+    sort): integer codes are a quarter of the bytes of the strings, and ranking them is faster."""
     frame = frame.with_columns((pl.struct(ids).rank("dense") - 1).cast(pl.Int64).alias(SERIES))
     names = frame.group_by(SERIES).agg(pl.col(ids).first()).sort(SERIES)
     return frame.drop(ids), names.with_columns(pl.col(ids).cast(pl.String))
@@ -238,8 +254,9 @@ def _typed(raw: pl.DataFrame, columns: Columns) -> pl.DataFrame:
             frame = frame.with_columns(_parsed_numbers(frame[name]))
         if not (frame.schema[name].is_numeric() or frame.schema[name] == pl.Null):
             raise ConfigError(f"column '{name}' is {frame.schema[name]}; it must be numeric")
+    text = [c for c in columns.ids if frame.schema[c] != pl.Categorical]
     frame = frame.with_columns(
-        pl.col(list(columns.ids)).cast(pl.String), pl.col(numbers).cast(pl.Float64)
+        pl.col(text).cast(pl.String).cast(pl.Categorical), pl.col(numbers).cast(pl.Float64)
     )
     for name in (*columns.ids, ts):
         _refuse_rows(frame, pl.col(name).is_null(), f"no value in column '{name}'", "fill or drop")
@@ -247,6 +264,18 @@ def _typed(raw: pl.DataFrame, columns: Columns) -> pl.DataFrame:
         infinite = f"an infinite value (inf or -inf) in column '{name}'"
         _refuse_rows(frame, pl.col(name).is_infinite(), infinite, "leave empty (missing) or drop")
     return frame.with_columns(pl.col(numbers).fill_nan(None))
+
+
+def _check_columns(names: list[str], columns: Columns) -> None:
+    """Every column the job names is among the table's `names`."""
+    wanted = [*columns.ids, columns.timestamp, columns.target, *columns.covariates]
+    missing = [c for c in wanted if c not in names]
+    if missing:
+        raise ConfigError(
+            f"the table has no column{'s' if len(missing) > 1 else ''} "
+            f"{', '.join(repr(c) for c in missing)}; its columns are {', '.join(names)} "
+            "(set data.id_columns, data.timestamp, data.target, data.covariates)"
+        )
 
 
 def _refuse_rows(frame: pl.DataFrame, bad: pl.Expr, what: str, fix: str) -> None:
