@@ -31,7 +31,7 @@ from shardwise.manymodel.hierarchy import FROM_ERRORS, incoherence, reconcile
 def reconcile_run(
     config: ManyModelsConfig, table: SeriesTable, chosen: pl.DataFrame, console: Console
 ) -> None:
-    """Reconcile the run's `chosen` forecasts (runner.chosen_forecasts), with the same models'
+    """Reconcile the run's `chosen` forecasts (outputs.chosen_forecasts), with the same models'
     backtest forecasts where a method needs them, and score every method on the backtest."""
     rows = chosen_backtest(config, table, chosen)
     weighted = bool(FROM_ERRORS & set(config.hierarchy.methods))
