@@ -1,13 +1,17 @@
 """The run's output tables, assembled from the finished chunks' files (`<run_dir>/chunks/`):
 the metrics, choices and failures, returned for the summary; the forecast tables (every model's,
-the chosen strategy's, every window's) streamed to their files; and the chosen forecasts read
-back for what needs them (reconciliation, plots)."""
+the chosen strategy's, every window's) written a chunk at a time, so the driver's memory does
+not grow with them; and the chosen forecasts read back for what needs them (reconciliation,
+plots)."""
 
 from __future__ import annotations
 
+import itertools
+import os
 from pathlib import Path
 
 import polars as pl
+import pyarrow.parquet as pq
 
 from shardwise.config import ConfigError
 from shardwise.manymodel.config import ManyModelsConfig
@@ -16,47 +20,32 @@ from shardwise.manymodel.selection import Selection, forecasts, select
 
 TABLES = ("metrics", "choices", "forecasts", "failures", "backtest")
 """The tables every chunk writes (`runner._write_chunk`)."""
+_PART_SERIES = 2000
+"""Series whose forecast tables are assembled and written together (whole chunks, at least
+one): few enough to bound the driver's memory, enough that the parts' overhead stays small."""
 
 
 def assemble(
-    config: ManyModelsConfig, table: SeriesTable, n_chunks: int
+    config: ManyModelsConfig, table: SeriesTable, n_chunks: int, chunk_size: int
 ) -> tuple[dict[str, pl.DataFrame], Selection]:
-    """Combine the chunks into the run's output tables, with the series' id columns; the
-    forecasts are those of the strategy `select` picks (every model's are kept too). The
-    forecasts, the largest tables, are streamed from the chunk files to the output files
-    without being held in memory; the metrics, choices and failures are returned."""
+    """Combine the chunks (`chunk_size` series each, in series order) into the run's output
+    tables, with the series' id columns; the forecasts are those of the strategy `select` picks
+    (every model's are kept too). The metrics, choices and failures are returned; the forecast
+    tables, the largest, are written chunk by chunk (`_write_forecasts`)."""
     run_dir = config.run_dir
-    ids = table.frame.select(SERIES, *table.columns.ids).unique(SERIES).sort(SERIES)
+    ids = series_ids(table)
     paths = {name: chunk_files(run_dir, name, n_chunks) for name in TABLES}
     outputs = {
         name: ids.join(pl.read_parquet(paths[name]), on=SERIES, how="inner")
         for name in ("metrics", "choices", "failures")
     }
-    future = table.frame.filter(pl.col(FUTURE)).select(
-        SERIES, table.columns.timestamp, (pl.int_range(pl.len()).over(SERIES) + 1).alias("step")
-    )
-    rows = pl.scan_parquet(paths["forecasts"])
-    bounds = [c for c in rows.collect_schema().names() if c.startswith(("lo_", "hi_"))]
-    keys = [SERIES, *table.columns.ids, table.columns.timestamp, "step", "model"]
-    by_model = (
-        ids.lazy()
-        .join(rows, on=SERIES, how="inner")
-        .join(future.lazy(), on=[SERIES, "step"], how="left")
-        .select(*keys, "forecast", *bounds)
-        .sort(SERIES, "model", "step")
-    )
     selection = select(
         outputs["metrics"],
         n_windows=config.backtest.n_windows,
         metric=config.backtest.metric,
         requested=config.backtest.selection,
     )
-    chosen = forecasts(by_model, outputs["choices"].lazy(), selection)
-    by_model.drop(SERIES).sink_parquet(run_dir / "forecasts_by_model.parquet")
-    chosen.drop(SERIES).sink_parquet(run_dir / "forecasts.parquet")
-    _backtest_forecasts(table, ids, paths["backtest"]).drop(SERIES).sink_parquet(
-        run_dir / "backtest_forecasts.parquet"
-    )
+    _write_forecasts(run_dir, table, (ids, outputs["choices"]), selection, paths, chunk_size)
     files = {"metrics": "backtest_metrics", "choices": "best_models", "failures": "failures"}
     for name, filename in files.items():
         outputs[name].drop(SERIES).write_parquet(run_dir / f"{filename}.parquet")
@@ -64,20 +53,123 @@ def assemble(
     return outputs, selection
 
 
-def _backtest_forecasts(table: SeriesTable, ids: pl.DataFrame, paths: list[Path]) -> pl.LazyFrame:
-    """Every window's forecasts (the chunks' `backtest` tables) with the series' ids, each
-    step's timestamp and actual value, in series, model, window and step order."""
+def series_ids(table: SeriesTable) -> pl.DataFrame:
+    """One row per series, its number and ids; row i is series i (the table is in series
+    order: the first row of each)."""
+    first = (pl.col(SERIES) != pl.col(SERIES).shift(1)).fill_null(True)
+    return table.frame.select(SERIES, *table.columns.ids).filter(first)
+
+
+def _write_forecasts(
+    run_dir: Path,
+    table: SeriesTable,
+    series: tuple[pl.DataFrame, pl.DataFrame],
+    selection: Selection,
+    paths: dict[str, list[Path]],
+    chunk_size: int,
+) -> None:
+    """`forecasts_by_model.parquet` (every model's), `forecasts.parquet` (the chosen strategy's)
+    and `backtest_forecasts.parquet` (every window's), in series order, written a few chunks at
+    a time (`_PART_SERIES`): the driver holds those chunks' results and their rows of the table
+    (a slice: the table is in series order), never every chunk's."""
+    ids, choices = series
+    n_chunks = len(paths["forecasts"])
+    per_part = max(1, _PART_SERIES // chunk_size)  # chunks
+    size = per_part * chunk_size  # series
+    starts = pl.Series([i * size for i in range(-(-n_chunks // per_part) + 1)])
+    edges = table.frame.get_column(SERIES).search_sorted(starts, side="left").to_list()
+    chosen = choices.select(SERIES, "model")
+    chosen_of = chosen.with_columns((pl.col(SERIES) // size).alias("_part")).partition_by(
+        "_part", as_dict=True, include_key=False
+    )
+    names = ("forecasts_by_model", "forecasts", "backtest_forecasts")
+    with _Appended({name: run_dir / f"{name}.parquet" for name in names}) as out:
+        for i, (start, stop) in enumerate(itertools.pairwise(edges)):
+            chunks = range(i * per_part, min((i + 1) * per_part, n_chunks))
+            tables = _part_forecasts(
+                table,
+                table.frame.slice(start, stop - start).lazy(),
+                ids.slice(i * size, size).lazy(),
+                chosen_of.get((i,), chosen.clear()).lazy(),
+                ([paths["forecasts"][c] for c in chunks], [paths["backtest"][c] for c in chunks]),
+                selection,
+            )
+            for name, frame in zip(names, tables, strict=True):
+                out.write(name, frame)
+
+
+def _part_forecasts(
+    table: SeriesTable,
+    rows: pl.LazyFrame,
+    ids: pl.LazyFrame,
+    choices: pl.LazyFrame,
+    files: tuple[list[Path], list[Path]],
+    selection: Selection,
+) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
+    """A few chunks' forecast tables (`_write_forecasts`) from their `forecasts` and `backtest`
+    files, their `rows` of the table, their series' `ids` and `choices`: every model's forecasts
+    with each step's timestamp, the chosen strategy's, and every window's with each step's
+    timestamp and actual value."""
     ts, y = table.columns.timestamp, table.columns.target
-    observed = table.frame.lazy().filter(~pl.col(FUTURE)).select(SERIES, ts, y)
-    observed = observed.with_columns(pl.int_range(pl.len()).over(SERIES).alias("_row"))
-    return (
-        pl.scan_parquet(paths)
+    made = pl.scan_parquet(files[0])
+    bounds = [c for c in made.collect_schema().names() if c.startswith(("lo_", "hi_"))]
+    future = rows.filter(pl.col(FUTURE)).select(
+        SERIES, ts, (pl.int_range(pl.len()).over(SERIES) + 1).alias("step")
+    )
+    by_model = (
+        ids.join(made, on=SERIES, how="inner")
+        .join(future, on=[SERIES, "step"], how="left")
+        .select(SERIES, *table.columns.ids, ts, "step", "model", "forecast", *bounds)
+        .sort(SERIES, "model", "step")
+        .collect()
+    )
+    chosen = forecasts(by_model.lazy(), choices, selection).collect()
+    observed = rows.filter(~pl.col(FUTURE)).select(
+        SERIES, ts, y, pl.int_range(pl.len()).over(SERIES).alias("_row")
+    )
+    windows = (
+        pl.scan_parquet(files[1])
         .with_columns((pl.col("origin") + pl.col("step") - 1).alias("_row"))  # the row forecast
         .join(observed, on=[SERIES, "_row"], how="left")
-        .join(ids.lazy(), on=SERIES)
-        .select(SERIES, *table.columns.ids, ts, "model", "window", "step", "forecast", y)
+        .join(ids, on=SERIES)
         .sort(SERIES, "model", "window", "step")
+        .select(*table.columns.ids, ts, "model", "window", "step", "forecast", y)
+        .collect()
     )
+    return by_model.drop(SERIES), chosen.drop(SERIES), windows
+
+
+class _Appended:
+    """Parquet files written a part at a time (a row group per part), each under a temporary
+    name until every part is in, then renamed into place: an output file is complete or absent
+    (the one an earlier run left stays until then)."""
+
+    def __init__(self, paths: dict[str, Path]) -> None:
+        self._paths = paths
+        self._partial = {
+            name: path.with_name(f"{path.name}.partial") for name, path in paths.items()
+        }
+        self._writers: dict[str, pq.ParquetWriter] = {}
+
+    def __enter__(self) -> _Appended:
+        return self
+
+    def write(self, name: str, frame: pl.DataFrame) -> None:
+        part = frame.to_arrow()
+        if name not in self._writers:
+            self._writers[name] = pq.ParquetWriter(
+                self._partial[name], part.schema, compression="zstd"
+            )
+        self._writers[name].write_table(part)
+
+    def __exit__(self, kind: object, error: object, trace: object) -> None:
+        for writer in self._writers.values():
+            writer.close()
+        for name, partial in self._partial.items():
+            if kind is None:
+                os.replace(partial, self._paths[name])
+            else:
+                partial.unlink(missing_ok=True)
 
 
 def chunk_files(run_dir: Path, name: str, n_chunks: int) -> list[Path]:
@@ -97,6 +189,6 @@ def chunk_files(run_dir: Path, name: str, n_chunks: int) -> list[Path]:
 
 def chosen_forecasts(run_dir: Path, table: SeriesTable) -> pl.DataFrame:
     """`forecasts.parquet` (the chosen strategy's) read back, with each series' number."""
-    ids = table.frame.select(SERIES, *table.columns.ids).unique(SERIES)
+    ids = series_ids(table)
     chosen = pl.read_parquet(run_dir / "forecasts.parquet")
     return ids.join(chosen, on=list(table.columns.ids), nulls_equal=True).sort(SERIES, "step")

@@ -4,8 +4,9 @@ every series in chunks on Ray, persisting each chunk's results as it finishes.
 Main flow (`run`): `load_series` → `feature_files.write_features` (chunks of whole series, on disk
 in `<run_dir>/features/`) → one task per chunk (`backtest.run_chunk`, fractional CPUs/GPUs, retried
 when its worker dies), each chunk read and put in Ray's object store as Arrow when it is submitted →
-each finished chunk written atomically to `<run_dir>/chunks/` → output tables streamed from them,
-MLflow run, summary. `--resume` reuses the chunks already written and runs only the rest.
+each finished chunk written atomically to `<run_dir>/chunks/` → output tables from them, a chunk
+at a time (`outputs.assemble`) → MLflow run, summary. `--resume` reuses the chunks already written
+and runs only the rest.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def run(
         if started_ray:
             ray.shutdown()
         shutil.rmtree(run_dir / "features", ignore_errors=True)  # scratch: big, and redone
-    outputs, selection = assemble(config, table, n_chunks)
+    outputs, selection = assemble(config, table, n_chunks, chunk_size)
     # the chosen forecasts were streamed to their file: read back once, for what needs them
     wanted = bool(config.hierarchy.levels) or config.tracking.plots
     chosen = chosen_forecasts(run_dir, table) if wanted else None
