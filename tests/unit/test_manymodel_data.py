@@ -189,6 +189,22 @@ def test_text_target_is_rejected(tmp_path):
             {"models": {"args": {"lightgmb": {}}}},
             "models.args.lightgmb names no model; did you mean 'lightgbm'",
         ),
+        (
+            {"data": {"covariates": ["units"]}},
+            "data.covariates names 'units', which is data.target; a column has one role",
+        ),
+        (
+            {"data": {"covariates": ["shop"]}},
+            "data.covariates names 'shop', which is one of data.id_columns; a column has one role",
+        ),
+        (
+            {"data": {"covariates": ["promo", "promo"]}},
+            "data.covariates names 'promo' twice; name each column once",
+        ),
+        (
+            {"data": {"id_columns": ["shop", "day"]}},
+            "data.id_columns names 'day', which is data.timestamp; a column has one role",
+        ),
     ],
 )
 def test_config_checks(tmp_path, sections, message):

@@ -274,11 +274,30 @@ def check(config: ManyModelsConfig) -> None:
         )
     if config.data.source == "retail_synthetic":
         _check_synthetic(config)
+    _check_roles(config.data)
     _check_models(config)
     if config.hierarchy.levels and not config.hierarchy.methods:
         raise ConfigError(
             f"hierarchy.methods is empty; name a reconciler: {', '.join(get_args(Reconciler))}"
         )
+
+
+def _check_roles(data: DataSection) -> None:
+    """Each column has one role: the same name twice would be one column read twice."""
+    if data.target and data.target == data.timestamp:
+        raise ConfigError(
+            f"data.target names '{data.target}', which is data.timestamp; a column has one role"
+        )
+    earlier = {data.timestamp: "data.timestamp", data.target: "data.target"}
+    for key, names in (("id_columns", data.id_columns), ("covariates", data.covariates)):
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise ConfigError(f"data.{key} names '{name}' twice; name each column once")
+            if name in earlier:
+                raise ConfigError(
+                    f"data.{key} names '{name}', which is {earlier[name]}; a column has one role"
+                )
+        earlier.update(dict.fromkeys(names, "one of data.id_columns"))
 
 
 def _check_models(config: ManyModelsConfig) -> None:
