@@ -34,6 +34,11 @@ class Columns:
     target: str
     covariates: tuple[str, ...]
 
+    @property
+    def named(self) -> list[str]:
+        """Every column the job names, once each, in this order."""
+        return list(dict.fromkeys((*self.ids, self.timestamp, self.target, *self.covariates)))
+
 
 @dataclass
 class SeriesTable:
@@ -120,9 +125,8 @@ def _parquet_rows(handle: Any, columns: Columns) -> pl.DataFrame:
     decoded, are never all in memory at once."""
     scan = pl.scan_parquet(handle)
     _check_columns(scan.collect_schema().names(), columns)
-    wanted = (*columns.ids, columns.timestamp, columns.target, *columns.covariates)
     return (
-        scan.select(list(dict.fromkeys(wanted)))
+        scan.select(columns.named)
         .with_columns(pl.col(columns.ids).cast(pl.String).cast(pl.Categorical))
         .collect(engine="streaming")
     )
@@ -234,16 +238,9 @@ def _check_groups(config: ManyModelsConfig, columns: Columns) -> None:
 
 
 def _typed(raw: pl.DataFrame, columns: Columns) -> pl.DataFrame:
-    wanted = [*columns.ids, columns.timestamp, columns.target, *columns.covariates]
-    missing = [c for c in wanted if c not in raw.columns]
-    if missing:
-        raise ConfigError(
-            f"the table has no column{'s' if len(missing) > 1 else ''} "
-            f"{', '.join(repr(c) for c in missing)}; its columns are {', '.join(raw.columns)} "
-            "(set data.id_columns, data.timestamp, data.target, data.covariates)"
-        )
+    _check_columns(raw.columns, columns)
     ts = columns.timestamp
-    frame = raw.select(wanted)
+    frame = raw.select(columns.named)
     if frame.schema[ts] == pl.String:
         frame = frame.with_columns(_parsed_times(frame[ts]))
     if not frame.schema[ts].is_temporal():
@@ -268,8 +265,7 @@ def _typed(raw: pl.DataFrame, columns: Columns) -> pl.DataFrame:
 
 def _check_columns(names: list[str], columns: Columns) -> None:
     """Every column the job names is among the table's `names`."""
-    wanted = [*columns.ids, columns.timestamp, columns.target, *columns.covariates]
-    missing = [c for c in wanted if c not in names]
+    missing = [c for c in columns.named if c not in names]
     if missing:
         raise ConfigError(
             f"the table has no column{'s' if len(missing) > 1 else ''} "
