@@ -1,4 +1,4 @@
-"""The run's output tables, assembled from the chunks' files a chunk at a time."""
+"""The run's output tables, assembled from the chunks' files a few chunks at a time."""
 
 from __future__ import annotations
 

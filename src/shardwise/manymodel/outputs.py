@@ -1,7 +1,7 @@
 """The run's output tables, assembled from the finished chunks' files (`<run_dir>/chunks/`):
 the metrics, choices and failures, returned for the summary; the forecast tables (every model's,
-the chosen strategy's, every window's) written a chunk at a time, so the driver's memory does
-not grow with them; and the chosen forecasts read back for what needs them (reconciliation,
+the chosen strategy's, every window's) written a few chunks at a time, so the driver's memory
+does not grow with them; and the chosen forecasts read back for what needs them (reconciliation,
 plots)."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def assemble(
     """Combine the chunks (`chunk_size` series each, in series order) into the run's output
     tables, with the series' id columns; the forecasts are those of the strategy `select` picks
     (every model's are kept too). The metrics, choices and failures are returned; the forecast
-    tables, the largest, are written chunk by chunk (`_write_forecasts`)."""
+    tables, the largest, are written a few chunks at a time (`_write_forecasts`)."""
     run_dir = config.run_dir
     ids = series_ids(table)
     paths = {name: chunk_files(run_dir, name, n_chunks) for name in TABLES}
