@@ -10,6 +10,7 @@ them; series too short for the backtest are dropped and listed, not fatal.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
@@ -52,6 +53,12 @@ class SeriesTable:
     @property
     def num_series(self) -> int:
         return int(self.frame[SERIES].n_unique()) if self.frame.height else 0
+
+    def series_ids(self) -> pl.DataFrame:
+        """One row per series, its number and ids; row i is series i (the frame is in series
+        order: the first row of each)."""
+        first = (pl.col(SERIES) != pl.col(SERIES).shift(1)).fill_null(True)
+        return self.frame.select(SERIES, *self.columns.ids).filter(first)
 
 
 def read_table(config: ManyModelsConfig) -> tuple[pl.DataFrame, Columns]:
@@ -127,7 +134,7 @@ def _parquet_rows(handle: Any, columns: Columns) -> pl.DataFrame:
     _check_columns(scan.collect_schema().names(), columns)
     return (
         scan.select(columns.named)
-        .with_columns(pl.col(columns.ids).cast(pl.String).cast(pl.Categorical))
+        .with_columns(_categories(columns.ids))
         .collect(engine="streaming")
     )
 
@@ -252,15 +259,18 @@ def _typed(raw: pl.DataFrame, columns: Columns) -> pl.DataFrame:
         if not (frame.schema[name].is_numeric() or frame.schema[name] == pl.Null):
             raise ConfigError(f"column '{name}' is {frame.schema[name]}; it must be numeric")
     text = [c for c in columns.ids if frame.schema[c] != pl.Categorical]
-    frame = frame.with_columns(
-        pl.col(text).cast(pl.String).cast(pl.Categorical), pl.col(numbers).cast(pl.Float64)
-    )
+    frame = frame.with_columns(_categories(text), pl.col(numbers).cast(pl.Float64))
     for name in (*columns.ids, ts):
         _refuse_rows(frame, pl.col(name).is_null(), f"no value in column '{name}'", "fill or drop")
     for name in numbers:
         infinite = f"an infinite value (inf or -inf) in column '{name}'"
         _refuse_rows(frame, pl.col(name).is_infinite(), infinite, "leave empty (missing) or drop")
     return frame.with_columns(pl.col(numbers).fill_nan(None))
+
+
+def _categories(ids: Sequence[str]) -> pl.Expr:
+    """Id columns as categoricals of their text (integer ids too: `10` sorts before `9`)."""
+    return pl.col(ids).cast(pl.String).cast(pl.Categorical)
 
 
 def _check_columns(names: list[str], columns: Columns) -> None:

@@ -33,7 +33,7 @@ def assemble(
     (every model's are kept too). The metrics, choices and failures are returned; the forecast
     tables, the largest, are written a few chunks at a time (`_write_forecasts`)."""
     run_dir = config.run_dir
-    ids = series_ids(table)
+    ids = table.series_ids()
     paths = {name: chunk_files(run_dir, name, n_chunks) for name in TABLES}
     outputs = {
         name: ids.join(pl.read_parquet(paths[name]), on=SERIES, how="inner")
@@ -51,13 +51,6 @@ def assemble(
         outputs[name].drop(SERIES).write_parquet(run_dir / f"{filename}.parquet")
     table.skipped.write_parquet(run_dir / "skipped.parquet")
     return outputs, selection
-
-
-def series_ids(table: SeriesTable) -> pl.DataFrame:
-    """One row per series, its number and ids; row i is series i (the table is in series
-    order: the first row of each)."""
-    first = (pl.col(SERIES) != pl.col(SERIES).shift(1)).fill_null(True)
-    return table.frame.select(SERIES, *table.columns.ids).filter(first)
 
 
 def _write_forecasts(
@@ -82,6 +75,8 @@ def _write_forecasts(
     chosen_of = chosen.with_columns((pl.col(SERIES) // size).alias("_part")).partition_by(
         "_part", as_dict=True, include_key=False
     )
+    schema = pl.read_parquet_schema(paths["forecasts"][0])  # every chunk's has the same columns
+    bounds = [c for c in schema if c.startswith(("lo_", "hi_"))]
     names = ("forecasts_by_model", "forecasts", "backtest_forecasts")
     with _Appended({name: run_dir / f"{name}.parquet" for name in names}) as out:
         for i, (start, stop) in enumerate(itertools.pairwise(edges)):
@@ -92,7 +87,7 @@ def _write_forecasts(
                 ids.slice(i * size, size).lazy(),
                 chosen_of.get((i,), chosen.clear()).lazy(),
                 ([paths["forecasts"][c] for c in chunks], [paths["backtest"][c] for c in chunks]),
-                selection,
+                (selection, bounds),
             )
             for name, frame in zip(names, tables, strict=True):
                 out.write(name, frame)
@@ -104,20 +99,19 @@ def _part_forecasts(
     ids: pl.LazyFrame,
     choices: pl.LazyFrame,
     files: tuple[list[Path], list[Path]],
-    selection: Selection,
+    chosen_by: tuple[Selection, list[str]],
 ) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
     """A few chunks' forecast tables (`_write_forecasts`) from their `forecasts` and `backtest`
     files, their `rows` of the table, their series' `ids` and `choices`: every model's forecasts
     with each step's timestamp, the chosen strategy's, and every window's with each step's
-    timestamp and actual value."""
+    timestamp and actual value; `chosen_by`: the strategy, and the interval columns."""
     ts, y = table.columns.timestamp, table.columns.target
-    made = pl.scan_parquet(files[0])
-    bounds = [c for c in made.collect_schema().names() if c.startswith(("lo_", "hi_"))]
+    selection, bounds = chosen_by
     future = rows.filter(pl.col(FUTURE)).select(
         SERIES, ts, (pl.int_range(pl.len()).over(SERIES) + 1).alias("step")
     )
     by_model = (
-        ids.join(made, on=SERIES, how="inner")
+        ids.join(pl.scan_parquet(files[0]), on=SERIES, how="inner")
         .join(future, on=[SERIES, "step"], how="left")
         .select(SERIES, *table.columns.ids, ts, "step", "model", "forecast", *bounds)
         .sort(SERIES, "model", "step")
@@ -189,6 +183,6 @@ def chunk_files(run_dir: Path, name: str, n_chunks: int) -> list[Path]:
 
 def chosen_forecasts(run_dir: Path, table: SeriesTable) -> pl.DataFrame:
     """`forecasts.parquet` (the chosen strategy's) read back, with each series' number."""
-    ids = series_ids(table)
+    ids = table.series_ids()
     chosen = pl.read_parquet(run_dir / "forecasts.parquet")
     return ids.join(chosen, on=list(table.columns.ids), nulls_equal=True).sort(SERIES, "step")

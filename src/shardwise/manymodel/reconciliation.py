@@ -45,7 +45,7 @@ def chosen_backtest(
 ) -> pl.DataFrame:
     """The backtest windows' forecasts of the model (or ensemble) each series' `chosen`
     forecasts come from: each series' number, window, timestamp, forecast and actual value."""
-    ids = table.frame.select(SERIES, *table.columns.ids).unique(SERIES)
+    ids = table.series_ids()
     rows = pl.scan_parquet(config.run_dir / "backtest_forecasts.parquet")
     numbered = ids.lazy().join(rows, on=list(table.columns.ids), nulls_equal=True)
     used = chosen.lazy().select(SERIES, "model").unique()

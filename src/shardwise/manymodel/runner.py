@@ -4,9 +4,9 @@ every series in chunks on Ray, persisting each chunk's results as it finishes.
 Main flow (`run`): `load_series` → `feature_files.write_features` (chunks of whole series, on disk
 in `<run_dir>/features/`) → one task per chunk (`backtest.run_chunk`, fractional CPUs/GPUs, retried
 when its worker dies), each chunk read and put in Ray's object store as Arrow when it is submitted →
-each finished chunk written atomically to `<run_dir>/chunks/` → output tables from them, a chunk
-at a time (`outputs.assemble`) → MLflow run, summary. `--resume` reuses the chunks already written
-and runs only the rest.
+each finished chunk written atomically to `<run_dir>/chunks/` → output tables from them, a few
+chunks at a time (`outputs.assemble`) → MLflow run, summary. `--resume` reuses the chunks already
+written and runs only the rest.
 """
 
 from __future__ import annotations
