@@ -181,7 +181,7 @@ def load_series(config: ManyModelsConfig) -> SeriesTable:
     del planned
     frame = _with_ids(frame, names)  # and numbered 0 … n − 1 again, after the series dropped
     if config.hierarchy.levels:  # the sums of every level become series too
-        from shardwise.manymodel.hierarchy import aggregate, check_levels
+        from shardwise.manymodel.hierarchy import aggregate, check_levels, check_methods
 
         check_levels(config.hierarchy.levels, columns)
         if config.features.group_by:
@@ -192,6 +192,7 @@ def load_series(config: ManyModelsConfig) -> SeriesTable:
         frame = aggregate(frame.drop(SERIES), columns, config.hierarchy.levels)
         # an aggregate series has nulls in the id columns it sums over
         frame = frame.with_columns(run_numbers(ids).alias(SERIES))
+        check_methods(config.hierarchy.methods, frame[SERIES].n_unique())
     return SeriesTable(
         frame=frame.select(SERIES, *ids, ts, y, *columns.covariates, FUTURE),
         columns=columns,
