@@ -129,8 +129,10 @@ def reconcile(
 
     ids, ts, y = list(columns.ids), columns.timestamp, columns.target
     names = unique_ids(history.select(SERIES, *ids).unique(SERIES), ids, levels)
-    bottom = history.drop_nulls(ids).select(
-        pl.lit(TOTAL).alias(_TOTAL_COLUMN), *ids, pl.col(ts).alias("ds"), pl.col(y).alias("y")
+    # the summing matrix and the levels' tags depend on the ids alone: one row per bottom series
+    # (hierarchicalforecast's sums of the history, which `aggregate` also makes, are not used)
+    bottom = names.drop_nulls(ids).select(
+        pl.lit(TOTAL).alias(_TOTAL_COLUMN), *ids, pl.lit(0).alias("ds"), pl.lit(0.0).alias("y")
     )
     spec = [[_TOTAL_COLUMN, *level] for level in [[], *levels, ids]]
     sparse = names.height > DENSE_UP_TO
