@@ -14,6 +14,25 @@ from shardwise.manymodel.data import FUTURE, SERIES, Columns, load_series
 from shardwise.manymodel.hierarchy import incoherence, reconcile
 
 
+def incoherent_forecasts(
+    tmp_path, seed: int = 5
+) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, Columns]:
+    """The shops' hierarchy: its history, every series' forecasts of the six months after it
+    (each made on its own, so they do not add up) and backtest forecasts of its last year."""
+    table = load_series(hierarchical_job(tmp_path))
+    history = table.frame.filter(~pl.col(FUTURE))
+    future = table.frame.filter(pl.col(FUTURE)).select(SERIES, *table.columns.ids, "month")
+    rng = np.random.default_rng(seed)
+    last = history.group_by(SERIES).agg(pl.col("units").last().alias("last"))
+    forecasts = future.join(last, on=SERIES).with_columns(
+        (pl.col("last") * pl.Series(rng.uniform(0.8, 1.2, future.height))).alias("forecast")
+    )
+    recent = history.filter(pl.col("month") > history["month"].max() - pl.duration(days=365))
+    noise = pl.Series(rng.normal(0, 2, recent.height))
+    past = recent.select(SERIES, "month", (pl.col("units") + noise).alias("forecast"))
+    return history, forecasts, past, table.columns
+
+
 def test_every_level_is_the_sum_of_the_series_below_it(tmp_path):
     table = load_series(hierarchical_job(tmp_path))
     # 6 shops, 4 regions, 2 states, the total
@@ -30,20 +49,13 @@ def test_every_level_is_the_sum_of_the_series_below_it(tmp_path):
 
 
 def test_every_reconciler_makes_incoherent_forecasts_add_up(tmp_path):
-    table = load_series(hierarchical_job(tmp_path))
-    history = table.frame.filter(~pl.col(FUTURE))
-    future = table.frame.filter(pl.col(FUTURE)).select(SERIES, *table.columns.ids, "month")
-    rng = np.random.default_rng(2)
-    last = history.group_by(SERIES).agg(pl.col("units").last().alias("last"))
-    forecasts = future.join(last, on=SERIES).with_columns(  # each series forecast on its own
-        (pl.col("last") * pl.Series(rng.uniform(0.8, 1.2, future.height))).alias("forecast")
-    )
+    history, forecasts, _, columns = incoherent_forecasts(tmp_path, seed=2)
     methods = ["bottom_up", "top_down", "mint_ols", "mint_wls_struct"]
-    reconciled = reconcile(forecasts, history, table.columns, LEVELS, methods)
+    reconciled = reconcile(forecasts, history, columns, LEVELS, methods)
     assert reconciled.height == 13 * 6
-    assert incoherence(reconciled, "base", table.columns, LEVELS) > 1e-3
+    assert incoherence(reconciled, "base", columns, LEVELS) > 1e-3
     for method in methods:
-        assert incoherence(reconciled, method, table.columns, LEVELS) < 1e-9, method
+        assert incoherence(reconciled, method, columns, LEVELS) < 1e-9, method
     shops = reconciled.drop_nulls("shop")
     np.testing.assert_allclose(shops["bottom_up"], shops["base"], rtol=1e-12)
     top = reconciled.filter(pl.col("state").is_null())
@@ -82,28 +94,22 @@ def test_error_weighted_mint_moves_the_series_forecast_worst_before(tmp_path):
     """mint_wls_var and mint_shrink weigh each series by its errors on the backtest windows
     (`past`): a shop forecast almost exactly there keeps its forecast, one forecast badly takes
     most of the correction. Both add up; without `past` they cannot run."""
-    table = load_series(hierarchical_job(tmp_path))
-    history = table.frame.filter(~pl.col(FUTURE))
-    future = table.frame.filter(pl.col(FUTURE)).select(SERIES, *table.columns.ids, "month")
+    history, forecasts, _, columns = incoherent_forecasts(tmp_path, seed=3)
     rng = np.random.default_rng(3)
-    last = history.group_by(SERIES).agg(pl.col("units").last().alias("last"))
-    forecasts = future.join(last, on=SERIES).with_columns(
-        (pl.col("last") * pl.Series(rng.uniform(0.8, 1.2, future.height))).alias("forecast")
-    )
     recent = history.filter(pl.col("month") > history["month"].max() - pl.duration(days=365))
     noise = pl.when(pl.col("shop") == "s1").then(0.01).when(pl.col("shop") == "s2").then(10.0)
     error = noise.otherwise(1.0) * pl.Series(rng.normal(0, 1, recent.height))
     past = recent.select(SERIES, "month", (pl.col("units") + error).alias("forecast"))
     methods = ["mint_wls_var", "mint_shrink"]
-    reconciled = reconcile(forecasts, history, table.columns, LEVELS, methods, past)
+    reconciled = reconcile(forecasts, history, columns, LEVELS, methods, past)
     for method in methods:
-        assert incoherence(reconciled, method, table.columns, LEVELS) < 1e-9, method
+        assert incoherence(reconciled, method, columns, LEVELS) < 1e-9, method
         moved = reconciled.with_columns((pl.col(method) - pl.col("base")).abs().alias("moved"))
         s1 = moved.filter(pl.col("shop") == "s1")["moved"].mean()
         s2 = moved.filter(pl.col("shop") == "s2")["moved"].mean()
         assert s1 < 0.01 * s2, (method, s1, s2)
     with pytest.raises(ValueError, match=r"these reconcilers need the backtest forecasts"):
-        reconcile(forecasts, history, table.columns, LEVELS, methods)
+        reconcile(forecasts, history, columns, LEVELS, methods)
 
 
 def test_a_method_that_cannot_run_is_reported_and_the_others_written(tmp_path):
@@ -225,23 +231,6 @@ def test_one_window_cannot_score_mint_shrink_and_says_so(tmp_path):
     _score(config, table, rows, console)
     assert "need an earlier window's errors; use backtest.n_windows ≥ 2" in console.export_text()
     assert not (config.run_dir / "reconciled_metrics.parquet").exists()
-
-
-def incoherent_forecasts(tmp_path) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, Columns]:
-    """The shops' hierarchy: its history, every series' forecasts of the six months after it
-    (each made on its own, so they do not add up) and backtest forecasts of its last year."""
-    table = load_series(hierarchical_job(tmp_path))
-    history = table.frame.filter(~pl.col(FUTURE))
-    future = table.frame.filter(pl.col(FUTURE)).select(SERIES, *table.columns.ids, "month")
-    rng = np.random.default_rng(5)
-    last = history.group_by(SERIES).agg(pl.col("units").last().alias("last"))
-    forecasts = future.join(last, on=SERIES).with_columns(
-        (pl.col("last") * pl.Series(rng.uniform(0.8, 1.2, future.height))).alias("forecast")
-    )
-    recent = history.filter(pl.col("month") > history["month"].max() - pl.duration(days=365))
-    noise = pl.Series(rng.normal(0, 2, recent.height))
-    past = recent.select(SERIES, "month", (pl.col("units") + noise).alias("forecast"))
-    return history, forecasts, past, table.columns
 
 
 def closed_forms(
