@@ -52,7 +52,8 @@ class SeriesTable:
 
     @property
     def num_series(self) -> int:
-        return int(self.frame[SERIES].n_unique()) if self.frame.height else 0
+        """The series are numbered 0 … n − 1 in row order: the last row's number + 1."""
+        return int(self.frame[SERIES][-1]) + 1 if self.frame.height else 0
 
     def series_ids(self) -> pl.DataFrame:
         """One row per series, its number and ids; row i is series i (the frame is in series
@@ -181,7 +182,7 @@ def load_series(config: ManyModelsConfig) -> SeriesTable:
     del planned
     frame = _with_ids(frame, names)  # and numbered 0 … n − 1 again, after the series dropped
     if config.hierarchy.levels:  # the sums of every level become series too
-        from shardwise.manymodel.hierarchy import aggregate, check_levels, check_methods
+        from shardwise.manymodel.hierarchy import aggregate, check_levels
 
         check_levels(config.hierarchy.levels, columns)
         if config.features.group_by:
@@ -192,14 +193,18 @@ def load_series(config: ManyModelsConfig) -> SeriesTable:
         frame = aggregate(frame.drop(SERIES), columns, config.hierarchy.levels)
         # an aggregate series has nulls in the id columns it sums over
         frame = frame.with_columns(run_numbers(ids).alias(SERIES))
-        check_methods(config.hierarchy.methods, frame[SERIES].n_unique())
-    return SeriesTable(
+    table = SeriesTable(
         frame=frame.select(SERIES, *ids, ts, y, *columns.covariates, FUTURE),
         columns=columns,
         freq=freq,
         season_length=season,
         skipped=skipped,
     )
+    if config.hierarchy.levels:  # what the reconcilers would need, before any model runs
+        from shardwise.manymodel.hierarchy import check_methods
+
+        check_methods(config.hierarchy.methods, table.num_series)
+    return table
 
 
 def _numbered(frame: pl.DataFrame, ids: list[str]) -> tuple[pl.DataFrame, pl.DataFrame]:

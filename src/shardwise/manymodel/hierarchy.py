@@ -37,6 +37,8 @@ _CLASSES: dict[str, tuple[str, dict[str, str]]] = {
     "mint_shrink": ("MinTrace", {"method": "mint_shrink"}),
 }
 """Each method's hierarchicalforecast class and arguments."""
+FROM_ERRORS = frozenset({"mint_wls_var", "mint_shrink"})
+"""The methods that weigh the series by their backtest errors (`reconcile`'s `past`)."""
 DENSE_UP_TO = 2_000
 """Above this many series (every level's), bottom_up, top_down, mint_ols and mint_wls_struct
 work on hierarchicalforecast's sparse summing matrix (its BottomUpSparse, TopDownSparse and
@@ -45,16 +47,14 @@ their square (bench/reconcile_scale.py: 20,401 series in 389 MiB; dense, killed 
 24 GiB machine). Bottom-up and top-down give the same forecasts either way; MinTraceSparse solves
 iteratively (bicgstab, tolerance 1e-5), within about 1e-4 of the dense forecasts, relative. Every
 level still adds up."""
-DENSE_ONLY = frozenset({"mint_wls_var", "mint_shrink"})
-"""The methods that stay dense at any size: mint_shrink estimates the errors' n × n covariance,
-and MinTraceSparse's `wls_var` weighs by the errors' variance around their mean, where MinTrace's
-(and Wickramasuriya et al.'s) weighs by their mean square; a forecast that is biased in the past
-should not be trusted more for it."""
+DENSE_ONLY = FROM_ERRORS
+"""The methods that stay dense at any size, the error-weighted ones: mint_shrink estimates the
+errors' n × n covariance, and MinTraceSparse's `wls_var` weighs by the errors' variance around
+their mean, where MinTrace's (and Wickramasuriya et al.'s) weighs by their mean square; a
+forecast that is biased in the past should not be trusted more for it."""
 DENSE_BYTES_PER_PAIR = 48
 """The dense methods' memory per pair of series, measured: 4.2 GiB for mint_shrink on 10,201
 series, 1.2 GiB for MinTrace on 5,101."""
-FROM_ERRORS = frozenset({"mint_wls_var", "mint_shrink"})
-"""The methods that weigh the series by their backtest errors (`reconcile`'s `past`)."""
 
 
 def check_levels(levels: list[list[str]], columns: Columns) -> None:
