@@ -19,7 +19,7 @@ from shardwise.launch.env import kubeflow
 from shardwise.redact import redacting_output
 
 if TYPE_CHECKING:
-    from shardwise.launch.local import Nodes
+    from shardwise.launch.local import Nodes, WorkerFailed
 
 
 class Parser(argparse.ArgumentParser):
@@ -202,10 +202,7 @@ def _train(args: argparse.Namespace) -> int:
         print(f"shardwise: {stop}; checkpoints written so far are kept", file=sys.stderr)
         return 128 + stop.signum
     except WorkerFailed as failure:
-        print(f"shardwise: {failure}", file=sys.stderr)
-        if failure.traceback:
-            print(f"--- rank {failure.rank} traceback ---\n{failure.traceback}", file=sys.stderr)
-        return 1
+        return _worker_failed(failure)
     if summary is not None:
         print_summary(summary)
     return 0
@@ -260,7 +257,23 @@ def _terminated(signum: int, frame: object) -> None:
 def _launch(args: argparse.Namespace) -> int:
     from shardwise.launch.command import run
 
-    return run(args)
+    try:
+        return run(args)
+    except RuntimeError as failure:  # Ray's or Spark's ranks, out of restarts
+        from shardwise.launch.local import WorkerFailed
+
+        if isinstance(failure, WorkerFailed) and not args.debug:
+            return _worker_failed(failure)
+        raise
+
+
+def _worker_failed(failure: WorkerFailed) -> int:
+    """A run whose ranks failed (and had no restart left): what failed, one line, exit code 1;
+    the rank's traceback where the launcher has it."""
+    print(f"shardwise: {failure}", file=sys.stderr)
+    if failure.traceback:
+        print(f"--- rank {failure.rank} traceback ---\n{failure.traceback}", file=sys.stderr)
+    return 1
 
 
 def _plan(args: argparse.Namespace) -> int:

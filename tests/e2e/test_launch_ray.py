@@ -107,3 +107,22 @@ def test_a_dead_actor_restarts_the_group_and_the_run_ends_bitwise(tmp_path):
     assert "rank 1: " in done.stdout and "restarting the group (1 of 2)" in done.stdout
     assert f"done: step {STEPS}" in done.stdout
     assert_bitwise_same_run(tmp_path / "run", tmp_path / "reference", STEPS)
+
+
+def test_a_group_out_of_restarts_fails_in_one_line(tmp_path):
+    """The last attempt's failure is what the command says, in one line (exit code 1), not a
+    Python traceback; the checkpoints written before it are kept."""
+    job = tmp_path / "job.toml"
+    sections = {**SECTIONS, "train": {"steps": 8}, "fault": {"max_restarts": 0}}
+    config = gpt_job(tmp_path / "run", **sections)
+    job.write_text(tomli_w.dumps(config.model_dump(mode="json", exclude_none=True)))
+    done = subprocess.run(
+        [str(BIN / "shardwise"), "launch", "ray", str(job), "--nodes", "2",
+         "--nproc-per-node", "1", "--shared-storage"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "RAY_AUTH_MODE": "disabled", "SHARDWISE_FAULT": "kill:rank=1:step=5"},
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("shardwise: rank 1 failed"), done.stderr
+    assert (tmp_path / "run" / "checkpoints" / "step_00000004").is_dir()

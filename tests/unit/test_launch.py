@@ -159,3 +159,26 @@ def test_restarts_number_the_attempts_and_a_config_error_is_not_retried(capsys):
     with pytest.raises(ConfigError):
         run_with_restarts(3, bad_job, again=again, fatal=lambda f: f)
     assert seen == [0]
+
+
+def test_a_failed_spark_stage_names_the_rank_whose_task_failed():
+    """Spark's error (py4j's, as a real local-cluster run raised it) names the failed barrier
+    task as ResultTask(stage, partition); the partition is the rank."""
+    from shardwise.launch.local import WorkerFailed
+    from shardwise.launch.spark_tasks import _stage_failed
+
+    spark = (
+        "An error occurred while calling o58.collectToPython.\n: org.apache.spark.SparkException: "
+        "Job aborted due to stage failure: Could not recover from a failed barrier ResultStage. "
+        "Most recent failure reason: Stage failed because barrier task ResultTask(0, 1) finished "
+        "unsuccessfully.\norg.apache.spark.api.python.PythonException: [PYTHON_EXCEPTION] …"
+    )
+    failed = _stage_failed(RuntimeError(spark))
+    assert isinstance(failed, WorkerFailed) and failed.rank == 1
+    assert str(failed) == (
+        "rank 1 failed (exit code 1): the Spark stage failed: Stage failed because barrier task "
+        "ResultTask(0, 1) finished unsuccessfully. (the ranks' output is above)"
+    )
+    assert _stage_failed(RuntimeError("Python worker exited")).rank == 0  # no task named
+    bad = ConfigError("bad job")
+    assert _stage_failed(bad) is bad

@@ -15,6 +15,7 @@ storage every executor sees.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -110,12 +111,19 @@ def train_on_spark(target: Target, options: SparkOptions, resume: str) -> TrainS
 
 def _stage_failed(failure: Exception) -> Exception:
     """What the command reports once no attempt is left (py4j's, pyspark's or TorchDistributor's
-    own error): one line naming the failure."""
+    own error): one line naming the failure and the rank whose task failed first."""
     if isinstance(failure, ConfigError):
         return failure
     from shardwise.launch.local import WorkerFailed
 
-    return WorkerFailed(0, 1, f"the Spark stage failed: {_reason(failure)}", "")
+    reason = _reason(failure)
+    task = _FAILED_TASK.search(reason)
+    message = f"the Spark stage failed: {reason} (the ranks' output is above)"
+    return WorkerFailed(int(task.group(1)) if task else 0, 1, message, "")
+
+
+_FAILED_TASK = re.compile(r"barrier task ResultTask\(\d+, (\d+)\)")
+"""Spark's name for a failed task of the stage: (stage, partition); the partition is the rank."""
 
 
 def _reason(failure: BaseException) -> str:
