@@ -1,8 +1,10 @@
-"""A run on one machine listens on loopback only: the rendezvous store, rank 0's store, gloo
-and many-models' local Ray, measured from /proc while the job runs (what `ss -ltnp` shows)."""
+"""A run on one machine listens on loopback only: the rendezvous store, rank 0's store, gloo,
+many-models' local Ray and Spark, and `launch spark`'s local cluster, measured from /proc while
+the job runs (what `ss -ltnp` shows)."""
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import signal
@@ -31,9 +33,12 @@ def exposed(sockets: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
     return found
 
 
-def sockets_while_running(command: list[str], ready: str, expect: int) -> list:
+def sockets_while_running(
+    command: list[str], ready: str, expect: int, commands: dict[int, str] | None = None
+) -> list:
     """Start `command`, wait for a line containing `ready` and then for at least `expect`
-    listening sockets, and return them; the job is stopped."""
+    listening sockets, and return them (and, in `commands`, the command line of each process
+    they belong to); the job is stopped."""
     proc = subprocess.Popen(
         command,
         cwd=REPO,
@@ -53,6 +58,9 @@ def sockets_while_running(command: list[str], ready: str, expect: int) -> list:
         while len(found) < expect and time.monotonic() < deadline:
             time.sleep(0.5)
             found = listening_sockets(proc.pid)
+        for pid in {pid for _, _, pid in found} if commands is not None else ():
+            with contextlib.suppress(OSError):
+                commands[pid] = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
         return found
     finally:
         os.killpg(proc.pid, signal.SIGINT)
@@ -84,7 +92,7 @@ def test_a_training_run_listens_on_loopback_only(tmp_path):
         expect=3,  # at least the rendezvous store, rank 0's store and gloo
     )
     assert len(found) >= 3, found
-    assert exposed(found) == []
+    assert exposed(found) == [], found
 
 
 def test_many_models_with_local_ray_and_spark_listens_on_loopback_only(tmp_path):
@@ -106,4 +114,26 @@ def test_many_models_with_local_ray_and_spark_listens_on_loopback_only(tmp_path)
         expect=5,  # at least Ray's GCS, the raylet's two servers, the driver and one worker
     )
     assert len(found) >= 5, found
-    assert exposed(found) == []
+    assert exposed(found) == [], found
+
+
+def test_a_spark_launch_on_a_local_cluster_listens_on_loopback_only(tmp_path):
+    """Spark's master, workers and executors (their RPC servers and block managers) bound to
+    the host's network address, some to every address; TorchDistributor then checked the free
+    port for the ranks' store on loopback alone, so that store could collide with them. Two
+    servers pyspark and torchrun start still listen on every address (README: `launch spark`):
+    TorchDistributor's log server in the driver and torchrun's rendezvous store."""
+    commands: dict[int, str] = {}
+    found = sockets_while_running(
+        [str(BIN / "shardwise"), "launch", "spark", "examples/digits.toml", "--nodes", "2",
+         "--nproc-per-node", "1", "--shared-storage", "--set", f"job.run_dir={tmp_path}",
+         "--set", "train.steps=1000000", "--set", "tracking.log_every=10",
+         "--set", "tracking.mlflow=false"],
+        ready="step ",
+        expect=12,  # Spark's driver, master, worker and executors, the stores and gloo
+        commands=commands,
+    )  # fmt: skip
+    assert len(found) >= 12, found
+    known = ("shardwise launch spark", "torch.distributed.run")
+    unknown = [s for s in exposed(found) if not any(k in commands.get(s[2], "") for k in known)]
+    assert unknown == [], (unknown, commands)

@@ -9,7 +9,6 @@ the driver's checks kept (`SourceFile`), and otherwise the driver's checked copy
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
@@ -26,8 +25,8 @@ if TYPE_CHECKING:
 
 
 def session(master: str, *, app: str = "shardwise-features", python: str | None = None) -> Any:
-    """A Spark session on `master`, its driver bound to loopback for local masters; `python`:
-    the interpreter its Python workers run (Spark's default otherwise)."""
+    """A Spark session on `master`, every server of it bound to loopback for local masters;
+    `python`: the interpreter its Python workers run (Spark's default otherwise)."""
     from pyspark.sql import SparkSession
 
     builder = (
@@ -44,8 +43,13 @@ def session(master: str, *, app: str = "shardwise-features", python: str | None 
             .config("spark.driver.bindAddress", "127.0.0.1")
             .config("spark.sql.shuffle.partitions", "8")
         )
-    # SparkContext takes its workers' interpreter from PYSPARK_PYTHON when it starts
-    with environment({"PYSPARK_PYTHON": python}) if python else contextlib.nullcontext():
+    # SparkContext takes its workers' interpreter from PYSPARK_PYTHON when it starts; a local
+    # cluster's master, workers and executors (their block managers, RPC servers) bind to the
+    # address in SPARK_LOCAL_IP, else to the host's first non-loopback one
+    started = {"PYSPARK_PYTHON": python} if python else {}
+    if master.startswith("local"):
+        started["SPARK_LOCAL_IP"] = "127.0.0.1"
+    with environment(started):
         spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     return spark
