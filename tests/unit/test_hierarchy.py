@@ -6,12 +6,13 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 import pytest
+from polars.testing import assert_frame_equal
 
 from helpers import HIERARCHY_LEVELS as LEVELS
 from helpers import hierarchical_job
 from shardwise.config import ConfigError
 from shardwise.manymodel.data import FUTURE, SERIES, Columns, load_series
-from shardwise.manymodel.hierarchy import incoherence, reconcile
+from shardwise.manymodel.hierarchy import incoherence, reconcile, unique_ids
 
 
 def incoherent_forecasts(
@@ -118,7 +119,7 @@ def test_a_method_that_cannot_run_is_reported_and_the_others_written(tmp_path):
     and still writes the other methods' reconciled forecasts."""
     from rich.console import Console
 
-    from shardwise.manymodel.reconciliation import _reconcile
+    from shardwise.manymodel.reconciliation import _reconcile, series_paths
 
     config = hierarchical_job(tmp_path, hierarchy={"methods": ["bottom_up", "mint_shrink"]})
     config.run_dir.mkdir(parents=True)
@@ -129,7 +130,7 @@ def test_a_method_that_cannot_run_is_reported_and_the_others_written(tmp_path):
     forecasts = future.join(last, on=SERIES)
     exact = history.select(SERIES, "month", pl.col("units").alias("forecast"))
     console = Console(record=True, width=200)
-    _reconcile(config, table, forecasts, exact, console)
+    _reconcile(config, table, series_paths(config, table), forecasts, exact, console)
     said = console.export_text()
     assert "hierarchy.methods: mint_shrink failed: Exception: Insample residuals close to 0" in said
     written = pl.read_parquet(config.run_dir / "forecasts_reconciled.parquet")
@@ -143,7 +144,7 @@ def test_reconcilers_are_scored_on_the_windows_after_the_first(tmp_path):
     second window (the first has no earlier errors). Exact forecasts stay exact."""
     from rich.console import Console
 
-    from shardwise.manymodel.reconciliation import _score
+    from shardwise.manymodel.reconciliation import _score, series_paths
 
     config = hierarchical_job(
         tmp_path,
@@ -164,7 +165,7 @@ def test_reconcilers_are_scored_on_the_windows_after_the_first(tmp_path):
     ).drop_nulls("window")
     assert rows.group_by("window").len()["len"].to_list() == [13 * 6] * 3
     console = Console(record=True, width=200)
-    _score(config, table, rows, console)
+    _score(config, table, series_paths(config, table), rows, console)
     assert "reconciled: backtest MASE, windows 1, 2" in console.export_text()
     scores = pl.read_parquet(config.run_dir / "reconciled_metrics.parquet")
     assert scores["window"].unique().sort().to_list() == [1, 2]
@@ -179,7 +180,7 @@ def test_overlapping_windows_give_mint_one_error_per_row(tmp_path):
     and is scored."""
     from rich.console import Console
 
-    from shardwise.manymodel.reconciliation import _reconcile, _score, latest
+    from shardwise.manymodel.reconciliation import _reconcile, _score, latest, series_paths
 
     config = hierarchical_job(tmp_path, backtest={"horizon": 6, "n_windows": 3, "step": 3})
     config.run_dir.mkdir(parents=True)
@@ -207,8 +208,9 @@ def test_overlapping_windows_give_mint_one_error_per_row(tmp_path):
     future = table.frame.filter(pl.col(FUTURE)).select(SERIES, *table.columns.ids, "month")
     last = observed.group_by(SERIES).agg(pl.col("units").last().alias("forecast"))
     console = Console(record=True, width=200)
-    _reconcile(config, table, future.join(last, on=SERIES), past, console)
-    _score(config, table, rows, console)
+    paths = series_paths(config, table)
+    _reconcile(config, table, paths, future.join(last, on=SERIES), past, console)
+    _score(config, table, paths, rows, console)
     assert "failed" not in console.export_text()
     written = pl.read_parquet(config.run_dir / "forecasts_reconciled.parquet")
     assert set(config.hierarchy.methods) <= set(written.columns)
@@ -219,7 +221,7 @@ def test_overlapping_windows_give_mint_one_error_per_row(tmp_path):
 def test_one_window_cannot_score_mint_shrink_and_says_so(tmp_path):
     from rich.console import Console
 
-    from shardwise.manymodel.reconciliation import _score
+    from shardwise.manymodel.reconciliation import _score, series_paths
 
     config = hierarchical_job(tmp_path, backtest={"horizon": 6, "n_windows": 1})
     config.run_dir.mkdir(parents=True)
@@ -228,7 +230,7 @@ def test_one_window_cannot_score_mint_shrink_and_says_so(tmp_path):
         SERIES, pl.lit(0).alias("window"), "month", pl.col("units").alias("forecast"), "units"
     )
     console = Console(record=True, width=200)
-    _score(config, table, rows, console)
+    _score(config, table, series_paths(config, table), rows, console)
     assert "need an earlier window's errors; use backtest.n_windows ≥ 2" in console.export_text()
     assert not (config.run_dir / "reconciled_metrics.parquet").exists()
 
@@ -328,3 +330,54 @@ def test_dense_methods_that_cannot_fit_in_memory_are_an_error_before_the_run(tmp
     monkeypatch.setattr(hierarchy, "DENSE_BYTES_PER_PAIR", 2**50)
     with pytest.raises(ConfigError, match=r"mint_shrink would hold 13 × 13 matrices"):
         load_series(hierarchical_job(tmp_path))
+
+
+def test_only_the_methods_that_read_the_history_are_handed_it(tmp_path):
+    """Bottom-up and MinTrace's ols and structural forms depend on the forecasts and the
+    hierarchy alone, so hierarchicalforecast is not handed the history for them (16 M rows at
+    100,000 series, which it walks in Python): they reconcile the same without it. Top-down's
+    proportions do read it."""
+    history, forecasts, _, columns = incoherent_forecasts(tmp_path)
+    ids = list(columns.ids)
+    paths = unique_ids(history.select(SERIES, *ids).unique(SERIES), ids, LEVELS)
+    methods = ["bottom_up", "mint_ols", "mint_wls_struct"]
+    full = reconcile(forecasts, history, columns, LEVELS, methods, paths=paths)
+    without = reconcile(forecasts, history.clear(), columns, LEVELS, methods, paths=paths)
+    assert_frame_equal(without, full)
+    with pytest.raises(ValueError, match="unique_ids in Y_hat_df that are not in Y_df"):
+        reconcile(forecasts, history.clear(), columns, LEVELS, ["top_down"], paths=paths)
+
+
+def test_the_reconciled_scores_scale_each_series_as_the_backtest_does():
+    """MASE's scale for the reconciled scores, for every series at once, equals the backtest's
+    (`seasonal_mae`, one series at a time): missing values skipped, a series no longer than a
+    season scaled by lag 1, one with no difference at all NaN."""
+    from shardwise.manymodel.backtest import seasonal_mae
+    from shardwise.manymodel.reconciliation import _seasonal_naive_mae
+
+    rng = np.random.default_rng(7)
+    values = {
+        0: rng.normal(10, 3, 30),
+        1: np.r_[rng.normal(5, 1, 9), np.nan, rng.normal(5, 1, 10)],  # a NaN
+        2: rng.normal(0, 1, 4),  # no longer than the season: lag 1
+        3: np.array([2.0]),  # no difference: NaN
+        4: np.full(14, 3.0),  # constant: 0
+    }
+    history = pl.DataFrame(
+        {
+            SERIES: np.concatenate([[k] * len(v) for k, v in values.items()]),
+            "month": np.concatenate([np.arange(len(v)) for v in values.values()]),
+            "units": np.concatenate(list(values.values())),
+        }
+    ).with_columns(
+        pl.when(pl.col(SERIES) == 0, pl.col("month") == 3)
+        .then(None)
+        .otherwise("units")
+        .alias("units")
+    )
+    columns = Columns(ids=("shop",), timestamp="month", target="units", covariates=())
+    scale = dict(_seasonal_naive_mae(history, columns, 6).iter_rows())
+    for series, part in history.partition_by(SERIES, as_dict=True).items():
+        expected = seasonal_mae(part["units"].to_numpy().astype(np.float64), 6)
+        np.testing.assert_allclose(scale[series[0]], expected, rtol=1e-12, equal_nan=True)
+    assert set(scale) == set(values)

@@ -39,6 +39,9 @@ _CLASSES: dict[str, tuple[str, dict[str, str]]] = {
 """Each method's hierarchicalforecast class and arguments."""
 FROM_ERRORS = frozenset({"mint_wls_var", "mint_shrink"})
 """The methods that weigh the series by their backtest errors (`reconcile`'s `past`)."""
+FROM_HISTORY = FROM_ERRORS | {"top_down"}
+"""The methods that read the observed history (hierarchicalforecast's `insample` ones): top-down
+its average proportions, the error-weighted MinTraces the errors."""
 DENSE_UP_TO = 2_000
 """Above this many series (every level's), bottom_up, top_down, mint_ols and mint_wls_struct
 work on hierarchicalforecast's sparse summing matrix (its BottomUpSparse, TopDownSparse and
@@ -120,29 +123,55 @@ def reconcile(
     levels: list[list[str]],
     methods: Sequence[str],
     past: pl.DataFrame | None = None,
+    *,
+    paths: pl.DataFrame | None = None,
 ) -> pl.DataFrame:
     """Reconcile `forecasts` (SERIES, timestamp, `forecast`: every series of every level) with
-    the observed `history` (SERIES, ids, timestamp, target): the forecasts with a `base` column
-    and one per method. The methods in FROM_ERRORS need `past`: the same models' backtest
-    forecasts (SERIES, timestamp, `forecast`) of the history."""
+    the observed `history` (SERIES, ids, timestamp, target), which only the methods in
+    FROM_HISTORY read: the forecasts with a `base` column and one per method. The methods in
+    FROM_ERRORS need `past`: the same models' backtest forecasts (SERIES, timestamp, `forecast`)
+    of the history. `paths`: every series' `unique_ids`, where the caller has them (a run
+    reconciles several times); else they are read from the history."""
     from hierarchicalforecast.core import HierarchicalReconciliation
     from hierarchicalforecast.utils import aggregate as hf_aggregate
 
-    ids, ts, y = list(columns.ids), columns.timestamp, columns.target
-    names = unique_ids(history.select(SERIES, *ids).unique(SERIES), ids, levels)
+    ids, ts = list(columns.ids), columns.timestamp
+    if paths is None:
+        paths = unique_ids(history.select(SERIES, *ids).unique(SERIES), ids, levels)
     # the summing matrix and the levels' tags depend on the ids alone: one row per bottom series
     # (hierarchicalforecast's sums of the history, which `aggregate` also makes, are not used)
-    bottom = names.drop_nulls(ids).select(
+    bottom = paths.drop_nulls(ids).select(
         pl.lit(TOTAL).alias(_TOTAL_COLUMN), *ids, pl.lit(0).alias("ds"), pl.lit(0.0).alias("y")
     )
     spec = [[_TOTAL_COLUMN, *level] for level in [[], *levels, ids]]
-    sparse = names.height > DENSE_UP_TO
+    sparse = paths.height > DENSE_UP_TO
     _, structure, tags = hf_aggregate(bottom, spec, sparse_s=sparse)
     made = {method: _reconciler(method, sparse) for method in methods}
-    base = forecasts.join(names, on=SERIES).select(
+    base = forecasts.join(paths, on=SERIES).select(
         "unique_id", pl.col(ts).alias("ds"), pl.col("forecast").alias("base")
     )
-    observed = history.join(names, on=SERIES)
+    observed = None
+    if FROM_HISTORY & set(methods):
+        observed = _observed(history, paths, columns, methods, past)
+    reconciled = HierarchicalReconciliation([made[m][0] for m in methods]).reconcile(
+        Y_hat_df=base, S_df=structure, tags=tags, Y_df=observed
+    )
+    renamed = reconciled.rename({f"base/{made[m][1]}": m for m in methods})
+    out = paths.join(renamed.rename({"ds": ts}), on="unique_id")
+    return out.select(SERIES, "unique_id", *ids, ts, "base", *methods).sort(SERIES, ts)
+
+
+def _observed(
+    history: pl.DataFrame,
+    paths: pl.DataFrame,
+    columns: Columns,
+    methods: Sequence[str],
+    past: pl.DataFrame | None,
+) -> pl.DataFrame:
+    """The history as hierarchicalforecast reads it (`Y_df`): `unique_id`, `ds`, `y`, and for
+    the methods in FROM_ERRORS the backtest forecasts `past` of it (`base`)."""
+    ts, y = columns.timestamp, columns.target
+    observed = history.join(paths, on=SERIES)
     fitted: list[pl.Expr] = []
     if FROM_ERRORS & set(methods):
         if past is None:
@@ -153,13 +182,7 @@ def reconcile(
             past.select(SERIES, ts, pl.col("forecast").alias("_base")), on=[SERIES, ts], how="left"
         )
         fitted = [pl.col("_base").alias("base")]
-    observed = observed.select("unique_id", pl.col(ts).alias("ds"), pl.col(y).alias("y"), *fitted)
-    reconciled = HierarchicalReconciliation([made[m][0] for m in methods]).reconcile(
-        Y_hat_df=base, S_df=structure, tags=tags, Y_df=observed
-    )
-    renamed = reconciled.rename({f"base/{made[m][1]}": m for m in methods})
-    out = names.join(renamed.rename({"ds": ts}), on="unique_id")
-    return out.select(SERIES, "unique_id", *ids, ts, "base", *methods).sort(SERIES, ts)
+    return observed.select("unique_id", pl.col(ts).alias("ds"), pl.col(y).alias("y"), *fitted)
 
 
 def _reconciler(method: str, sparse: bool) -> tuple[Any, str]:

@@ -17,15 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import polars as pl
 from rich.console import Console
 from rich.table import Table
 
-from shardwise.manymodel.backtest import failure_message, seasonal_mae
+from shardwise.manymodel.backtest import failure_message
 from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.manymodel.data import FUTURE, SERIES, Columns, SeriesTable
-from shardwise.manymodel.hierarchy import FROM_ERRORS, incoherence, reconcile
+from shardwise.manymodel.hierarchy import FROM_ERRORS, incoherence, reconcile, unique_ids
 
 
 def reconcile_run(
@@ -36,8 +35,15 @@ def reconcile_run(
     rows = chosen_backtest(config, table, chosen)
     weighted = bool(FROM_ERRORS & set(config.hierarchy.methods))
     past = latest(rows, table.columns.timestamp) if weighted else None
-    _reconcile(config, table, chosen, past, console)
-    _score(config, table, rows, console)
+    paths = series_paths(config, table)
+    _reconcile(config, table, paths, chosen, past, console)
+    _score(config, table, paths, rows, console)
+
+
+def series_paths(config: ManyModelsConfig, table: SeriesTable) -> pl.DataFrame:
+    """Every series' number, ids and path in the hierarchy (`hierarchy.unique_ids`): made once
+    per run, for each of its reconciliations."""
+    return unique_ids(table.series_ids(), list(table.columns.ids), config.hierarchy.levels)
 
 
 def chosen_backtest(
@@ -68,16 +74,19 @@ def reconcile_each(
     levels: list[list[str]],
     methods: Sequence[str],
     past: pl.DataFrame | None,
+    paths: pl.DataFrame,
 ) -> tuple[pl.DataFrame | None, dict[str, str]]:
     """`hierarchy.reconcile` with every method, or, when that fails, with each method alone:
     the methods that ran (None if none did), and why each other one failed."""
     try:
-        return reconcile(forecast, history, columns, levels, methods, past), {}
+        return reconcile(forecast, history, columns, levels, methods, past, paths=paths), {}
     except Exception:  # which method: each alone
         parts, failed = [], {}
         for method in methods:
             try:
-                parts.append(reconcile(forecast, history, columns, levels, [method], past))
+                parts.append(
+                    reconcile(forecast, history, columns, levels, [method], past, paths=paths)
+                )
             except Exception as e:
                 failed[method] = failure_message(e)
     if not parts:
@@ -88,6 +97,7 @@ def reconcile_each(
 def _reconcile(
     config: ManyModelsConfig,
     table: SeriesTable,
+    paths: pl.DataFrame,
     forecast: pl.DataFrame,
     past: pl.DataFrame | None,
     console: Console,
@@ -105,7 +115,9 @@ def _reconcile(
         return
     levels, methods = config.hierarchy.levels, list(config.hierarchy.methods)
     history = table.frame.filter(~pl.col(FUTURE))
-    reconciled, failed = reconcile_each(forecast, history, table.columns, levels, methods, past)
+    reconciled, failed = reconcile_each(
+        forecast, history, table.columns, levels, methods, past, paths
+    )
     for method, why in failed.items():
         console.print(f"hierarchy.methods: {method} failed: {why}")
     if reconciled is None:
@@ -121,7 +133,11 @@ def _reconcile(
 
 
 def _score(
-    config: ManyModelsConfig, table: SeriesTable, rows: pl.DataFrame, console: Console
+    config: ManyModelsConfig,
+    table: SeriesTable,
+    paths: pl.DataFrame,
+    rows: pl.DataFrame,
+    console: Console,
 ) -> None:
     """Score the base forecasts and each method's reconciliation of them on the backtest
     windows (module docstring): `reconciled_metrics.parquet` and a table of mean MASE per level
@@ -138,7 +154,9 @@ def _score(
             continue
         history = observed.filter(pl.col(ts) < these[ts].min())
         earlier = latest(rows.filter(pl.col("window") < window), ts) if first else None
-        reconciled, failures = reconcile_each(these, history, columns, levels, methods, earlier)
+        reconciled, failures = reconcile_each(
+            these, history, columns, levels, methods, earlier, paths
+        )
         failed.update(failures)
         if reconciled is not None:
             actual = these.select(SERIES, ts, pl.col(y).alias("_actual"))
@@ -185,17 +203,20 @@ def _table(metrics: pl.DataFrame, methods: list[str], levels: list[str]) -> Tabl
 
 
 def _seasonal_naive_mae(history: pl.DataFrame, columns: Columns, season: int) -> pl.DataFrame:
-    """Each series' MASE scale, as the backtest computes it (`backtest.seasonal_mae`)."""
-    parts = history.partition_by(SERIES, as_dict=True)
-    return pl.DataFrame(
-        {
-            SERIES: [key for (key,) in parts],
-            "_scale": [
-                seasonal_mae(part[columns.target].to_numpy().astype(np.float64), season)
-                for part in parts.values()
-            ],
-        },
-        schema={SERIES: pl.Int64, "_scale": pl.Float64},
+    """Each series' MASE scale, as the backtest computes it (`backtest.seasonal_mae`, one series
+    at a time), for every series at once: the mean absolute difference between values `season`
+    apart (1 apart in a series no longer than a season), missing ones skipped."""
+    y = pl.col(columns.target).cast(pl.Float64).fill_nan(None)
+
+    def mean_difference(lag: int) -> pl.Expr:
+        return (y - y.shift(lag)).abs().mean().fill_null(float("nan"))
+
+    lag = max(season, 1)
+    return history.group_by(SERIES).agg(
+        pl.when(pl.len() > season)
+        .then(mean_difference(lag))
+        .otherwise(mean_difference(1))
+        .alias("_scale")
     )
 
 
