@@ -6,6 +6,8 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import subprocess
+import sys
 import tempfile
 import traceback
 import warnings
@@ -15,10 +17,13 @@ from typing import Any
 
 import numpy as np
 import polars as pl
+import tomli_w
 import torch
 
 from shardwise.config import JobConfig, validate, validate_as
 from shardwise.manymodel.config import ManyModelsConfig
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def children_of(pid: int) -> list[int]:
@@ -202,6 +207,17 @@ def assert_bitwise_same_run(got: Path, want: Path, steps: int) -> None:
     assert got_params.keys() == want_params.keys()
     for name, value in want_params.items():
         assert torch.equal(got_params[name], value), name
+
+
+def launch_on_two_nodes(
+    target: str, config: JobConfig, job: Path, *flags: str, env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    """`shardwise launch TARGET` of `config` (written to `job`) on two nodes of one rank each,
+    their storage shared, from the repository as a user runs it."""
+    job.write_text(tomli_w.dumps(config.model_dump(mode="json", exclude_none=True)))
+    command = [str(Path(sys.executable).parent / "shardwise"), "launch", target, str(job)]
+    command += ["--nodes", "2", "--nproc-per-node", "1", "--shared-storage", *flags]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
 
 
 def kill_session(sid: int) -> None:

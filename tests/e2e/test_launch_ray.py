@@ -17,14 +17,12 @@ import time
 from pathlib import Path
 
 import pytest
-import tomli_w
 
 import shardwise
-from helpers import assert_bitwise_same_run, free_port, gpt_job, kill_session
+from helpers import assert_bitwise_same_run, free_port, gpt_job, kill_session, launch_on_two_nodes
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 16
 SECTIONS = {
     "job": {"threads_per_rank": 1},  # as in the one-machine reference
@@ -91,17 +89,12 @@ def _wait_for_port(port: int) -> None:
 def test_a_dead_actor_restarts_the_group_and_the_run_ends_bitwise(tmp_path):
     reference = shardwise.train(gpt_job(tmp_path / "reference", **SECTIONS), nproc=2)
     assert reference is not None
-    job = tmp_path / "job.toml"
     config = gpt_job(tmp_path / "run", **SECTIONS)
-    job.write_text(tomli_w.dumps(config.model_dump(mode="json", exclude_none=True)))
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     with ray_cluster(env) as address:
-        done = subprocess.run(
-            [str(BIN / "shardwise"), "launch", "ray", str(job), "--nodes", "2",
-             "--nproc-per-node", "1", "--ray-address", address, "--placement", "spread",
-             "--shared-storage"],
-            cwd=REPO, capture_output=True, text=True, timeout=300,
-            env={**env, "SHARDWISE_FAULT": "kill:rank=1:step=10"},
+        done = launch_on_two_nodes(
+            "ray", config, tmp_path / "job.toml", "--ray-address", address, "--placement",
+            "spread", env={**env, "SHARDWISE_FAULT": "kill:rank=1:step=10"},
         )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert "rank 1: " in done.stdout and "restarting the group (1 of 2)" in done.stdout
@@ -112,16 +105,10 @@ def test_a_dead_actor_restarts_the_group_and_the_run_ends_bitwise(tmp_path):
 def test_a_group_out_of_restarts_fails_in_one_line(tmp_path):
     """The last attempt's failure is what the command says, in one line (exit code 1), not a
     Python traceback; the checkpoints written before it are kept."""
-    job = tmp_path / "job.toml"
     sections = {**SECTIONS, "train": {"steps": 8}, "fault": {"max_restarts": 0}}
     config = gpt_job(tmp_path / "run", **sections)
-    job.write_text(tomli_w.dumps(config.model_dump(mode="json", exclude_none=True)))
-    done = subprocess.run(
-        [str(BIN / "shardwise"), "launch", "ray", str(job), "--nodes", "2",
-         "--nproc-per-node", "1", "--shared-storage"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "RAY_AUTH_MODE": "disabled", "SHARDWISE_FAULT": "kill:rank=1:step=5"},
-    )  # fmt: skip
+    fault = {"RAY_AUTH_MODE": "disabled", "SHARDWISE_FAULT": "kill:rank=1:step=5"}
+    done = launch_on_two_nodes("ray", config, tmp_path / "job.toml", env={**os.environ, **fault})
     assert done.returncode == 1, done.stdout + done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("shardwise: rank 1 failed"), done.stderr

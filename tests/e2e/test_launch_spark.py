@@ -7,19 +7,13 @@ machine without a failure."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-import tomli_w
 
 import shardwise
-from helpers import assert_bitwise_same_run, gpt_job
+from helpers import assert_bitwise_same_run, gpt_job, launch_on_two_nodes
 
 pytestmark = pytest.mark.slow
-BIN = Path(sys.executable).parent
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 12
 SECTIONS = {
     "job": {"threads_per_rank": 1},
@@ -32,15 +26,9 @@ SECTIONS = {
 def test_the_ranks_run_as_spark_barrier_tasks_on_two_executors(tmp_path):
     reference = shardwise.train(gpt_job(tmp_path / "reference", **SECTIONS), nproc=2)
     assert reference is not None
-    job = tmp_path / "job.toml"
     config = gpt_job(tmp_path / "run", **SECTIONS)
-    job.write_text(tomli_w.dumps(config.model_dump(mode="json", exclude_none=True)))
-    done = subprocess.run(
-        [str(BIN / "shardwise"), "launch", "spark", str(job), "--nodes", "2",
-         "--nproc-per-node", "1", "--shared-storage"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "SHARDWISE_FAULT": "kill:rank=1:step=6"},
-    )  # fmt: skip
+    fault = {"SHARDWISE_FAULT": "kill:rank=1:step=6"}
+    done = launch_on_two_nodes("spark", config, tmp_path / "job.toml", env={**os.environ, **fault})
     # the ranks' output (streamed to stderr) ends with what failed: keep the end of it
     assert done.returncode == 0, done.stdout + done.stderr[-8000:]
     assert "the Spark stage failed" in done.stdout and "running it again (1 of 1)" in done.stdout
