@@ -38,8 +38,12 @@ def shardwise(*args: str, env: dict[str, str] | None = None, timeout: float = 30
 def test_digits_job_trains_tracks_and_resumes(tmp_path):
     run_dir = tmp_path / "digits"
     job = ["train", "examples/digits.toml", "--nproc", "2", "--set", f"job.run_dir={run_dir}"]
-    done = shardwise(*job)
+    temp = tmp_path / "tmp"  # the run's temporary files: none are left behind
+    temp.mkdir()
+    done = shardwise(*job, env={**os.environ, "TMPDIR": str(temp)})
     assert done.returncode == 0, done.stderr
+    cache = "torchinductor_"  # torch's compile cache, kept for every later run by design
+    assert [p.name for p in temp.iterdir() if not p.name.startswith(cache)] == []
     assert "derived: world size 2" in done.stdout
     assert "Warning" not in done.stdout + done.stderr  # a clean run prints none
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -12,19 +12,21 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import shutil
 import signal
 import socket
+import tempfile
 import time
 import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed import DistNetworkError
-from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -115,6 +117,9 @@ def launch(
     """Run `entry(*args)` in `nproc` processes on this machine (and as many on each other node of
     `nodes`), restarting all of them up to `max_restarts` times when one fails; return each local
     rank's return value by global rank."""
+    # the agent's directory for the workers' error files (read into ChildFailedError), removed
+    # after the launch: torch's default is a new /tmp/torchelastic_* per launch, never removed
+    logs = tempfile.mkdtemp(prefix="shardwise-elastic-")
     config = LaunchConfig(
         min_nodes=nodes.count if nodes else 1,
         max_nodes=nodes.count if nodes else 1,
@@ -128,6 +133,7 @@ def launch(
         local_addr=nodes.local_addr if nodes else None,
         max_restarts=max_restarts,
         start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=logs),
     )
     # shardwise reports failures itself (WorkerFailed); the agent's own log would repeat them.
     for name in ("torch.distributed.elastic", "torchelastic-events-null"):
@@ -136,7 +142,7 @@ def launch(
     listen = contextlib.nullcontext() if nodes else loopback_collectives()
     started = time.monotonic()
     try:
-        with _fresh_worker_store(), listen:
+        with _fresh_worker_store(), listen, _removed(logs):
             results: dict[int, Any] = elastic_launch(config, entry)(*args)
         return results
     except ChildFailedError as e:
@@ -152,6 +158,15 @@ def launch(
         ) from None
     except SignalException as e:  # the agent has already stopped the workers
         raise Interrupted(e.sigval) from None
+
+
+@contextlib.contextmanager
+def _removed(directory: str) -> Iterator[None]:
+    """`directory`, removed on the way out."""
+    try:
+        yield
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _fresh_worker_store() -> contextlib.AbstractContextManager[None]:
