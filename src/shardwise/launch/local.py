@@ -12,14 +12,13 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import shutil
 import signal
 import socket
 import tempfile
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -119,7 +118,7 @@ def launch(
     rank's return value by global rank."""
     # the agent's directory for the workers' error files (read into ChildFailedError), removed
     # after the launch: torch's default is a new /tmp/torchelastic_* per launch, never removed
-    logs = tempfile.mkdtemp(prefix="shardwise-elastic-")
+    logs = tempfile.TemporaryDirectory(prefix="shardwise-elastic-", ignore_cleanup_errors=True)
     config = LaunchConfig(
         min_nodes=nodes.count if nodes else 1,
         max_nodes=nodes.count if nodes else 1,
@@ -133,7 +132,7 @@ def launch(
         local_addr=nodes.local_addr if nodes else None,
         max_restarts=max_restarts,
         start_method="spawn",
-        logs_specs=DefaultLogsSpecs(log_dir=logs),
+        logs_specs=DefaultLogsSpecs(log_dir=logs.name),
     )
     # shardwise reports failures itself (WorkerFailed); the agent's own log would repeat them.
     for name in ("torch.distributed.elastic", "torchelastic-events-null"):
@@ -142,7 +141,7 @@ def launch(
     listen = contextlib.nullcontext() if nodes else loopback_collectives()
     started = time.monotonic()
     try:
-        with _fresh_worker_store(), listen, _removed(logs):
+        with _fresh_worker_store(), listen, logs:
             results: dict[int, Any] = elastic_launch(config, entry)(*args)
         return results
     except ChildFailedError as e:
@@ -158,15 +157,6 @@ def launch(
         ) from None
     except SignalException as e:  # the agent has already stopped the workers
         raise Interrupted(e.sigval) from None
-
-
-@contextlib.contextmanager
-def _removed(directory: str) -> Iterator[None]:
-    """`directory`, removed on the way out."""
-    try:
-        yield
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _fresh_worker_store() -> contextlib.AbstractContextManager[None]:
