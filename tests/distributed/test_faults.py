@@ -9,6 +9,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -125,9 +126,15 @@ def test_skipped_steps_are_counted_at_the_log_step(tmp_path, monkeypatch):
     assert all(math.isfinite(r["loss"]) for r in records if "loss" in r)
 
 
+GRACE_S = 25
+"""Less than a scheduler's grace between SIGTERM and SIGKILL (Slurm's KillWait and Kubernetes'
+terminationGracePeriodSeconds: 30 s by default), from the ranks' save to the launcher's exit."""
+
+
 def test_sigterm_saves_at_a_step_boundary_exits_0_and_resumes_exactly(tmp_path, uninterrupted):
     """The launcher gets SIGTERM (as from a scheduler) after step 6: the ranks agree on a step,
-    save there, and `shardwise train` exits 0; `--resume auto` then ends bitwise like the
+    save there, and `shardwise train` exits 0 within a scheduler's grace period (not after torch
+    elastic's 30 s wait for ranks that have stopped); `--resume auto` then ends bitwise like the
     uninterrupted run."""
     want_losses, want_params, _ = uninterrupted
     job = tmp_path / "job.toml"
@@ -138,10 +145,27 @@ def test_sigterm_saves_at_a_step_boundary_exits_0_and_resumes_exactly(tmp_path, 
     job.write_text(tomli_w.dumps(config.model_dump(mode="json", exclude_none=True)))
     command = [str(Path(sys.executable).parent / "shardwise"), "train", str(job), "--nproc", "2"]
     env = {**os.environ, "SHARDWISE_FAULT": "sigterm:step=6"}
-    first = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert first.returncode == 0, first.stderr
-    assert "preempted (SIGTERM): stopped at step" in first.stdout
-    stopped = int(first.stdout.split("stopped at step ")[1].split()[0])
+    stderr = tmp_path / "stderr"
+    with stderr.open("w") as err:
+        first = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True
+        )
+        assert first.stdout is not None
+        printed = []
+        for line in first.stdout:  # until rank 0 has saved on the SIGTERM
+            printed.append(line)
+            if "and stopping" in line:
+                break
+        try:
+            rest, _ = first.communicate(timeout=GRACE_S)
+        except subprocess.TimeoutExpired:
+            first.kill()  # as the scheduler would
+            first.communicate()
+            pytest.fail(f"shardwise train still running {GRACE_S} s after the ranks saved")
+    stdout = "".join(printed) + rest
+    assert first.returncode == 0, stderr.read_text()
+    assert "preempted (SIGTERM): stopped at step" in stdout
+    stopped = int(stdout.split("stopped at step ")[1].split()[0])
     assert 7 <= stopped <= 9
     second = subprocess.run(
         [*command, "--resume", "auto"], cwd=REPO, capture_output=True, text=True, timeout=300
@@ -152,6 +176,36 @@ def test_sigterm_saves_at_a_step_boundary_exits_0_and_resumes_exactly(tmp_path, 
     final = load_params(tmp_path / "run" / "checkpoints" / "step_00000016")
     for name, value in want_params.items():
         assert torch.equal(final[name], value), name
+
+
+def test_sigterm_to_the_ranks_alone_stops_the_run_at_a_checkpoint(tmp_path):
+    """SIGTERM to the ranks, not to `shardwise train` (no restarts left): they save at a step
+    boundary, the run stops there and `shardwise train` exits 0 with the preempted summary."""
+    job = tmp_path / "job.toml"
+    import tomli_w
+
+    sections = {**SECTIONS, "fault": {"max_restarts": 0, "check_interval_s": 0}}
+    config = gpt_job(tmp_path / "run", train={"steps": 40}, **sections)
+    job.write_text(tomli_w.dumps(config.model_dump(mode="json", exclude_none=True)))
+    command = [str(Path(sys.executable).parent / "shardwise"), "train", str(job), "--nproc", "2"]
+    env = {**os.environ, "SHARDWISE_FAULT": "slow:step=1:seconds=0.2"}
+    launcher = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "run" / "checkpoints" / "step_00000004").exists():
+        assert time.monotonic() < deadline and launcher.poll() is None, launcher.communicate()
+        time.sleep(0.1)
+    children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
+    ranks = [p for p in children if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(ranks) == 2
+    for pid in ranks:
+        os.kill(int(pid), signal.SIGTERM)
+    out, err = launcher.communicate(timeout=GRACE_S)
+    assert launcher.returncode == 0, err
+    assert "preempted (SIGTERM): stopped at step" in out
+    stopped = int(out.split("stopped at step ")[1].split()[0])
+    assert 4 < stopped < 40 and (tmp_path / "run" / "checkpoints" / f"step_{stopped:08d}").exists()
 
 
 @pytest.mark.parametrize("damage", ["truncate", "corrupt"])

@@ -37,7 +37,7 @@ from shardwise.config import ConfigError, JobConfig, apply_override, derive, loa
 from shardwise.fault.watchdog import describe as describe_hang
 from shardwise.launch.env import detect, environment
 from shardwise.launch.stores import LOOPBACK, RENDEZVOUS, loopback_collectives, register_rendezvous
-from shardwise.launch.worker import check_devices, run_worker
+from shardwise.launch.worker import PREEMPTED_EXIT, check_devices, run_worker
 from shardwise.parallel.checks import check_layout
 
 if TYPE_CHECKING:
@@ -265,6 +265,9 @@ def train(
             raise
         return preempted  # the workers saved a checkpoint at a step boundary and stopped
     except WorkerFailed as failure:
+        preempted = _preempted_summary(config, since=started)
+        if failure.exitcode == PREEMPTED_EXIT and preempted is not None:
+            return preempted  # SIGTERM reached the workers, not this launcher
         hang = describe_hang(config.run_dir / "hangs", since=started)
         if hang is None:
             raise

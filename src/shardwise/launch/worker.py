@@ -5,6 +5,7 @@ srun): choose the device, join the process group, agree on the restart count and
 from __future__ import annotations
 
 import gc
+import signal
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,9 @@ from shardwise.redact import redacting_output
 
 if TYPE_CHECKING:
     from shardwise.trainer.loop import TrainSummary
+
+PREEMPTED_EXIT = 128 + signal.SIGTERM
+"""The exit code of a rank of shardwise's launcher that saved on SIGTERM and stopped."""
 
 
 def run_worker(
@@ -54,7 +58,7 @@ def run_worker(
             restarts = _agreed_restarts(env.restart_count)
             if restarts or not decided:
                 resume = _decided_by_rank_0(lambda: start_point(config, resume, restarts, decided))
-            return loop.train(
+            summary = loop.train(
                 config, device=device, resume=resume, restarts=restarts, node=env.node
             )
         finally:
@@ -64,6 +68,12 @@ def run_worker(
             # GIL (pytorch#56297).
             gc.collect()
             dist.destroy_process_group()
+    if summary.preempted and store_host is not None:
+        # Under shardwise's launcher a rank that saved on SIGTERM leaves at once: the elastic
+        # agent, stopping on that signal, reads no return value and would hold a returned rank
+        # for 30 s, past a scheduler's grace period. Rank 0's summary is in the run directory.
+        raise SystemExit(PREEMPTED_EXIT)
+    return summary if env.rank == 0 else None
 
 
 def _join(env: WorkerEnv, backend: str, timeout: timedelta, *, store_host: str | None) -> None:

@@ -72,11 +72,12 @@ def train(
     resume: str | None,
     restarts: int = 0,
     node: int = 0,
-) -> TrainSummary | None:
+) -> TrainSummary:
     """Train to `train.steps`, resuming from the checkpoint at `resume` if given; `restarts`
     counts the times the launcher restarted the workers after a failure (reported); `node` is
-    the index of the machine this rank runs on. The loop calls `train_step` itself, so the path
-    from the launcher to `loss.backward()` stays short."""
+    the index of the machine this rank runs on. Returns this rank's summary (rank 0's is the
+    run's: the one it writes). The loop calls `train_step` itself, so the path from the
+    launcher to `loss.backward()` stays short."""
     with _session(config, device, resume, restarts=restarts, node=node) as session:
         run, progress, reporter = session.run, session.progress, session.reporter
         _begin(run, reporter, progress)
@@ -100,7 +101,8 @@ def train(
                 preempted_at = step
                 break
         session.summary = _end(run, progress, reporter, preempted_at)
-    return session.summary if session.run.rank == 0 else None
+    assert session.summary is not None
+    return session.summary
 
 
 @dataclass
