@@ -104,6 +104,9 @@ def cluster(root: Path, nodes: int = 2, cpus: int = 1) -> Iterator[Slurm]:
                 "JobAcctGatherType=jobacct_gather/none",
                 "AccountingStorageType=accounting_storage/none",
                 "KillWait=30",
+                # a pending job starts within a second or two of becoming eligible (Slurm's
+                # scheduling passes otherwise come every 30 s (backfill) and 60 s (main))
+                "SchedulerParameters=bf_interval=1,sched_interval=2",
                 "MinJobAge=600",
                 *(
                     f"NodeName=n{i} NodeHostname={host} NodeAddr=127.0.0.1 "

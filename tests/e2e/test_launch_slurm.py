@@ -83,6 +83,9 @@ def test_a_requeued_job_resumes_and_ends_bitwise_like_an_uninterrupted_one(clust
     log = output(requeued, job_id)
     assert job["JobState"] == "COMPLETED" and job["Restarts"] == "1", log
     assert "attempt 1," in log and "attempt 2," in log
+    # the batch script ran to its end once the ranks had saved, not until Slurm's SIGKILL
+    # (KillWait) cut it short
+    assert f"requeueing job {job_id}" in log, log
 
     # the ranks saved at a step boundary on Slurm's SIGTERM, and the next attempt resumed there
     stopped = re.search(r"SIGTERM: saved \S+ at step (\d+) and stopping", log)
@@ -112,15 +115,20 @@ def test_without_sbatch_submission_is_one_line(tmp_path):
 
 
 def test_the_time_limit_warning_saves_and_the_script_requeues_the_job(cluster, tmp_path):
-    """The script's own path: a three-minute job asks for SIGTERM 120 s before its limit (Slurm
-    sends it at its next periodic check, within about 30 s: 60–90 s after the start, while the
-    100 s of training run even when start-up is slow); the batch shell forwards it, the ranks
-    save, and the script requeues the job, whose next attempt (given time now) resumes there
-    and finishes. (With a one-minute job the signal could come before the first step on a
-    loaded machine: the ranks then stop with nothing to save, as they should.)"""
+    """The script's own path: the job asks for SIGTERM 120 s before its time limit. Once it
+    trains, the test brings that limit down to two minutes from the start, so the warning is due
+    at once: Slurm sends it at its next periodic check, within about 30 s, while about 50 s of
+    training remain (with the limit given at submission the signal could come before the first
+    step on a loaded machine, or the test would wait a minute for it). The batch shell forwards
+    it, the ranks save, and the script requeues the job, whose next attempt (given time now)
+    resumes there and finishes."""
     run_dir = tmp_path / "limited"
-    job_id = submit(cluster, run_dir, "--time", "00:03:00", "--signal-seconds", "120", step_s=2.5)
-    cluster.wait(job_id, {"RUNNING"}, timeout=120)
+    job_id = submit(cluster, run_dir, "--time", "00:10:00", "--signal-seconds", "120", step_s=1.5)
+    deadline = time.monotonic() + 180
+    while not (run_dir / "checkpoints" / "step_00000004").exists():
+        assert time.monotonic() < deadline, output(run_dir, job_id)
+        time.sleep(0.2)
+    cluster.run("scontrol", "update", f"JobId={job_id}", "TimeLimit=2")
     job = cluster.wait(job_id, {"PENDING", "COMPLETED", "FAILED", "TIMEOUT"}, timeout=240)
     log = output(run_dir, job_id)
     assert job["JobState"] == "PENDING", log  # requeued, by the script
