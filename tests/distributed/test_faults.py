@@ -208,6 +208,27 @@ def test_sigterm_to_the_ranks_alone_stops_the_run_at_a_checkpoint(tmp_path):
     assert 4 < stopped < 40 and (tmp_path / "run" / "checkpoints" / f"step_{stopped:08d}").exists()
 
 
+def test_on_sigterm_ranks_stuck_behind_a_stalled_rank_end_without_waiting_for_sigkill(tmp_path):
+    """Rank 1 stalls after step 4 and the launcher gets SIGTERM then, so the ranks cannot meet to
+    stop together: rank 0 waits inside step 5 for rank 1. Each says so and ends about 10 s after
+    the signal (4 × the slowest step, at least 10 s, inside a step), not when torch's agent
+    SIGKILLs them 30 s after it; `shardwise train` exits 143, keeping step 4's checkpoint."""
+    job = tmp_path / "job.toml"
+    import tomli_w
+
+    config = gpt_job(tmp_path / "run", train={"steps": 16}, **SECTIONS)
+    job.write_text(tomli_w.dumps(config.model_dump(mode="json", exclude_none=True)))
+    command = [str(Path(sys.executable).parent / "shardwise"), "train", str(job), "--nproc", "2"]
+    env = {**os.environ, "SHARDWISE_FAULT": "stall:rank=1:step=4,sigterm:step=4"}
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    for rank, where in ((0, "inside step 5"), (1, "after step 4")):
+        assert f"rank {rank}: SIGTERM, but the rank has waited" in done.stderr, done.stderr
+        assert f"{where}: a rank it waits for is gone" in done.stderr
+    assert "checkpoints written so far are kept" in done.stderr
+    assert (tmp_path / "run" / "checkpoints" / "step_00000004").exists()
+
+
 @pytest.mark.parametrize("damage", ["truncate", "corrupt"])
 def test_damaged_newest_checkpoint_is_skipped_for_the_previous_good_one(
     tmp_path, uninterrupted, damage

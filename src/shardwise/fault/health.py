@@ -25,6 +25,7 @@ from __future__ import annotations
 import signal
 import statistics
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -33,6 +34,9 @@ import torch
 import torch.distributed as dist
 
 from shardwise.comm.collectives import all_gather_single
+
+_PATIENCE_STEPS, _PATIENCE_FLOOR_S = 4, 10.0
+"""After SIGTERM, a rank idle for 4 × the slowest rank's step time (at least 10 s) is stuck."""
 
 
 @dataclass
@@ -53,9 +57,14 @@ class RankHealth:
         every: int,
         interval_s: float,
         adaptive: bool = True,
+        on_signal: Callable[[float], None] | None = None,
     ) -> None:
+        """`on_signal(patience_s)` is called on SIGTERM, once a step's time is known: a rank that
+        waits this long without finishing a step cannot reach the ranks' next check."""
         self.factor, self.windows, self.every = straggler_factor, straggler_windows, every
         self.interval_s, self.adaptive = interval_s, adaptive
+        self._on_stop = on_signal
+        self._slowest = 0.0
         self._signalled = False
         self._seconds: list[float] = []
         self._steps: list[float] = []
@@ -67,6 +76,9 @@ class RankHealth:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._signalled = True
+        step_s = max([self._slowest, *self._steps])
+        if self._on_stop is not None and step_s > 0:
+            self._on_stop(max(_PATIENCE_FLOOR_S, _PATIENCE_STEPS * step_s))
 
     def add(self, own: float, step: float) -> None:
         """One step: this rank's own work (batch fetch + forward) and the whole step's time."""
@@ -88,7 +100,7 @@ class RankHealth:
         all_gather_single(gathered, sent, group=self._group)
         seconds, steps, flags = gathered.view(world, 3).unbind(1)
         health = Health(stop=bool(flags.max() > 0))
-        slowest = float(steps.max())
+        slowest = self._slowest = float(steps.max())
         if slowest > 0 and self.adaptive:  # the same numbers everywhere: the same cadence
             self.every = max(1, round(self.interval_s / slowest))
         if self.factor > 0 and world > 1:

@@ -6,6 +6,12 @@ where and which never started the step the others wait in.
 
 The training loop calls `started(step)` and `finished(step)`; long phases that are not steps
 (evaluation, checkpoint saves) call `beat()`.
+
+After SIGTERM the ranks must meet at their next check to stop together (health.py). A rank that
+cannot, because a rank it waits for is gone, would sit in its collective until the launcher's
+SIGKILL: torch's agent sends SIGTERM to the survivors when a rank dies (to restart them, or at the
+end) and waits 30 s. So once told to `hurry`, the watchdog ends a rank that waits longer than
+that patience in a step or between steps (not in a save or an evaluation), saying so.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -28,18 +35,29 @@ class Watchdog:
         self.directory, self.rank, self.timeout_s = directory, rank, timeout_s
         self.last_started = self.last_finished = 0
         self._beat = time.monotonic()
+        self._saving_or_evaluating = False
+        self._patience_s: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="shardwise-watchdog", daemon=True)
         self._thread.start()
 
     def started(self, step: int) -> None:
         self.last_started, self._beat = step, time.monotonic()
+        self._saving_or_evaluating = False
 
     def finished(self, step: int) -> None:
         self.last_finished, self._beat = step, time.monotonic()
+        self._saving_or_evaluating = False
 
     def beat(self) -> None:
+        """A save or an evaluation starts (until the step is finished)."""
         self._beat = time.monotonic()
+        self._saving_or_evaluating = True
+
+    def hurry(self, patience_s: float) -> None:
+        """SIGTERM came: from now on a rank idle for `patience_s` outside a save or an
+        evaluation ends."""
+        self._patience_s = patience_s
 
     def close(self) -> None:
         self._stop.set()
@@ -52,6 +70,21 @@ class Watchdog:
             if idle > self.timeout_s:
                 self._report(idle)
                 time.sleep(_MARGIN_S)
+                os._exit(HANG_EXIT)
+            patience = self._patience_s
+            if patience is not None and idle > patience and not self._saving_or_evaluating:
+                where = (
+                    f"inside step {self.last_started}"
+                    if self.last_started > self.last_finished
+                    else f"after step {self.last_finished}"
+                )
+                print(
+                    f"rank {self.rank}: SIGTERM, but the rank has waited {idle:.0f} s {where}: a "
+                    "rank it waits for is gone; ending without a checkpoint (the newest saved "
+                    "one stays)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os._exit(HANG_EXIT)
 
     def _report(self, idle: float) -> None:

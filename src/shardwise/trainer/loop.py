@@ -131,14 +131,15 @@ def _session(
     reporter = report.start(run, start, resumed=resume is not None)
     if restarts:
         report.restarted(reporter, restarts, start)
+    watchdog = Watchdog(config.run_dir / "hangs", rank=run.rank, timeout_s=config.fault.timeout_s)
     health = RankHealth(
         straggler_factor=config.fault.straggler_factor,
         straggler_windows=config.fault.straggler_windows,
         every=config.tracking.log_every,
         interval_s=config.fault.check_interval_s,
         adaptive=run.sync.meets_every_step,
+        on_signal=watchdog.hurry,
     )
-    watchdog = Watchdog(config.run_dir / "hangs", rank=run.rank, timeout_s=config.fault.timeout_s)
     progress = Progress(start=start, checkpoint=resume, window_start=start)
     session = _Session(run, reporter, progress, health, watchdog)
     status = "FAILED"
