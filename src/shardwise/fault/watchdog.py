@@ -5,13 +5,14 @@ launcher then turns the ranks' reports into one message (`describe`) naming whic
 where and which never started the step the others wait in.
 
 The training loop calls `started(step)` and `finished(step)`; long phases that are not steps
-(evaluation, checkpoint saves) call `beat()`.
+(evaluation, checkpoint saves, the run's end) call `beat()`.
 
 After SIGTERM the ranks must meet at their next check to stop together (health.py). A rank that
 cannot, because a rank it waits for is gone, would sit in its collective until the launcher's
 SIGKILL: torch's agent sends SIGTERM to the survivors when a rank dies (to restart them, or at the
 end) and waits 30 s. So once told to `hurry`, the watchdog ends a rank that waits longer than
-that patience in a step or between steps (not in a save or an evaluation), saying so.
+that patience in a step or between steps (not in a save, an evaluation or the run's end),
+saying so.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class Watchdog:
         self._saving_or_evaluating = False
 
     def beat(self) -> None:
-        """A save or an evaluation starts (until the step is finished)."""
+        """A phase that is not training starts: a save, an evaluation (until the step is
+        finished), the run's end."""
         self._beat = time.monotonic()
         self._saving_or_evaluating = True
 

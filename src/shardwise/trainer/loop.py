@@ -100,6 +100,7 @@ def train(
             if _after_step(run, step, progress, reporter, session):
                 preempted_at = step
                 break
+        session.watchdog.beat()  # the end: the saves in flight may take a while
         session.summary = _end(run, progress, reporter, preempted_at)
     assert session.summary is not None
     return session.summary
