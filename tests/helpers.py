@@ -209,13 +209,22 @@ def assert_bitwise_same_run(got: Path, want: Path, steps: int) -> None:
         assert torch.equal(got_params[name], value), name
 
 
+SHARDWISE = str(Path(sys.executable).parent / "shardwise")
+"""The `shardwise` command of this virtualenv."""
+
+
+def write_job(config: JobConfig, job: Path) -> Path:
+    """`config` as a job file a user would write, at `job`."""
+    job.write_text(tomli_w.dumps(config.model_dump(mode="json", exclude_none=True)))
+    return job
+
+
 def launch_on_two_nodes(
     target: str, config: JobConfig, job: Path, *flags: str, env: dict[str, str]
 ) -> subprocess.CompletedProcess[str]:
     """`shardwise launch TARGET` of `config` (written to `job`) on two nodes of one rank each,
     their storage shared, from the repository as a user runs it."""
-    job.write_text(tomli_w.dumps(config.model_dump(mode="json", exclude_none=True)))
-    command = [str(Path(sys.executable).parent / "shardwise"), "launch", target, str(job)]
+    command = [SHARDWISE, "launch", target, str(write_job(config, job))]
     command += ["--nodes", "2", "--nproc-per-node", "1", "--shared-storage", *flags]
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
 

@@ -20,9 +20,18 @@ import pytest
 import torch
 
 import shardwise
-from helpers import digits_job, gpt_job, listening_sockets, load_params, losses
+from helpers import (
+    SHARDWISE,
+    digits_job,
+    gpt_job,
+    listening_sockets,
+    load_params,
+    losses,
+    write_job,
+)
 from shardwise.checkpoint.export import export_safetensors, load_exported
 from shardwise.checkpoint.layout import problem
+from shardwise.config import JobConfig
 from shardwise.tracking.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -126,6 +135,11 @@ def test_skipped_steps_are_counted_at_the_log_step(tmp_path, monkeypatch):
     assert all(math.isfinite(r["loss"]) for r in records if "loss" in r)
 
 
+def _train_on_two_ranks(tmp_path: Path, config: JobConfig) -> list[str]:
+    """The `shardwise train` command of `config` (written to job.toml) on 2 ranks."""
+    return [SHARDWISE, "train", str(write_job(config, tmp_path / "job.toml")), "--nproc", "2"]
+
+
 GRACE_S = 25
 """Less than a scheduler's grace between SIGTERM and SIGKILL (Slurm's KillWait and Kubernetes'
 terminationGracePeriodSeconds: 30 s by default), from the ranks' save to the launcher's exit."""
@@ -137,13 +151,10 @@ def test_sigterm_saves_at_a_step_boundary_exits_0_and_resumes_exactly(tmp_path, 
     elastic's 30 s wait for ranks that have stopped); `--resume auto` then ends bitwise like the
     uninterrupted run."""
     want_losses, want_params, _ = uninterrupted
-    job = tmp_path / "job.toml"
-    import tomli_w
-
     sections = {**SECTIONS, "fault": {**SECTIONS["fault"], "check_interval_s": 0}}
-    config = gpt_job(tmp_path / "run", train={"steps": 16}, **sections)
-    job.write_text(tomli_w.dumps(config.model_dump(mode="json", exclude_none=True)))
-    command = [str(Path(sys.executable).parent / "shardwise"), "train", str(job), "--nproc", "2"]
+    command = _train_on_two_ranks(
+        tmp_path, gpt_job(tmp_path / "run", train={"steps": 16}, **sections)
+    )
     env = {**os.environ, "SHARDWISE_FAULT": "sigterm:step=6"}
     stderr = tmp_path / "stderr"
     with stderr.open("w") as err:
@@ -181,13 +192,10 @@ def test_sigterm_saves_at_a_step_boundary_exits_0_and_resumes_exactly(tmp_path, 
 def test_sigterm_to_the_ranks_alone_stops_the_run_at_a_checkpoint(tmp_path):
     """SIGTERM to the ranks, not to `shardwise train` (no restarts left): they save at a step
     boundary, the run stops there and `shardwise train` exits 0 with the preempted summary."""
-    job = tmp_path / "job.toml"
-    import tomli_w
-
     sections = {**SECTIONS, "fault": {"max_restarts": 0, "check_interval_s": 0}}
-    config = gpt_job(tmp_path / "run", train={"steps": 40}, **sections)
-    job.write_text(tomli_w.dumps(config.model_dump(mode="json", exclude_none=True)))
-    command = [str(Path(sys.executable).parent / "shardwise"), "train", str(job), "--nproc", "2"]
+    command = _train_on_two_ranks(
+        tmp_path, gpt_job(tmp_path / "run", train={"steps": 40}, **sections)
+    )
     env = {**os.environ, "SHARDWISE_FAULT": "slow:step=1:seconds=0.2"}
     launcher = subprocess.Popen(
         command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -213,12 +221,9 @@ def test_on_sigterm_ranks_stuck_behind_a_stalled_rank_end_without_waiting_for_si
     stop together: rank 0 waits inside step 5 for rank 1. Each says so and ends about 10 s after
     the signal (4 × the slowest step, at least 10 s, inside a step), not when torch's agent
     SIGKILLs them 30 s after it; `shardwise train` exits 143, keeping step 4's checkpoint."""
-    job = tmp_path / "job.toml"
-    import tomli_w
-
-    config = gpt_job(tmp_path / "run", train={"steps": 16}, **SECTIONS)
-    job.write_text(tomli_w.dumps(config.model_dump(mode="json", exclude_none=True)))
-    command = [str(Path(sys.executable).parent / "shardwise"), "train", str(job), "--nproc", "2"]
+    command = _train_on_two_ranks(
+        tmp_path, gpt_job(tmp_path / "run", train={"steps": 16}, **SECTIONS)
+    )
     env = {**os.environ, "SHARDWISE_FAULT": "stall:rank=1:step=4,sigterm:step=4"}
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 128 + signal.SIGTERM, done.stderr

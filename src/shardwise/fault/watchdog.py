@@ -36,7 +36,7 @@ class Watchdog:
         self.directory, self.rank, self.timeout_s = directory, rank, timeout_s
         self.last_started = self.last_finished = 0
         self._beat = time.monotonic()
-        self._saving_or_evaluating = False
+        self._training = True
         self._patience_s: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="shardwise-watchdog", daemon=True)
@@ -44,21 +44,21 @@ class Watchdog:
 
     def started(self, step: int) -> None:
         self.last_started, self._beat = step, time.monotonic()
-        self._saving_or_evaluating = False
+        self._training = True
 
     def finished(self, step: int) -> None:
         self.last_finished, self._beat = step, time.monotonic()
-        self._saving_or_evaluating = False
+        self._training = True
 
     def beat(self) -> None:
         """A phase that is not training starts: a save, an evaluation (until the step is
         finished), the run's end."""
         self._beat = time.monotonic()
-        self._saving_or_evaluating = True
+        self._training = False
 
     def hurry(self, patience_s: float) -> None:
-        """SIGTERM came: from now on a rank idle for `patience_s` outside a save or an
-        evaluation ends."""
+        """SIGTERM came: from now on a rank idle for `patience_s` outside a save, an evaluation
+        or the run's end ends."""
         self._patience_s = patience_s
 
     def close(self) -> None:
@@ -74,7 +74,7 @@ class Watchdog:
                 time.sleep(_MARGIN_S)
                 os._exit(HANG_EXIT)
             patience = self._patience_s
-            if patience is not None and idle > patience and not self._saving_or_evaluating:
+            if patience is not None and idle > patience and self._training:
                 where = (
                     f"inside step {self.last_started}"
                     if self.last_started > self.last_finished

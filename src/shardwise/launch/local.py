@@ -265,8 +265,9 @@ def train(
             raise
         return preempted  # the workers saved a checkpoint at a step boundary and stopped
     except WorkerFailed as failure:
-        preempted = _preempted_summary(config, since=started)
-        if failure.exitcode == PREEMPTED_EXIT and preempted is not None:
+        if failure.exitcode == PREEMPTED_EXIT and (
+            preempted := _preempted_summary(config, since=started)
+        ):
             return preempted  # SIGTERM reached the workers, not this launcher
         hang = describe_hang(config.run_dir / "hangs", since=started)
         if hang is None:

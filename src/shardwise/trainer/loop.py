@@ -101,9 +101,8 @@ def train(
                 preempted_at = step
                 break
         session.watchdog.beat()  # the end: the saves in flight may take a while
-        session.summary = _end(run, progress, reporter, preempted_at)
-    assert session.summary is not None
-    return session.summary
+        summary = session.summary = _end(run, progress, reporter, preempted_at)
+    return summary
 
 
 @dataclass
