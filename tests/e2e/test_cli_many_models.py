@@ -184,6 +184,7 @@ def test_killed_run_resumes_only_unfinished_chunks(tmp_path):
         ("backtest.horizn=3", "unknown key 'backtest.horizn'; did you mean 'backtest.horizon'?"),
         ("data.freq='0d'", "data.freq: expected a positive count and a unit"),
         ("backtest.refit=-2", "backtest.refit: is true, false (or 0) or how many windows apart"),
+        ("backtest.reselect='maybe'", "backtest.reselect: input should be a valid boolean"),
         ("data.season_length=100000000", "data.season_length = 100000000 is longer than the"),
         ("runner.ray_address='127.0.0.1:1'", ":1 (connection refused; waited up to 10 s)"),
     ],

@@ -1,4 +1,4 @@
-"""User models that misbehave on purpose, for the many-models failure tests."""
+"""User models for the many-models tests, most of them misbehaving on purpose."""
 
 from __future__ import annotations
 
@@ -42,3 +42,17 @@ class RightUntilJuly2019:
         phase = {"a": 0.0, "b": 1.0, "c": 2.0}[shop]
         truth = 100 + 0.5 * t + 10 * np.sin(2 * np.pi * t / 12 + phase)
         return truth + np.where(t >= 54, 50.0, 0.0)
+
+
+class SaysHowItWasFitted:
+    """Forecasts how its fit came about: 1 when fitted anew, the last fit's + 10 when
+    re-estimated in the form of an earlier fit (`backtest.reselect = false`)."""
+
+    def fit(self, frame: pl.DataFrame) -> float:
+        return 1.0
+
+    def reestimate(self, fitted: float, frame: pl.DataFrame) -> float:
+        return fitted + 10.0
+
+    def predict(self, fitted: float, frame: pl.DataFrame) -> np.ndarray:
+        return np.full(frame.height, fitted)

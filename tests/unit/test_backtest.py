@@ -248,12 +248,29 @@ def test_refit_false_carries_the_first_windows_fit_of_a_feature_model(tmp_path):
     got = tables["backtest"].filter(pl.col(SERIES) == 0).sort("window", "step")
     for window, origin in enumerate(starts):
         rows = observed.slice(origin, 6).drop("y")
-        carried, _ = _fit_predict(model, "ridge", observed.head(origin), rows, plan, first)
+        carried, _ = _fit_predict(model, "ridge", observed.head(origin), rows, plan, first, window)
         refitted, _ = _fit_predict(model, "ridge", observed.head(origin), rows, plan)
         ours = got.filter(pl.col("window") == window)["forecast"].to_numpy()
         np.testing.assert_allclose(ours, carried.values, rtol=1e-12)
         if window:
             assert np.abs(ours - refitted.values).max() > 1e-9
     final = tables["forecasts"].filter(pl.col(SERIES) == 0).sort("step")["forecast"].to_numpy()
-    carried, _ = _fit_predict(model, "ridge", observed, future.drop("y"), plan, first)
+    carried, _ = _fit_predict(
+        model, "ridge", observed, future.drop("y"), plan, first, plan.n_windows
+    )
     np.testing.assert_allclose(final, carried.values, rtol=1e-12)
+
+
+def test_reselect_false_reestimates_a_user_model_from_its_last_fit(tmp_path):
+    """A user model's `reestimate(fitted, frame)` gets the last fit on every window after the
+    first and on the forecast under `backtest.reselect = false`; by default it is fitted anew."""
+    name = "misbehaving_models:SaysHowItWasFitted"
+    backtest = {"horizon": 6, "n_windows": 3}
+    for reselect, later in ((False, [11.0, 21.0, 31.0]), (True, [1.0, 1.0, 1.0])):
+        extra = {"backtest": {**backtest, "reselect": reselect}, "features": {"scale": "none"}}
+        config, table = tiny_job(tmp_path, [name], **extra)
+        tables = run_in_process(config, table).tables()
+        windows = tables["backtest"].group_by("window").agg(pl.col("forecast").unique())
+        got = dict(windows.iter_rows())
+        assert got == {0: [1.0], 1: [later[0]], 2: [later[1]]}, reselect
+        assert tables["forecasts"]["forecast"].unique().to_list() == [later[2]], reselect

@@ -194,3 +194,85 @@ def test_models_without_forward_are_fitted_again_under_refit_false(tmp_path):
     assert carried["failures"].height == 0
     for name in ("backtest", "forecasts"):
         assert carried[name].equals(refitted[name]), name
+
+
+def _form_changes() -> np.ndarray:
+    """Level, then a trend from month 54 on: the forms auto_ets, auto_theta, mstl and auto_arima
+    choose on the first window's rows (54) differ from those they choose on later ones."""
+    rng = np.random.default_rng(1)
+    flat = 100 + rng.normal(0, 1, 54)
+    return np.r_[flat, 100 + 3.0 * np.arange(MONTHS - 54) + rng.normal(0, 1, MONTHS - 54)]
+
+
+def _kept_form(label: str, first):
+    """statsforecast's model in the form `first` (that model fitted on the first window) chose,
+    its parameters free."""
+    from statsforecast.models import ARIMA, MSTL
+
+    def ets(components: str, **args) -> AutoETS:
+        return AutoETS(model=components[:3], damped=components[3] == "D", **args)
+
+    if label == "auto_ets":
+        return ets(first.model_["components"], season_length=12)
+    if label == "auto_theta":
+        return AutoTheta(season_length=12, model=first.model_["modeltype"])
+    if label == "mstl":
+        return MSTL(
+            season_length=[12], trend_forecaster=ets(first.trend_forecaster.model_["components"])
+        )
+    p, q, big_p, big_q, season, d, big_d = first.model_["arma"]
+    coef = first.model_["coef"]
+    return ARIMA(
+        order=(p, d, q),
+        season_length=season,
+        seasonal_order=(big_p, big_d, big_q),
+        include_mean="intercept" in coef,
+        include_drift="drift" in coef,
+    )
+
+
+def test_reselect_false_keeps_the_first_windows_form_and_estimates_it_again(tmp_path):
+    """`backtest.reselect = false`: each model chooses its form (ETS's error, trend and season,
+    Theta's variant, MSTL's trend model, ARIMA's orders and constant) on the first window only;
+    every later window and the forecast estimate that form's parameters on their own rows. The
+    default chooses again each time, and on this series it chooses otherwise."""
+    from statsforecast.models import MSTL, AutoARIMA
+
+    y = _form_changes()
+    names = ["auto_ets", "auto_theta", "mstl", "auto_arima"]
+    backtest = {"horizon": 6, "n_windows": 3}
+    _, kept = _job(tmp_path, {"a": y}, names, backtest={**backtest, "reselect": False})
+    _, chosen = _job(tmp_path, {"a": y}, names, backtest=backtest)
+    assert kept["failures"].height == 0
+    full = {
+        "auto_ets": AutoETS(season_length=12),
+        "auto_theta": AutoTheta(season_length=12),
+        "mstl": MSTL(season_length=[12], trend_forecaster=AutoETS(model="ZZN")),
+        "auto_arima": AutoARIMA(season_length=12),
+    }
+    origins = (MONTHS - 18, MONTHS - 12, MONTHS - 6, MONTHS)  # the windows', then the forecast's
+    for label, model in full.items():
+        form = _kept_form(label, model.fit(y[: origins[0]]))
+        windows = kept["backtest"].filter(model=label).sort("window", "step")["forecast"]
+        forecast = kept["forecasts"].filter(model=label).sort("step")["forecast"]
+        ours = np.r_[windows.to_numpy(), forecast.to_numpy()].reshape(4, 6)
+        assert ours[0] == pytest.approx(_by_hand(model, y[: origins[0]], 6), rel=1e-9), label
+        for w, origin in enumerate(origins[1:], start=1):
+            assert ours[w] == pytest.approx(_by_hand(form, y[:origin], 6), rel=1e-9), (label, w)
+        again = chosen["backtest"].filter(model=label, window=2).sort("step")["forecast"]
+        assert np.abs(again.to_numpy() - ours[2]).max() > 1e-6, label  # chosen otherwise
+
+
+def test_reselect_false_chooses_again_where_the_kept_form_cannot_be_fitted(tmp_path):
+    """A multiplicative ETS form chosen on the first window cannot be fitted once the series
+    has reached zero: that window chooses its form again rather than failing."""
+    y = _multiplicative()
+    y[MONTHS - 15] = 0.0  # in the second window's training rows, not the first's
+    first = AutoETS(season_length=12).fit(y[: MONTHS - 18])
+    assert first.model_["components"][0] == "M"
+    backtest = {"horizon": 6, "n_windows": 3, "reselect": False}
+    _, tables = _job(tmp_path, {"a": y}, ["auto_ets"], backtest=backtest)
+    assert tables["failures"].height == 0
+    second = tables["backtest"].filter(window=1).sort("step")["forecast"].to_numpy()
+    expected = _by_hand(AutoETS(season_length=12), y[: MONTHS - 12], 6)
+    np.testing.assert_allclose(second, expected, rtol=1e-9)

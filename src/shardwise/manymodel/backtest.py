@@ -14,8 +14,9 @@ use). Every model is then refitted on
 every observation (or, as `backtest.refit` says, its last fit carried to them: `update`) and
 forecasts the `horizon` future rows; the per-series choice is the model with the best mean
 `metric` over all windows. `backtest.refit` applies to the windows too: one that is not refitted
-forecasts with the last fit, updated to its longer history. A model that raises is recorded and
-left out for that series; the series fails only when no model succeeds.
+forecasts with the last fit, updated to its longer history; with `backtest.reselect = false` one
+that is refitted keeps the form the first window's fit chose (`Plan.how`). A model that raises
+is recorded and left out for that series; the series fails only when no model succeeds.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import traceback
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import polars as pl
@@ -70,11 +71,28 @@ class Plan:
     refit: int = 1
     """Windows between re-estimations (`backtest.refit`; 0: the first window only); the
     forecast counts as window n_windows."""
+    reselect: bool = True
+    """Whether a re-estimation chooses the model's form again (`backtest.reselect`) or keeps
+    the one its first fit chose."""
 
     def refits(self, window: int) -> bool:
         """Whether a model is re-estimated for `window` (n_windows: the forecast) rather than
         updated from its last fit."""
         return refits(self.refit, window)
+
+    def how(self, window: int) -> Fit:
+        """How each model is fitted for `window` (n_windows: the forecast), given its last fit."""
+        if window == 0:
+            return "fit"
+        if not self.refits(window):
+            return "update"
+        return "fit" if self.reselect else "reestimate"
+
+
+Fit = Literal["fit", "update", "reestimate"]
+"""A model fitted anew; its last fit carried to the longer history (`update`); or its last
+fit's form estimated again on the window's rows (`reestimate`). A model without the method
+named is fitted anew."""
 
 
 def refits(every: int, window: int) -> bool:
@@ -209,9 +227,8 @@ def forecast_series(
         ranked = sorted(scores, key=lambda label: _score(scores[label])) if window else []
         for label in list(scores):
             try:
-                previous = None if plan.refits(window) else fits[label]
                 predicted, fits[label] = _fit_predict(
-                    models[label], label, train, test.drop(TARGET), plan, previous
+                    models[label], label, train, test.drop(TARGET), plan, fits.get(label), window
                 )
             except Exception as e:
                 out.failures.append(_failure(series, label, f"window {window}", e))
@@ -342,8 +359,10 @@ def _refit(
     finals: dict[str, _Forecast] = {}
     for label in ranked:
         try:
-            previous = None if plan.refits(plan.n_windows) else windows.fits.get(label)
-            finals[label], _ = _fit_predict(models[label], label, observed, future, plan, previous)
+            previous, final = windows.fits.get(label), plan.n_windows
+            finals[label], _ = _fit_predict(
+                models[label], label, observed, future, plan, previous, final
+            )
         except Exception as e:
             out.failures.append(_failure(series, label, "refit", e))
     if not finals:
@@ -420,18 +439,18 @@ def _fit_predict(
     rows: pl.DataFrame,
     plan: Plan,
     previous: Any = None,
+    window: int = 0,
 ) -> tuple[_Forecast, Any]:
-    """Fit on `train` (or, given a `previous` fit and a model that can, update that fit with
-    `train`) and predict `rows`, in the target's own units (transforms undone); and the fit."""
+    """Fit on `train` as `plan.how(window)` says (given a `previous` fit and a model that can,
+    update it or estimate its form again) and predict `rows`, in the target's own units
+    (transforms undone); and the fit."""
     if isinstance(model, Given):  # forecast across series, already in the target's units
         fitted = model.fit(train)
         return _Forecast(as_values(model.predict(fitted, rows), rows.height, label)), fitted
     train, rows, back = plan.transforms[label].apply(train, rows)
-    update = getattr(model, "update", None)
-    if previous is not None and update is not None:
-        fitted = update(previous, train)
-    else:
-        fitted = model.fit(train)
+    how = plan.how(window)
+    carry = getattr(model, how, None) if how != "fit" and previous is not None else None
+    fitted = carry(previous, train) if carry is not None else model.fit(train)
     predicted = as_values(model.predict(fitted, rows), rows.height, label)
     own = {}
     interval = getattr(model, "predict_interval", None)

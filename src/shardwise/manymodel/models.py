@@ -7,7 +7,9 @@ Built-in models know which columns are features from a `ModelContext`; a user mo
 importable module or `module:object` with those two functions (a class is instantiated with
 `models.args.<name>`), see examples/croston.py. A model may also have `update(fitted, frame) ->
 fitted`: the fit carried to a longer history of the same series without estimating it again,
-which `backtest.refit` uses on the windows it does not refit.
+which `backtest.refit` uses on the windows it does not refit; and `reestimate(fitted, frame) ->
+fitted`: a fit to `frame` in the form an earlier fit chose, which `backtest.reselect = false`
+uses on the windows it refits after the first.
 """
 
 from __future__ import annotations

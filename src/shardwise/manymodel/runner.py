@@ -207,6 +207,7 @@ def make_plan(config: ManyModelsConfig, table: SeriesTable, spec: FeatureSpec) -
         levels=tuple(sorted(set(config.backtest.levels))),
         intervals=config.backtest.intervals,
         refit=config.refit_every,
+        reselect=config.backtest.reselect,
         global_models=frozenset(
             model_label(name) for name in config.models.names if model_global(config, name)
         ),

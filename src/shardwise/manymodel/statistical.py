@@ -46,15 +46,26 @@ class Updated:
     y: np.ndarray
 
 
+Form = Callable[..., Any]
+"""`form(fitted, **args)`: an unfitted statsforecast model in the form a fitted one chose (its
+ETS components, ARIMA orders, Theta variant), the user's arguments kept where they apply."""
+
+
 class Statistical:
     """A statsforecast model fitted per series. `make(season_length, n, **args)` builds an
     unfitted model for a series of `n` observations; `update` carries a fit to a longer history
-    without estimating it again (`backtest.refit`)."""
+    without estimating it again (`backtest.refit`); `reestimate` fits the form an earlier fit
+    chose to a longer history (`backtest.reselect = false`)."""
 
     def __init__(
-        self, context: ModelContext, make: Callable[..., Any], name: str, **args: Any
+        self,
+        context: ModelContext,
+        make: Callable[..., Any],
+        name: str,
+        form: Form | None = None,
+        **args: Any,
     ) -> None:
-        self.context, self.make, self.args = context, make, args
+        self.context, self.make, self.form, self.args = context, make, form, args
         try:
             make(context.season_length, 10 * max(context.season_length, 1) + 10, **args)
         except TypeError as e:  # a misspelt argument: say which
@@ -71,6 +82,19 @@ class Statistical:
         if not hasattr(model, "forward"):
             return self.fit(frame)
         return Updated(model, _history(frame, self.context.target))
+
+    def reestimate(self, fitted: Any, frame: pl.DataFrame) -> Any:
+        """A fit to `frame` in the form `fitted` chose, its parameters estimated again; the form
+        chosen again where the model has none to keep or the rows cannot take it (statsforecast
+        refuses a multiplicative one on a series that reached zero)."""
+        if self.form is None:
+            return self.fit(frame)
+        y = _history(frame, self.context.target)
+        model = fitted.model if isinstance(fitted, Updated) else fitted
+        try:
+            return self.form(model, **self.args).fit(y)
+        except ValueError:
+            return self.make(self.context.season_length, y.size, **self.args).fit(y)
 
     def predict(self, fitted: Any, frame: pl.DataFrame) -> np.ndarray:
         return np.asarray(_forecast(fitted, frame.height)["mean"], dtype=np.float64)
@@ -129,6 +153,47 @@ def _mstl(season: int, n: int, seasonalities: tuple[int, ...] = (), **args: Any)
     return MSTL(season_length=periods, trend_forecaster=AutoETS(model="ZZN"), **args)
 
 
+def _ets_form(fitted: Any, **args: Any) -> Any:
+    from statsforecast.models import AutoETS
+
+    components = fitted.model_["components"]  # error, trend, season, then D for damped
+    args = {**args, "model": components[:3], "damped": components[3] == "D"}
+    return AutoETS(season_length=fitted.season_length, **args)
+
+
+def _theta_form(fitted: Any, **args: Any) -> Any:
+    from statsforecast.models import AutoTheta
+
+    args = {**args, "model": fitted.model_["modeltype"]}
+    return AutoTheta(season_length=fitted.season_length, **args)
+
+
+def _mstl_form(fitted: Any, seasonalities: tuple[int, ...] = (), **args: Any) -> Any:
+    from statsforecast.models import MSTL, AutoETS
+
+    if isinstance(fitted, AutoETS):  # there was nothing seasonal to remove
+        return _ets_form(fitted)
+    trend = _ets_form(fitted.trend_forecaster)
+    return MSTL(season_length=fitted.season_length, trend_forecaster=trend, **args)
+
+
+def _arima_form(fitted: Any, **args: Any) -> Any:
+    """ARIMA of the orders and constant AutoARIMA chose (its search arguments no longer apply;
+    the Box-Cox ones still do)."""
+    from statsforecast.models import ARIMA
+
+    p, q, seasonal_p, seasonal_q, season, d, seasonal_d = fitted.model_["arma"]
+    coefficients = fitted.model_["coef"]
+    return ARIMA(
+        order=(p, d, q),
+        season_length=season,
+        seasonal_order=(seasonal_p, seasonal_d, seasonal_q),
+        include_mean="intercept" in coefficients,
+        include_drift="drift" in coefficients,
+        **{name: args[name] for name in ("blambda", "biasadj", "method") if name in args},
+    )
+
+
 def _croston(season: int, n: int, **args: Any) -> Any:
     from statsforecast.models import CrostonOptimized
 
@@ -147,16 +212,24 @@ def _adida(season: int, n: int, **args: Any) -> Any:
     return ADIDA(**args)
 
 
+_FORMS: dict[str, Form] = {
+    "auto_ets": _ets_form,
+    "auto_arima": _arima_form,
+    "auto_theta": _theta_form,
+    "mstl": _mstl_form,
+}
+"""How each model that chooses a form by information criterion keeps it; the others (croston,
+tsb, adida) have none."""
+
+
 def _factory(make: Callable[..., Any], name: str) -> Callable[..., Statistical]:
-    kind = (
-        WithIntervals if name in ("auto_ets", "auto_arima", "auto_theta", "mstl") else Statistical
-    )
+    kind = WithIntervals if name in _FORMS else Statistical
 
     def build(context: ModelContext, **args: Any) -> Statistical:
         if name == "mstl":  # models.args.mstl = {seasonalities = [24, 168]} overrides
             default = _SEASONALITIES.get(context.freq, (context.season_length,))
             args = {**args, "seasonalities": tuple(args.get("seasonalities", default))}
-        return kind(context, make, name, **args)
+        return kind(context, make, name, _FORMS.get(name), **args)
 
     return build
 
