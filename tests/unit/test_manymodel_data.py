@@ -452,10 +452,21 @@ def test_cli_empty_file_is_one_line(tmp_path, capsys):
     )
 
 
-def test_the_eta_counts_time_in_tasks_not_the_start_of_ray():
-    from shardwise.manymodel.runner import eta_seconds
+def test_the_eta_counts_time_in_tasks_after_each_workers_warm_up():
+    """The chunks of a us_employment run with the statistical models, as two workers measured
+    them inside their tasks: each worker's first chunk took ~24 s, ~10 s of it importing and
+    compiling, the later ones 12-17 s. Once a worker has run a second chunk the ETA comes from
+    the later chunks alone, per input row; Ray's start (outside the tasks) never counts."""
+    from shardwise.manymodel.eta import Eta
 
-    # 100 series took 50 task-seconds over 2 slots; the first chunks also waited 20 s for
-    # Ray's workers, which the remaining 300 series will not
-    assert eta_seconds(300, 50.0, 100, 2) == pytest.approx(75.0)
-    assert math.isnan(eta_seconds(300, 0.0, 0, 2))
+    eta = Eta(rows=8 * 1000, slots=2)
+    assert math.isnan(eta.seconds())
+    eta.done(1000, 24.0, worker=1)
+    assert eta.seconds() == pytest.approx(7000 * 0.024 / 2)  # nothing better to go on yet
+    eta.done(1000, 24.0, worker=2)
+    eta.done(1000, 15.0, worker=1)  # worker 1 is warm
+    assert eta.seconds() == pytest.approx(5000 * 0.015 / 2)
+    eta.done(500, 6.0, worker=2)  # a shorter chunk: the rate is per row
+    assert eta.seconds() == pytest.approx(4500 * (21.0 / 1500) / 2)
+    eta.done(1000)  # lost with its worker: less left, no time learnt
+    assert eta.seconds() == pytest.approx(3500 * (21.0 / 1500) / 2)

@@ -42,6 +42,7 @@ from shardwise.manymodel.config import (
     model_scale,
 )
 from shardwise.manymodel.data import SERIES, SeriesTable, load_series
+from shardwise.manymodel.eta import Eta
 from shardwise.manymodel.feature_files import FeatureChunks, write_features
 from shardwise.manymodel.features import FeatureSpec
 from shardwise.manymodel.models import ModelContext
@@ -456,7 +457,8 @@ def _run_chunks(
     total_series = features.series
     reused = sum(len(features.series_of(i)) for i in done)
     intervals: list[tuple[float, float]] = []
-    started, finished, failed, busy = time.monotonic(), reused, 0, 0.0
+    started, finished, failed = time.monotonic(), reused, 0
+    eta = Eta(rows=sum(features.rows[i] for i in todo), slots=slots)
     with Progress(
         TextColumn("[bold]series"),
         BarColumn(),
@@ -474,33 +476,24 @@ def _run_chunks(
                 index = pending.pop(ref)
                 try:
                     result: ChunkResult = ray.get(ref)
+                    took: float | None = result.finished - result.started
                 except ray.exceptions.RayError as e:
-                    result = _lost_chunk(features.series_of(index), e, plan.levels)
+                    result, took = _lost_chunk(features.series_of(index), e, plan.levels), None
                 _write_chunk(config.run_dir / "chunks", index, result)
                 intervals.append((result.started, result.finished))
                 failed += result.failed_series
                 finished += result.series
-                busy += result.finished - result.started
-                eta = eta_seconds(total_series - finished, busy, finished - reused, slots)
-                progress.update(bar, completed=finished, failed=failed, eta=f"{eta:.0f} s")
+                eta.done(features.rows[index], took, result.pid)
+                left = eta.seconds()
+                progress.update(bar, completed=finished, failed=failed, eta=f"{left:.0f} s")
                 submit()
                 if not console.is_terminal:  # a log line per chunk instead of a bar
                     console.print(
                         f"series {finished}/{total_series} done · {failed} failed · "
-                        f"{time.monotonic() - started:.0f} s · ETA {eta:.0f} s",
+                        f"{time.monotonic() - started:.0f} s · ETA {left:.0f} s",
                         highlight=False,
                     )
     return intervals
-
-
-def eta_seconds(remaining: int, task_seconds: float, done: int, slots: int) -> float:
-    """Seconds until `remaining` series are done, from the time the tasks spent on the `done`
-    ones, measured inside them, spread over the task slots. Unlike series done over wall time,
-    it does not count the start of Ray and of its workers, which the first chunks wait for and
-    the rest do not."""
-    if not done:
-        return float("nan")
-    return remaining * (task_seconds / done) / max(slots, 1)
 
 
 def _lost_chunk(series: range, error: Exception, levels: tuple[int, ...]) -> ChunkResult:
