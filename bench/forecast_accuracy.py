@@ -168,14 +168,17 @@ def main() -> None:
         "--refit", default="true", help="true, false or k: both sides' refit (backtest.refit)"
     )
     parser.add_argument(
-        "--reselect", default="true", help="true or false: shardwise's backtest.reselect"
+        "--reselect",
+        default="true",
+        choices=["true", "false"],
+        help="shardwise's backtest.reselect",
     )
     args = parser.parse_args()
     names = args.models.split(",")
     named = {"true": True, "false": False}
     refit = named[args.refit.lower()] if args.refit.lower() in named else int(args.refit)
+    reselect = named[args.reselect]
     with tempfile.TemporaryDirectory() as tmp:
-        reselect = named[args.reselect.lower()]
         ours, ours_s = shardwise_run(names, args.top_k, refit, reselect, Path(tmp) / "run")
     theirs, theirs_s, forecast_s = statsforecast_cv(names, args.cores, refit)
     pl.Config.set_tbl_rows(30)

@@ -359,9 +359,9 @@ def _refit(
     finals: dict[str, _Forecast] = {}
     for label in ranked:
         try:
-            previous, final = windows.fits.get(label), plan.n_windows
+            previous = windows.fits.get(label)
             finals[label], _ = _fit_predict(
-                models[label], label, observed, future, plan, previous, final
+                models[label], label, observed, future, plan, previous, window=plan.n_windows
             )
         except Exception as e:
             out.failures.append(_failure(series, label, "refit", e))

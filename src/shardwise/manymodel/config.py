@@ -159,7 +159,7 @@ class BacktestSection(Section):
     """false: a model that chooses its form by information criterion (auto_ets's error, trend
     and season; auto_arima's orders and constant; auto_theta's variant; mstl's trend model)
     chooses it on the first window only, and every later fit that re-estimates (`refit`)
-    estimates that form's parameters again: 2-40× cheaper fits. A form the later rows cannot take
+    estimates that form's parameters again: 2.5-42× cheaper fits. A form the later rows cannot take
     (multiplicative, on a series that reached zero) is chosen again; models without a form, and
     user models without `reestimate`, are fitted as usual."""
 

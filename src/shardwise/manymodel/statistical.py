@@ -72,13 +72,16 @@ class Statistical:
             raise ConfigError(f"models.args.{name}: {e}") from None
 
     def fit(self, frame: pl.DataFrame) -> Any:
-        y = _history(frame, self.context.target)
+        return self._chosen(_history(frame, self.context.target))
+
+    def _chosen(self, y: np.ndarray) -> Any:
+        """A fit to the history `y`, its form chosen on it."""
         return self.make(self.context.season_length, y.size, **self.args).fit(y)
 
     def update(self, fitted: Any, frame: pl.DataFrame) -> Any:
         """The fit carried to the longer history `frame`; fitted again where statsforecast's
         model cannot be carried (Croston, TSB and ADIDA have no `forward`)."""
-        model = fitted.model if isinstance(fitted, Updated) else fitted
+        model = _fitted_model(fitted)
         if not hasattr(model, "forward"):
             return self.fit(frame)
         return Updated(model, _history(frame, self.context.target))
@@ -90,11 +93,10 @@ class Statistical:
         if self.form is None:
             return self.fit(frame)
         y = _history(frame, self.context.target)
-        model = fitted.model if isinstance(fitted, Updated) else fitted
         try:
-            return self.form(model, **self.args).fit(y)
+            return self.form(_fitted_model(fitted), **self.args).fit(y)
         except ValueError:
-            return self.make(self.context.season_length, y.size, **self.args).fit(y)
+            return self._chosen(y)
 
     def predict(self, fitted: Any, frame: pl.DataFrame) -> np.ndarray:
         return np.asarray(_forecast(fitted, frame.height)["mean"], dtype=np.float64)
@@ -110,6 +112,11 @@ class WithIntervals(Statistical):
         """The model's own interval at `level` percent (ETS, ARIMA, Theta and MSTL have one)."""
         out = _forecast(fitted, frame.height, level=[level])
         return np.asarray(out[f"lo-{level}"]), np.asarray(out[f"hi-{level}"])
+
+
+def _fitted_model(fitted: Any) -> Any:
+    """The statsforecast model of a fit, or of an updated one."""
+    return fitted.model if isinstance(fitted, Updated) else fitted
 
 
 def _forecast(fitted: Any, h: int, **level: Any) -> dict[str, Any]:
@@ -169,6 +176,8 @@ def _theta_form(fitted: Any, **args: Any) -> Any:
 
 
 def _mstl_form(fitted: Any, seasonalities: tuple[int, ...] = (), **args: Any) -> Any:
+    """MSTL of the periods and trend form `fitted` chose (`seasonalities` is `_mstl`'s
+    argument, not MSTL's: the periods come from the fit)."""
     from statsforecast.models import MSTL, AutoETS
 
     if isinstance(fitted, AutoETS):  # there was nothing seasonal to remove
