@@ -196,3 +196,12 @@ def conv_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[s
     """A plan that asks for a style on a layer type it does not support."""
     del model, sequence_parallel
     return {"0": ColwiseParallel()}
+
+
+def loss_that_reads_a_value(outputs: Any, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy that checks its value on the host every call, as a careful user might: on a
+    GPU each call waits for the device."""
+    loss = nn.functional.cross_entropy(outputs.flatten(0, -2), target.flatten())
+    if not torch.isfinite(loss):  # bool(): a read of the value
+        raise ValueError("non-finite loss")
+    return loss

@@ -313,8 +313,10 @@ class TrackingSection(Section):
     as `system/…` metrics every this many seconds; 0 turns it off."""
     profile_step: int = Field(10, ge=0)
     """Record a torch.profiler window from this step (0: none) for the report's split of step
-    time into compute, communication and data (profile/rank<r>.json); those steps are left
-    out of the throughput."""
+    time into compute, communication and data, with each step's operators, kernels, waits for
+    the device and shardwise's own phases; then count the host's reads of tensor values over
+    as many steps again (profile/rank<r>.json, trainer/profile.py). Those steps are left out of
+    the throughput."""
     profile_steps: int = Field(2, gt=0)
     report: bool = True
     """Write the run report (report/report.html and PNGs) at the end of the run, and log it to

@@ -135,12 +135,12 @@ class Sync:
         scaler: Any,
         step: int,
         *,
-        finite: torch.Tensor | None,
+        skip: torch.Tensor | None,
     ) -> None:
         """The step's update, once its gradients are final (reduced, clipped, checked). Called
-        every step: where `finite` (a boolean on the device; None when unchecked) is false the
+        every step: where `skip` (1.0 or 0.0 on the device; None when unchecked) is 1 the
         optimizer does not step, but a mode that synchronises on a schedule keeps it."""
-        step_optimizers(optimizers, scaler, finite)
+        step_optimizers(optimizers, scaler, skip)
         self.count(step)
 
     def count(self, step: int) -> None:
@@ -178,13 +178,13 @@ class Sync:
 
 
 def step_optimizers(
-    optimizers: list[torch.optim.Optimizer], scaler: Any, finite: torch.Tensor | None
+    optimizers: list[torch.optim.Optimizer], scaler: Any, skip: torch.Tensor | None
 ) -> None:
-    """Step each optimizer unless `finite` (a boolean tensor) is false, without the host reading
-    it where the optimizer can skip on the device: fused AdamW and SGD take the verdict as
-    `found_inf`, as they do from a gradient scaler, and leave parameters, moments and their step
-    count untouched. Other optimizers (foreach ones) make the host wait for the verdict."""
-    if finite is None:  # unchecked: fp16, whose scaler skips steps itself
+    """Step each optimizer unless `skip` (a float tensor) is 1, without the host reading it where
+    the optimizer can skip on the device: fused AdamW and SGD take it as `found_inf`, as they do
+    from a gradient scaler, and leave parameters, moments and their step count untouched. Other
+    optimizers (foreach ones) make the host wait for the verdict."""
+    if skip is None:  # unchecked: fp16, whose scaler skips steps itself
         for optimizer in optimizers:
             scaler.step(optimizer)
         scaler.update()
@@ -192,14 +192,14 @@ def step_optimizers(
     apply: bool | None = None
     for optimizer in optimizers:
         if skips_on_device(optimizer):
-            optimizer.grad_scale, optimizer.found_inf = None, (~finite).float()  # type: ignore[attr-defined]
+            optimizer.grad_scale, optimizer.found_inf = None, skip  # type: ignore[attr-defined]
             try:
                 optimizer.step()
             finally:
                 del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
             continue
         if apply is None:
-            apply = bool(finite)
+            apply = not bool(skip)
         if apply:
             optimizer.step()
 

@@ -66,11 +66,11 @@ class LocalSGD(Sync):
         scaler: Any,
         step: int,
         *,
-        finite: torch.Tensor | None,
+        skip: torch.Tensor | None,
     ) -> None:
         """A rank's own verdict on its gradient (nobody else sees it): a rank whose gradient is
         not finite skips its update, and every rank still meets at the agreement."""
-        step_optimizers(optimizers, scaler, finite)
+        step_optimizers(optimizers, scaler, skip)
         self.traffic.steps += 1
         self.traffic.uncompressed += 2 * (self.ranks - 1) / self.ranks * self._full
         if step % self.every == 0:

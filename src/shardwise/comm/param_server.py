@@ -253,7 +253,7 @@ class AsyncSync(Sync):
         scaler: Any,
         step: int,
         *,
-        finite: torch.Tensor | None,
+        skip: torch.Tensor | None,
     ) -> None:
         """Push this step's gradient (zeros when it is not finite: the update is then the other
         workers' alone, scaled as usual), pull the parameters the protocol allows."""
@@ -261,8 +261,8 @@ class AsyncSync(Sync):
         grad = torch.cat(
             [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in self.params]
         )
-        if finite is not None:
-            grad = torch.where(finite, grad, 0.0)
+        if skip is not None:
+            grad = torch.where(skip == 0, grad, 0.0)
         if self.server is not None:
             self.server.push(0, clock, self.base, grad)
             flat, version = self.server.pull(0, clock, last)

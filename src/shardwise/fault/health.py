@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.comm.collectives import all_gather_single
+from shardwise.host_reads import host_side
 
 _PATIENCE_STEPS, _PATIENCE_FLOOR_S = 4, 10.0
 """After SIGTERM, a rank idle for 4 × the slowest rank's step time (at least 10 s) is stuck."""
@@ -95,16 +96,18 @@ class RankHealth:
         self._seconds.clear()
         self._steps.clear()
         world = dist.get_world_size()
-        sent = torch.tensor([own, step, 1.0 if self._signalled else 0.0], dtype=torch.float64)
-        gathered = torch.empty(world * 3, dtype=torch.float64)
-        all_gather_single(gathered, sent, group=self._group)
-        seconds, steps, flags = gathered.view(world, 3).unbind(1)
-        health = Health(stop=bool(flags.max() > 0))
-        slowest = self._slowest = float(steps.max())
+        with host_side():  # host numbers on a gloo group: no wait for any device
+            sent = torch.tensor([own, step, 1.0 if self._signalled else 0.0], dtype=torch.float64)
+            gathered = torch.empty(world * 3, dtype=torch.float64)
+            all_gather_single(gathered, sent, group=self._group)
+            values = gathered.tolist()
+        seconds, steps, flags = values[0::3], values[1::3], values[2::3]
+        health = Health(stop=max(flags) > 0)
+        slowest = self._slowest = max(steps)
         if slowest > 0 and self.adaptive:  # the same numbers everywhere: the same cadence
             self.every = max(1, round(self.interval_s / slowest))
         if self.factor > 0 and world > 1:
-            self._stragglers(seconds.tolist(), health)
+            self._stragglers(seconds, health)
         return health
 
     def _stragglers(self, everyone: list[float], health: Health) -> None:

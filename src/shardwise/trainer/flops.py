@@ -68,6 +68,14 @@ class Peak:
     dtype: torch.dtype
     vendor: tuple[str, float] | None = None
 
+    def mfu_text(self, achieved: float) -> str:
+        """`achieved` FLOP/s per device as MFU against the measured peak (and the data sheet's
+        where known)."""
+        text = f"MFU {100 * achieved / self.measured:.1f}%"
+        if self.vendor is not None:
+            text += f" ({100 * achieved / self.vendor[1]:.1f}% of the data sheet's)"
+        return text
+
     def describe(self) -> str:
         name = str(self.dtype).removeprefix("torch.")
         text = f"peak {self.measured / 1e12:.3g} TFLOP/s measured ({name} matrix multiply)"

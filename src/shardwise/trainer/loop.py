@@ -44,7 +44,7 @@ from shardwise.trainer.memory import current_bytes, state_bytes
 from shardwise.trainer.nonfinite import NonFiniteGuard
 from shardwise.trainer.optim import build_optimizer, build_scheduler
 from shardwise.trainer.precision import DTYPES, grad_scaler
-from shardwise.trainer.profile import StepProfiler, data_range
+from shardwise.trainer.profile import StepProfiler, data_range, phase
 from shardwise.trainer.step import Run, evaluate, mean_loss, train_step
 
 
@@ -86,18 +86,20 @@ def train(
             run.rank,
             first=config.tracking.profile_step,
             count=config.tracking.profile_steps,
+            count_reads=not config.train.compile,
         )
         preempted_at = None
         for step in range(progress.start + 1, config.train.steps + 1):
             session.watchdog.started(step)
             began = time.perf_counter()
-            with profiler.step(step):
+            with profiler.step(step, reporting=_reporting(config, step)):
                 batch, fetched = _next_batch(run, step)
                 stepped = train_step(run, batch, step=step)
                 _account(run, step, progress, reporter, session.health, (began, fetched), stepped)
-            if profiler.wants(step):
-                progress.untime(time.perf_counter() - began)
-            if _after_step(run, step, progress, reporter, session):
+                if profiler.wants(step):  # profiled: not in the throughput
+                    progress.untime(time.perf_counter() - began)
+                stop = _after_step(run, step, progress, reporter, session)
+            if stop:
                 preempted_at = step
                 break
         session.watchdog.beat()  # the end: the saves in flight may take a while
@@ -316,8 +318,9 @@ class Progress:
     checkpoint: str | None
     metrics: dict[str, float] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)
-    applied: list[torch.Tensor] = field(default_factory=list)
-    """Whether each of the window's steps was applied (on the device; empty when unchecked)."""
+    skipped_flags: list[torch.Tensor] = field(default_factory=list)
+    """Whether each of the window's steps was skipped, 1.0 or 0.0 on the device (empty when
+    unchecked)."""
     clock: float = field(default_factory=time.perf_counter)
     window_start: int = 0
     rates: list[float] = field(default_factory=list)
@@ -382,15 +385,16 @@ def _account(
     injected delay counts as this rank's own work, as a slow rank's would), the schedule, and
     what the reporting window keeps."""
     began, fetched = timing
-    loss, grad_norm, applied = stepped
-    health.add(fetched + run.forward_seconds, time.perf_counter() - began)
-    for scheduler in run.schedulers:
-        scheduler.step()
-    progress.losses.append(loss)
-    if applied is not None:
-        progress.applied.append(applied)
-        run.nonfinite.remember(step, _position(run))
-    progress.grad_norm = grad_norm
+    loss, grad_norm, skipped = stepped
+    with phase("accounting"):
+        health.add(fetched + run.forward_seconds, time.perf_counter() - began)
+        for scheduler in run.schedulers:
+            scheduler.step()
+        progress.losses.append(loss)
+        if skipped is not None:
+            progress.skipped_flags.append(skipped)
+            run.nonfinite.remember(step, _position(run))
+        progress.grad_norm = grad_norm
     took = time.perf_counter() - began
     if step == progress.start + 1:  # warm-up: shape inference, allocations; not in the bubble
         if run.layout.pipeline is not None:
@@ -411,10 +415,12 @@ def _after_step(
 ) -> bool:
     """Health, logging, checkpoint (then evaluation: a failing evaluation loses nothing that was
     trained); whether the run stops here (SIGTERM: saved, --resume auto continues)."""
-    stop = _health(run, step, reporter, session.health)
+    with phase("health"):
+        stop = _health(run, step, reporter, session.health)
     if stop or _reporting(run.config, step):
         _skipped(run, step, progress, reporter)
-    _log(run, step, progress, reporter)
+    with phase("log"):
+        _log(run, step, progress, reporter)
     steps = run.config.train.steps
     if _due(step, run.config.checkpoint.every_steps, steps) or stop:
         _checkpoint(run, step, progress, reporter, session.watchdog)
@@ -478,7 +484,7 @@ def _log(run: Run, step: int, progress: Progress, reporter: report.Reporter) -> 
             "(the device was busy when it was measured) or the FLOP count too high"
         )
     progress.metrics.update(stats)
-    progress.losses, progress.applied, progress.untimed = [], [], 0
+    progress.losses, progress.skipped_flags, progress.untimed = [], [], 0
     progress.clock, progress.window_start = time.perf_counter(), step
     reporter.progress(stats, step)
 
@@ -699,7 +705,7 @@ def _train_stats(run: Run, progress: Progress, elapsed: float, steps: int) -> di
     finite; none when every step was skipped), its throughput over its timed `steps` (none
     when the only step compiled)."""
     stats = {"lr": float(run.schedulers[0].get_last_lr()[0])}
-    loss = mean_loss(run, progress.losses, progress.applied)
+    loss = mean_loss(run, progress.losses, progress.skipped_flags)
     if not math.isnan(loss):
         stats["loss"] = loss
     if steps > 0:

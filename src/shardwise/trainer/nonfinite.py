@@ -2,9 +2,11 @@
 applied, and the host learns of it only at the next reporting step (a log, checkpoint or
 evaluation step, where the ranks meet anyway), so a healthy step never waits for the device.
 
-Each step adds a few tiny device operations: whether the norm is finite, a count of skipped steps,
-and the first bad step's number, norm and loss since the last report. The verdict goes to the
-optimizers as a tensor (fused AdamW skips on the device: comm.base.step_optimizers).
+Each step adds two tiny device operations (three under `stop`): the verdict is the norm times
+zero, which is 0 for a finite norm and NaN for any other, turned into 1.0 by `nan_to_num`. It is
+a float on the device, what fused optimizers take as `found_inf` (1.0: do not apply), so fused
+AdamW skips on the device (comm.base.step_optimizers). The host keeps the step's verdict, norm
+and loss (the tensors, not their values) until the reporting step reads the verdicts at once.
 
 `fault.on_nonfinite = "skip"` drops the update and counts it. `"stop"` halts every update from
 the first bad step on (the state stays the one before it), and at the next reporting step the
@@ -19,8 +21,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-SKIPPED, FIRST, NORM, LOSS, STEP = range(5)
-
 
 @dataclass(frozen=True)
 class Verdicts:
@@ -34,34 +34,46 @@ class Verdicts:
     loss: float
 
 
+@dataclass(frozen=True)
+class _Judged:
+    step: int
+    bad: torch.Tensor
+    """1.0 if this step's own gradient norm was not finite, else 0.0 (on the device)."""
+    norm: torch.Tensor
+    loss: torch.Tensor
+
+
 class NonFiniteGuard:
-    """The device-side record of skipped steps; `verdict` each step, `read` at reporting steps."""
+    """The record of skipped steps; `verdict` each step, `read` at reporting steps."""
 
     def __init__(self, device: torch.device, *, stop: bool) -> None:
-        dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
-        self.stop = stop
-        self._state = torch.zeros(5, dtype=dtype, device=device)
+        self.device, self.stop = device, stop
+        self._window: list[_Judged] = []
+        self._halted: torch.Tensor | None = None
+        """Under `stop`: 1.0 once any step of this process was bad (on the device)."""
+        self._skipped = 0
+        self._first_bad = 0
         self._positions: dict[int, Any] = {}
-        self._checked = False
-        """Whether any step was judged (fp16's gradient scaler judges its own: nothing to read)."""
 
     def begin(self, step: int) -> None:
         """Training continues after `step` (0, or the step resumed from)."""
-        self._state.zero_()
-        self._state[STEP] = step
+        self._window.clear()
+        self._halted = None
+        self._skipped = self._first_bad = 0
         self._positions.clear()
 
-    def verdict(self, grad_norm: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-        """Whether this step's update may be applied (a boolean tensor on the device)."""
-        self._checked = True
-        state = self._state
-        state[STEP] += 1
-        bad = ~torch.isfinite(grad_norm)
-        first = bad & (state[FIRST] == 0)
-        found = torch.stack([state[STEP], grad_norm.to(state.dtype), loss.to(state.dtype)])
-        state[FIRST:STEP] = torch.where(first, found, state[FIRST:STEP])
-        state[SKIPPED] += bad.to(state.dtype)
-        return state[FIRST] == 0 if self.stop else ~bad
+    def verdict(self, grad_norm: torch.Tensor, loss: torch.Tensor, step: int) -> torch.Tensor:
+        """Whether step `step`'s update must be skipped: 1.0 (skip) or 0.0 (apply), a float on
+        the device (a fused optimizer's `found_inf`)."""
+        norm = grad_norm  # no graph: gradients have none
+        if norm.dtype != torch.float32:  # found_inf is float32 (a host-side check: no read)
+            norm = norm.float()
+        bad = norm.mul(0).nan_to_num_(nan=1.0)  # 0 · finite = 0; 0 · ±inf or NaN = NaN → 1
+        self._window.append(_Judged(step, bad, grad_norm, loss))
+        if not self.stop:
+            return bad
+        self._halted = bad if self._halted is None else torch.maximum(self._halted, bad)
+        return self._halted
 
     def remember(self, step: int, position: Any) -> None:
         """Under `stop`, where the run was after `step` (data position, schedule), so that a bad
@@ -76,14 +88,23 @@ class NonFiniteGuard:
         """The verdicts so far: the count of skipped steps and the first bad step are the
         maximum over ranks (one small all-reduce; they differ only where ranks judge their own
         gradients, as under local SGD), the norm and loss this rank's own."""
-        if not self._checked:  # the same on every rank: checking follows the precision
-            return Verdicts(0, 0, 0.0, 0.0)
-        seen = self._state[: LOSS + 1].clone()
+        window, self._window = self._window, []
+        if not window and not self._first_bad:  # nothing judged: the same on every rank
+            return Verdicts(self._skipped, 0, 0.0, 0.0)
+        flags = torch.stack([j.bad for j in window]).tolist() if window else []  # one read
+        bad = [j for j, flag in zip(window, flags, strict=True) if flag]
+        first = self._first_bad or (bad[0].step if bad else 0)
+        skipped = self._skipped + len(bad)  # under `stop` the steps after it are not counted
         if dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(seen[: FIRST + 1], op=dist.ReduceOp.MAX, group=group)
-        skipped, first, norm, loss = seen.tolist()  # one read of the device
-        if not self.stop:
-            self._state[FIRST:STEP] = 0
+            agreed = torch.tensor([skipped, first], dtype=torch.float64, device=self.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+            skipped, first = (int(v) for v in agreed.tolist())
+        norm = loss = 0.0
+        if bad:
+            norm, loss = float(bad[0].norm), float(bad[0].loss)
+        self._skipped = skipped
+        if self.stop:
+            self._first_bad = first
         if not first:
             self._positions.clear()
-        return Verdicts(int(skipped), int(first), norm, loss)
+        return Verdicts(skipped, first, norm, loss)

@@ -31,6 +31,7 @@ from shardwise.trainer.data import StepLoader
 from shardwise.trainer.flops import Utilisation
 from shardwise.trainer.nonfinite import NonFiniteGuard
 from shardwise.trainer.precision import autocast
+from shardwise.trainer.profile import phase
 
 
 @dataclass
@@ -70,13 +71,28 @@ class Run:
     baseline_bytes: int = 0
     """Memory the process held before the run was built (CPU: the interpreter, torch, the
     process group), so `peak - baseline` is what training itself took."""
+    _params: list[nn.Parameter] | None = field(default=None, init=False, repr=False)
+    _norm_plan: NormPlan | None = field(default=None, init=False, repr=False)
 
     @property
     def parts(self) -> list[nn.Module]:
         return self.layout.parts
 
     def parameters(self) -> list[nn.Parameter]:
-        return [p for part in self.parts for p in part.parameters()]
+        """Every parameter of the run's parts, listed once: a layout never replaces them (a
+        checkpoint loads into them), and walking the modules each step costs the host more than
+        some of a small model's kernels."""
+        if self._params is None:
+            self._params = [p for part in self.parts for p in part.parameters()]
+        return self._params
+
+    def norm_plan(self) -> NormPlan:
+        """How the gradient norm is taken over this run's parameters (computed once)."""
+        if self._norm_plan is None:
+            pipe = self.layout.pipeline
+            copies = pipe.ties.not_in_norm() if pipe is not None else set()
+            self._norm_plan = NormPlan.of(self.parameters(), copies)
+        return self._norm_plan
 
 
 def train_step(
@@ -85,38 +101,42 @@ def train_step(
     """One optimizer step over this rank's micro-batches, with no wait for the device. Returns
     this rank's mean loss (zero on pipeline ranks without the last stage); the global gradient
     norm before clipping (None when neither clipping nor the non-finite check needs it); and
-    whether the update was applied, as a boolean on the device (trainer/nonfinite.py) — it is
-    not when the gradient norm is NaN or infinite (the same verdict on every rank, as the norm
-    is global). With fp16 the gradient scaler makes that call itself, and this is None."""
+    whether the update was skipped, 1.0 or 0.0 on the device (trainer/nonfinite.py): it is when
+    the gradient norm is NaN or infinite (the same verdict on every rank, as the norm is
+    global). With fp16 the gradient scaler makes that call itself, and this is None."""
     pipe = run.layout.pipeline
-    if pipe is not None:
-        loss = _pipeline_forward_backward(run, micro_batches)
-        pipe.ties.sum_gradients()  # copies of one parameter on several stages
-    else:  # forward and backward, one micro-batch at a time
-        (model,) = run.parts
-        count, losses = len(micro_batches), []
-        for i, (inputs, target) in enumerate(micro_batches):
-            with run.sync.micro_batch(model, last=i == count - 1, step=step):
-                loss = _loss(run, model, inputs, target, count)
-                run.scaler.scale(loss).backward()
-            losses.append(loss.detach())
-        loss = losses[0] if count == 1 else torch.stack(losses).sum()
+    with phase("forward_backward"):
+        if pipe is not None:
+            loss = _pipeline_forward_backward(run, micro_batches)
+            pipe.ties.sum_gradients()  # copies of one parameter on several stages
+        else:  # forward and backward, one micro-batch at a time
+            (model,) = run.parts
+            count, losses = len(micro_batches), []
+            for i, (inputs, target) in enumerate(micro_batches):
+                with run.sync.micro_batch(model, last=i == count - 1, step=step):
+                    loss = _loss(run, model, inputs, target, count)
+                    run.scaler.scale(loss).backward()
+                losses.append(loss.detach())
+            loss = losses[0] if count == 1 else torch.stack(losses).sum()
     if run.faults.faults:
         run.faults.corrupt_gradients(step, run.parameters())
-    for optimizer in run.optimizers:
-        run.scaler.unscale_(optimizer)
-    grad_norm, applied = None, None
+    if run.scaler.is_enabled():
+        for optimizer in run.optimizers:
+            run.scaler.unscale_(optimizer)
+    grad_norm, skip = None, None
     check = run.config.train.precision != "fp16"
     if run.config.train.grad_clip > 0 or check:
         limit = run.config.train.grad_clip or math.inf
-        copies = pipe.ties.not_in_norm() if pipe is not None else set()
-        grad_norm = clip_grad_norm(run.parameters(), limit, run.pp_group, copies=copies)
+        with phase("grad_norm"):
+            grad_norm = clip_grad_norm(run.norm_plan(), limit, run.pp_group)
     if check and grad_norm is not None:
-        applied = run.nonfinite.verdict(grad_norm, loss)
-    run.sync.apply(run.optimizers, run.scaler, step, finite=applied)
-    for optimizer in run.optimizers:
-        optimizer.zero_grad(set_to_none=True)
-    return loss, grad_norm, applied
+        with phase("nonfinite"):
+            skip = run.nonfinite.verdict(grad_norm, loss, step)
+    with phase("optimizer"):
+        run.sync.apply(run.optimizers, run.scaler, step, skip=skip)
+        for optimizer in run.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+    return loss, grad_norm, skip
 
 
 def _loss(run: Run, model: nn.Module, inputs: Any, target: Any, count: int) -> torch.Tensor:
@@ -150,34 +170,44 @@ def _pipeline_forward_backward(run: Run, micro_batches: list[Any]) -> torch.Tens
     return torch.stack(losses).mean().detach()
 
 
+@dataclass(frozen=True)
+class NormPlan:
+    """The parameters in groups whose gradients' norms are taken together: plain tensors, and
+    DTensors by mesh and placement (each group's norm reduced over its mesh); `counted` leaves
+    out a tied weight's copies on other pipeline stages (clipped but not counted)."""
+
+    groups: list[list[nn.Parameter]]
+    counted: list[list[nn.Parameter]]
+
+    @staticmethod
+    def of(params: list[nn.Parameter], copies: set[int] | frozenset[int]) -> NormPlan:
+        groups: dict[Any, list[nn.Parameter]] = defaultdict(list)
+        counted: dict[Any, list[nn.Parameter]] = defaultdict(list)
+        for p in params:
+            key = (p.device_mesh, p.placements) if isinstance(p, DTensor) else None
+            groups[key].append(p)
+            if id(p) not in copies:
+                counted[key].append(p)
+        return NormPlan(list(groups.values()), [g for g in counted.values() if g])
+
+
 def clip_grad_norm(
-    params: list[nn.Parameter],
-    max_norm: float,
-    pp_group: dist.ProcessGroup | None,
-    *,
-    copies: set[int] | frozenset[int] = frozenset(),
+    plan: NormPlan, max_norm: float, pp_group: dist.ProcessGroup | None
 ) -> torch.Tensor:
     """Clip the gradient norm of the whole model, whatever holds it: sharded gradients (DTensors,
-    grouped by mesh and placement, each group's norm reduced over its mesh), plain ones, and the
-    other pipeline stages' (their squared norms summed over the `pp` axis). Parameters whose ids
-    are in `copies` (a tied weight's copies on other stages) are clipped but not counted."""
-    groups: dict[Any, list[torch.Tensor]] = defaultdict(list)
-    counted: dict[Any, list[torch.Tensor]] = defaultdict(list)
-    for p in params:
-        if p.grad is not None:
-            grad = p.grad
-            key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
-            groups[key].append(grad)
-            if id(p) not in copies:
-                counted[key].append(grad)
+    each group's norm reduced over its mesh), plain ones, and the other pipeline stages' (their
+    squared norms summed over the `pp` axis). With plain gradients on one stage this launches
+    what torch.nn.utils.clip_grad_norm_ does."""
     norms = []
-    for grads in counted.values():
-        norm = torch.nn.utils.get_total_norm(grads)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    for params in plan.counted:
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            norm = torch.nn.utils.get_total_norm(grads)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if len(norms) == 1:
         total = norms[0]
     else:  # several groups, or none (a stage whose only parameters are others' copies)
-        total = torch.stack(norms).norm() if norms else torch.zeros((), device=_device(groups))
+        total = torch.stack(norms).norm() if norms else torch.zeros((), device=_device(plan))
     if pp_group is not None:
         squared = total.square()
         dist.all_reduce(squared, group=pp_group)
@@ -185,15 +215,15 @@ def clip_grad_norm(
     if math.isinf(max_norm):  # the norm was wanted, not clipping
         return total
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    grads = [g for group in groups.values() for g in group]
+    grads = [p.grad for group in plan.groups for p in group if p.grad is not None]
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     with torch.no_grad():
         torch._foreach_mul_(local, coef)
     return total
 
 
-def _device(groups: dict[Any, list[torch.Tensor]]) -> torch.device:
-    first = next((g for grads in groups.values() for g in grads), None)
+def _device(plan: NormPlan) -> torch.device:
+    first = next((p for params in plan.groups for p in params), None)
     return first.device if first is not None else torch.device("cpu")
 
 
@@ -237,14 +267,14 @@ def _forward(run: Run, inputs: Any) -> Any:
     return model(inputs)
 
 
-def mean_loss(run: Run, losses: list[torch.Tensor], applied: list[torch.Tensor]) -> float:
+def mean_loss(run: Run, losses: list[torch.Tensor], skipped: list[torch.Tensor]) -> float:
     """The mean training loss over these steps and over data-parallel ranks (from the last
-    pipeline stage, the only one that computes it). Where the steps were checked (`applied`,
+    pipeline stage, the only one that computes it). Where the steps were checked (`skipped`,
     one verdict per step), over the applied ones only, as a skipped step's loss may not be
     finite: NaN when none was applied."""
     loss = torch.stack(losses)
-    if applied:
-        loss = torch.where(torch.stack(applied), loss, torch.nan).nanmean()
+    if skipped:
+        loss = torch.where(torch.stack(skipped) == 0, loss, torch.nan).nanmean()
     loss = loss.mean()
     if run.pp_group is not None:
         dist.all_reduce(loss, group=run.pp_group)
