@@ -164,7 +164,10 @@ class TrainSection(Section):
     lr_base_batch: int = Field(256, gt=0)
     grad_clip: float = Field(1.0, ge=0)
     """Clip the global gradient norm to this value; 0 turns clipping off."""
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"
+    """Autocast's precision for forward and backward (parameters and optimizer state stay
+    fp32): `auto` is bf16 on a GPU that supports it, and on a CPU where bf16 matrix multiplies
+    run at least as fast as fp32's (measured at start); the choice is printed and saved."""
     compile: bool = False
     """torch.compile each block's forward (parallel/compile.py); composes with every layout.
     The first step compiles (its time is reported as compile/seconds, apart from step times)."""

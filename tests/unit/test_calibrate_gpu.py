@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardwise.devices import matmul_peak
 from shardwise.plan.calibrate import LayerShape, layer_curve
 from shardwise.plan.calibrate_gpu import (
     ALL_REDUCE_SIZES,
     all_reduce_link,
     curve_batches,
-    matmul_rate,
     memory_bandwidth,
     preset_for,
 )
@@ -22,7 +22,7 @@ SMALL = LayerShape(hidden=128, heads=4, seq=64, batch=4)
 
 
 def test_rates_and_the_layer_curve_on_a_device():
-    peak = matmul_rate(CPU, torch.float32, SMALL)
+    peak = matmul_peak(CPU, torch.float32)
     rate, overhead = layer_curve(SMALL, curve_batches(SMALL.batch), CPU)
     assert peak > 1e8 and rate > 0 and overhead >= 0
     assert memory_bandwidth(CPU, mib=64) > 1e8

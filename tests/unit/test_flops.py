@@ -3,6 +3,9 @@ exists; the peak is measured, not looked up."""
 
 from __future__ import annotations
 
+import copy
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -13,6 +16,7 @@ from shardwise.trainer.flops import (
     Peak,
     Utilisation,
     count_flops,
+    count_real,
     for_run,
     measure_peak,
     meta_batch,
@@ -65,8 +69,7 @@ def test_a_model_that_cannot_run_on_meta_says_why_and_reports_no_mfu():
         sample,
         micro_batch=2,
         global_batch=4,
-        device=torch.device("cpu"),
-        dtype=torch.float32,
+        peak=lambda: measure_peak(torch.device("cpu"), torch.float32),
     )
     assert isinstance(found, str) and "could not be counted on the meta device" in found
 
@@ -79,3 +82,67 @@ def test_mfu_is_against_the_measured_peak():
     window = use.window(steps=4, seconds=2.0, devices=2)
     assert window["tflops"] == pytest.approx(peak.measured / 1e12)
     assert window["mfu"] == pytest.approx(100 * peak.measured / 2e12)
+
+
+def test_a_model_that_cannot_run_on_meta_is_counted_on_a_real_micro_batch_leaving_it_as_it_was():
+    """The count runs the run's own model once (dropout, BatchNorm): every random state, buffer
+    and gradient is as before, and the count is the one the meta device gives a model that can
+    run there."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2))
+    data = [(torch.randn(4), torch.tensor(i % 2)) for i in range(6)]
+    state = torch.get_rng_state()
+    buffers = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
+    real = count_real(
+        model,
+        CROSS_ENTROPY,
+        data,
+        micro_batch=3,
+        device=torch.device("cpu"),
+        precision="fp32",
+    )
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in buffers.items())
+    assert all(p.grad is None for p in model.parameters())
+    with torch.device("meta"):
+        meta = copy.deepcopy(model).to("meta")
+    assert real == count_flops(meta, CROSS_ENTROPY, *meta_batch(data[0], 3))
+    found = for_run(
+        ReadsAValue,
+        CROSS_ENTROPY,
+        data[0],
+        micro_batch=3,
+        global_batch=6,
+        peak=lambda: Peak(1e12, torch.float32),
+        real=lambda: real,
+    )
+    assert isinstance(found, Utilisation)
+    assert found.flops_per_step == 2 * real and "real micro-batch" in found.describe()
+
+
+def test_the_peak_comes_from_the_calibrated_profile_measured_on_this_device(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDWISE_CACHE", str(tmp_path))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a CPU profile is per core: a rank of one thread
+    try:
+        profile = {"peak_flops": 1.25e11, "calibrated": True, "device": "cpu"}
+        (tmp_path / "this-machine.json").write_text(json.dumps(profile))
+        peak = measure_peak(torch.device("cpu"), torch.float32)
+        assert peak.measured == 1.25e11 and "calibrated profile" in peak.describe()
+        # another device's profile, or another precision: measured here
+        profile["device"] = "NVIDIA H200"
+        (tmp_path / "this-machine.json").write_text(json.dumps(profile))
+        assert measure_peak(torch.device("cpu"), torch.float32).source == "measured"
+        profile["device"] = "cpu"
+        (tmp_path / "this-machine.json").write_text(json.dumps(profile))
+        assert measure_peak(torch.device("cpu"), torch.bfloat16).source == "measured"
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_mfu_against_the_data_sheet_is_reported_beside_the_measured_one():
+    peak = Peak(8e14, torch.bfloat16, vendor=("NVIDIA H200", 989e12))
+    window = Utilisation(flops_per_step=4e14, peak=peak).window(steps=1, seconds=1.0, devices=1)
+    assert window["mfu"] == pytest.approx(50.0)
+    assert window["mfu_datasheet"] == pytest.approx(100 * 4e14 / 989e12)
+    assert peak.mfu_text(4e14) == "MFU 50.0% (40.4% of the data sheet's)"

@@ -364,3 +364,51 @@ def test_a_hugging_face_model_is_checked_before_launch(tmp_path, repo_cwd):
     )
     with pytest.raises(ConfigError, match="does not divide the 4 attention heads"):
         check_layout(config, derive(config, 3))
+
+
+@pytest.mark.parametrize(
+    ("parallel", "world", "words"),
+    [
+        ({}, 1, "torch.compile compiles GPT whole"),
+        ({}, 2, "torch.compile compiles GPT whole inside DDP, split at its gradient buckets"),
+        ({"dp_shard": 2}, 2, "one at a time (FSDP2 gathers and reduces around each block: they"),
+        ({"pp": 2}, 2, "one at a time (the pipeline runs stages of blocks: they need"),
+        ({"activation_checkpoint": "full"}, 1, "(activation checkpointing recomputes each block"),
+    ],
+)
+def test_train_compile_says_whether_it_compiles_the_model_whole_or_block_by_block(
+    tmp_path, parallel, world, words
+):
+    """Whole where nothing wraps the blocks (one process, DDP), per block where a wrapper needs
+    them; the start-up line says which."""
+    from shardwise import builders
+    from shardwise.parallel.apply import data_parallel_wrapper, describe
+    from shardwise.parallel.compile import whole_model
+    from shardwise.parallel.pipeline import model_blocks
+
+    config = gpt_job(tmp_path, parallel=parallel, train={"compile": True})
+    degrees = derive(config, world).degrees
+    wrapper = data_parallel_wrapper(degrees)
+    whole = whole_model(degrees, config.parallel.activation_checkpoint, wrapper)
+    assert whole == (words.startswith("torch.compile compiles GPT whole"))
+    built = builders.build_model(config)
+    lines = describe(
+        built,
+        model_blocks(built),
+        degrees,
+        config.parallel,
+        wrapper,
+        compiled="whole" if whole else "blocks",
+    )
+    assert any(words in line for line in lines), lines
+
+
+def test_a_users_loss_is_said_to_run_outside_the_compiled_graphs():
+    from shardwise.parallel.compile import describe_loss
+
+    mine = describe_loss("mine:loss", compiled="whole", one_graph=True, builtin=False)
+    assert (
+        mine == "the loss (mine:loss) is the user's and runs eagerly, outside the compiled graphs"
+    )
+    ours = describe_loss("cross_entropy", compiled="whole", one_graph=True, builtin=True)
+    assert ours == "the loss (cross_entropy) is compiled in the same graph as the model"

@@ -392,3 +392,16 @@ def test_a_given_utilisation_is_a_flat_rate_and_each_layout_reports_its_share(ca
     assert main(["plan", *SHAPE, *RUN, "--hardware", "h200", "--global-batch", "512"]) == 0
     out = capsys.readouterr().out
     assert "large layers at 56% of it + 1.35 ms per layer and micro-batch" in out
+
+
+def test_auto_precision_is_planned_for_the_target_hardware(repo_cwd):
+    """`train.precision = "auto"` is bf16 on a GPU and fp32 on a calibrated CPU (whose profile
+    measures fp32's rate), as a run there would choose."""
+    from dataclasses import replace
+
+    from shardwise.plan.hardware import PRESETS
+
+    config = load_config("examples/text-gpt.toml", ["train.precision=auto"])
+    assert plan_job(config, 2, PRESETS["h200"]).precision.name == "bf16-autocast"
+    cpu = replace(PRESETS["h200"], device="cpu", calibrated=True)
+    assert plan_job(config, 2, cpu).precision.name == "fp32"

@@ -6,7 +6,9 @@ The transforms apply in a fixed order, each to what the previous one produced:
    other stages' blocks removed), because every later step works per stage;
 2. tensor parallel: shards the linear layers of the plain modules (it must see them unwrapped);
 3. activation checkpointing: wraps whole blocks, which may now hold DTensor parameters; then
-   `compile` compiles each block's own forward inside its wrapper (parallel/compile.py);
+   `compile` compiles each block's own forward inside its wrapper where a wrapper needs the
+   blocks (FSDP2, pipeline stages, tensor parallelism, checkpointing); elsewhere the trainer
+   compiles the whole model (parallel/compile.py);
 4. data parallel, last, so its gradient hooks cover every parameter of the final module tree:
    FSDP2 `fully_shard` per block and then the root (ZeRO-3, or ZeRO-2 with
    `reshard_after_forward = false`; HSDP when both data-parallel axes are > 1), FSDP2's
@@ -35,7 +37,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.config import Derived, ParallelSection
-from shardwise.parallel.compile import apply_compile
+from shardwise.parallel.compile import apply_compile, whole_model
 from shardwise.parallel.pipeline import (
     Pipeline,
     group_blocks,
@@ -70,6 +72,9 @@ class Layout:
     """The data-parallel wrapper: `none`, `ddp`, `replicate` or `fsdp`."""
     applied: list[str] = field(default_factory=list)
     """What each transform was applied to on this rank, one line each (printed at start)."""
+    compiled: str = ""
+    """`train.compile`: `whole` (the model compiled whole, by the trainer with its loss) or
+    `blocks` (each block's forward compiled here); "" when not compiled."""
 
 
 def data_parallel_wrapper(degrees: dict[str, int], *, every_step: bool = True) -> str:
@@ -113,7 +118,11 @@ def parallelize(
     parts = [pipe.modules[i] for i in sorted(pipe.modules)] if pipe else [model]
     wrapper = data_parallel_wrapper(degrees, every_step=every_step)
     held = [b for part in parts for b in all_blocks if has_submodule(part, b)]
-    applied = describe(model, held, degrees, parallel, wrapper, compile=compile)
+    compiled = ""
+    if compile:
+        whole = whole_model(degrees, parallel.activation_checkpoint, wrapper)
+        compiled = "whole" if whole else "blocks"
+    applied = describe(model, held, degrees, parallel, wrapper, compiled=compiled)
     for part in parts:
         blocks = [b for b in all_blocks if has_submodule(part, b)]
         # 2. Tensor parallel (which gives each name of a tied weight a parameter of its own).
@@ -124,7 +133,7 @@ def parallelize(
             retie(part, ties)
         # 3. Activation checkpointing.
         apply_activation_checkpointing(part, blocks, parallel.activation_checkpoint)
-        if compile:
+        if compiled == "blocks":
             apply_compile(part, blocks)
         # 4a. FSDP2 or its replicate mode.
         if wrapper in ("fsdp", "replicate"):
@@ -145,7 +154,7 @@ def parallelize(
         ]
     if pipe is not None:
         pipe.modules = dict(zip(sorted(pipe.modules), parts, strict=True))
-    return Layout(parts=parts, pipeline=pipe, wrapper=wrapper, applied=applied)
+    return Layout(parts=parts, pipeline=pipe, wrapper=wrapper, applied=applied, compiled=compiled)
 
 
 def describe(
@@ -155,7 +164,7 @@ def describe(
     parallel: ParallelSection,
     wrapper: str,
     *,
-    compile: bool = False,
+    compiled: str = "",
 ) -> list[str]:
     """One line per transform: what it applies to on this rank (nothing is silently skipped)."""
     units = _units(model, blocks)
@@ -173,9 +182,14 @@ def describe(
         lines.append(
             f"activation checkpointing ({parallel.activation_checkpoint}) recomputes {units}"
         )
-    if compile:
+    if compiled == "whole":
+        inside = " inside DDP, split at its gradient buckets" if wrapper == "ddp" else ""
+        lines.append(f"torch.compile compiles {name} whole{inside}")
+    elif compiled:
+        needs = _needs(degrees, parallel, wrapper)
         lines.append(
-            f"torch.compile compiles the forward of {units}; the rest runs eagerly"
+            f"torch.compile compiles the forward of {units} one at a time ({needs} the blocks "
+            "eager around their graphs); the rest runs eagerly"
             if units
             else f"torch.compile compiles {name} whole, since it has no blocks"
         )
@@ -193,6 +207,20 @@ def describe(
     elif wrapper == "ddp":
         lines.append("data parallel (DDP): every rank holds the whole model")
     return lines
+
+
+def _needs(degrees: dict[str, int], parallel: ParallelSection, wrapper: str) -> str:
+    """What in the layout keeps compilation per block, in words."""
+    needs = []
+    if wrapper in ("fsdp", "replicate"):
+        needs.append("FSDP2 gathers and reduces around each block")
+    if degrees["pp"] > 1:
+        needs.append("the pipeline runs stages of blocks")
+    if degrees["tp"] > 1:
+        needs.append("tensor parallelism redistributes between layers")
+    if parallel.activation_checkpoint != "none":
+        needs.append("activation checkpointing recomputes each block")
+    return "; ".join(needs) + (": they need" if len(needs) == 1 else ": these need")
 
 
 def _units(model: nn.Module, blocks: list[str]) -> str:

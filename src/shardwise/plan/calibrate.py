@@ -2,7 +2,8 @@
 runs on it. On a CPU a "device" is one core (one rank per core, one thread per rank, as
 `shardwise train --nproc <cores>` runs); the profile holds, per core:
 
-- `peak_flops`: the best fp32 matrix-multiply rate over square sizes 256–1024;
+- `peak_flops`: the fp32 matrix-multiply peak, measured as every run and `bench/` measure it
+  (devices.py);
 - `utilisation` and `layer_overhead`: a transformer layer's forward and backward (hidden 512,
   sequence 128: layer norms, attention and GeLU included) timed at micro-batches 1 and 4, and the
   line t = F / (utilisation · peak) + layer_overhead through them (`fit_layer_curve`);
@@ -47,6 +48,7 @@ import torch
 import torch.multiprocessing as mp
 
 from shardwise.comm.collectives import all_gather_single, reduce_scatter_single
+from shardwise.devices import best_seconds, matmul_peak
 from shardwise.plan.hardware import POWERSGD_RANK, THIS_MACHINE, Hardware
 from shardwise.plan.timing import Link, all_reduce
 
@@ -70,35 +72,9 @@ class LayerShape:
 POWERSGD_WIDTHS = (512, 64)
 
 
-def best_seconds(
-    fn: Callable[[], object],
-    repeats: int = 5,
-    inner: int = 3,
-    device: torch.device | None = None,
-) -> float:
-    """The fastest of `repeats` runs of `inner` calls, per call, after one to warm up; on a CUDA
-    `device`, from the queue empty to the last kernel done."""
-    cuda = device is not None and device.type == "cuda"
-    fn()
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize(device)
-        began = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        if cuda:
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - began) / inner)
-    return min(times)
-
-
 def matmul_flops() -> float:
-    best = 0.0
-    for n in (256, 512, 1024):
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        best = max(best, 2 * n**3 / best_seconds(lambda: torch.mm(a, b)))  # noqa: B023
-    return best
+    """A core's fp32 matrix-multiply peak, measured as every run measures it (devices.py)."""
+    return matmul_peak(CPU, torch.float32)
 
 
 def layer_curve(
@@ -466,4 +442,5 @@ def calibrate(progress: Callable[[str], None] = lambda line: None) -> Hardware:
         powersgd_codec_rate=powersgd,
         powersgd_matrix_seconds=matrix,
         calibrated=True,
+        device="cpu",
     )

@@ -1,8 +1,8 @@
 """`shardwise plan --calibrate` on a machine with CUDA GPUs (calibrate.py measures a CPU's cores):
 the profile the planner predicts shardwise's runs on this machine from, per GPU:
 
-- `peak_flops`: the best bf16 matrix-multiply rate over the shapes a transformer layer runs (its
-  projections and MLP, micro-batch × sequence rows, at the layer's width) and two large squares;
+- `peak_flops`: the bf16 matrix-multiply peak, measured as every run and `bench/` measure it
+  (devices.py: squares of 4096 and 8192, the best of short bursts);
 - `utilisation` and `layer_overhead`: one block of the built-in GPT at the job's width, heads and
   sequence, forward and backward under bf16 autocast, at a quarter of the job's micro-batch and at
   the job's, and the line t = F / (utilisation · peak) + overhead through them: the curve by layer
@@ -32,7 +32,8 @@ from collections.abc import Callable
 import torch
 import torch.multiprocessing as mp
 
-from shardwise.plan.calibrate import LayerShape, best_seconds, layer_curve, line, memory_bandwidth
+from shardwise.devices import best_seconds, device_name, matmul_peak
+from shardwise.plan.calibrate import LayerShape, layer_curve, line, memory_bandwidth
 from shardwise.plan.hardware import PRESETS, THIS_MACHINE, Hardware
 
 DEFAULT_SHAPE = LayerShape(hidden=2048, heads=16, seq=2048, batch=4)
@@ -40,21 +41,6 @@ ALL_REDUCE_SIZES = [1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 PCIE_GEN4 = 32e9
 """Bytes/s per direction of a PCIe Gen4 x16 link: a lone GPU's link when its name matches no
 preset."""
-
-
-def matmul_rate(device: torch.device, dtype: torch.dtype, shape: LayerShape) -> float:
-    """The best FLOP/s of a matrix multiply over a layer's shapes (b·s rows: q/k/v, output,
-    MLP in and out) and squares of 4096 and 8192."""
-    rows, h = shape.batch * shape.seq, shape.hidden
-    shapes = [(rows, h, 3 * h), (rows, h, h), (rows, h, 4 * h), (rows, 4 * h, h)]
-    shapes += [(n, n, n) for n in (4096, 8192)] if device.type == "cuda" else []
-    best = 0.0
-    for m, k, n in shapes:
-        a = torch.randn(m, k, device=device, dtype=dtype)
-        b = torch.randn(k, n, device=device, dtype=dtype)
-        seconds = best_seconds(lambda: torch.mm(a, b), device=device)  # noqa: B023
-        best = max(best, 2 * m * k * n / seconds)
-    return best
 
 
 def curve_batches(batch: int) -> tuple[int, int]:
@@ -130,7 +116,7 @@ def calibrate_gpu(
         f"{gpus} × {name}: bf16 matrix multiplies, a GPT block (width {shape.hidden}, "
         f"sequence {shape.seq}) at micro-batches {curve_batches(shape.batch)}, memory bandwidth…"
     )
-    peak = matmul_rate(device, torch.bfloat16, shape)
+    peak = matmul_peak(device, torch.bfloat16)
     rate, overhead = layer_curve(shape, curve_batches(shape.batch), device)
     bandwidth = memory_bandwidth(device, mib=256)
     progress(
@@ -163,4 +149,5 @@ def calibrate_gpu(
         layer_overhead=overhead,
         overlap=1.0,
         calibrated=True,
+        device=device_name(device),
     )

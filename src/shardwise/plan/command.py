@@ -214,7 +214,7 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, Candidate | None]:
         from shardwise.config import load_config
         from shardwise.plan.job import plan_job
 
-        planned = plan_job(load_config(args.job, []), args.nproc or 1)
+        planned = plan_job(load_config(args.job, []), args.nproc or 1, hardware)
         model = planned.model
         precision = PRECISIONS[args.precision] if args.precision else planned.precision
         optimizer = args.optimizer or planned.optimizer

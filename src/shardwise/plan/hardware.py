@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import difflib
 import json
-import os
 import tomllib
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from shardwise.config import ConfigError
+from shardwise.devices import DATASHEET_TFLOPS, profile_path
 from shardwise.plan.bounds import Bound
 
 GiB = 2**30
@@ -85,6 +85,9 @@ class Hardware:
     """seconds of that work per compressed matrix, whatever its size (a few dozen small
     operations). None (either): memory bandwidth over `network.CODEC_PASSES` and the FLOPs."""
     calibrated: bool = False
+    device: str = ""
+    """The device a calibrated profile measured: the GPU's name as torch reports it, or `cpu`
+    (its figures are per core). A run on that device takes its peak from the profile."""
 
 
 _RATE = Bound(0, 1e18, above=True, means="bytes/s")
@@ -149,24 +152,20 @@ def _gpu(
 
 
 PRESETS: dict[str, Hardware] = {
-    "a100-40gb": _gpu("a100-40gb", 40_960, 312, 1_555, 300, 25),
-    "a100-80gb": _gpu("a100-80gb", 81_920, 312, 2_039, 300, 25),
-    "h100": _gpu("h100", 81_559, 989, 3_350, 450, 50, utilisation=HOPPER_UTILISATION),
-    "h200": _gpu("h200", 143_771, 989, 4_800, 450, 50, utilisation=HOPPER_UTILISATION),
-    "l40s": _gpu("l40s", 46_068, 362, 864, 32, 12.5),
+    "a100-40gb": _gpu("a100-40gb", 40_960, DATASHEET_TFLOPS["a100"], 1_555, 300, 25),
+    "a100-80gb": _gpu("a100-80gb", 81_920, DATASHEET_TFLOPS["a100"], 2_039, 300, 25),
+    "h100": _gpu(
+        "h100", 81_559, DATASHEET_TFLOPS["h100"], 3_350, 450, 50, utilisation=HOPPER_UTILISATION
+    ),
+    "h200": _gpu(
+        "h200", 143_771, DATASHEET_TFLOPS["h200"], 4_800, 450, 50, utilisation=HOPPER_UTILISATION
+    ),
+    "l40s": _gpu("l40s", 46_068, DATASHEET_TFLOPS["l40s"], 864, 32, 12.5),
 }
 ALIASES = {"a100": "a100-80gb", "h100-sxm": "h100", "h100-80gb": "h100"}
 THIS_MACHINE = "this-machine"
 POWERSGD_RANK = 4
 """The rank calibration times PowerSGD's work at (`powersgd_codec_rate`)."""
-
-
-def profile_path() -> Path:
-    """Where `shardwise plan --calibrate` keeps this machine's profile."""
-    root = os.environ.get("SHARDWISE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shardwise"
-    )
-    return Path(root) / "this-machine.json"
 
 
 class UnknownHardware(ConfigError):
@@ -234,13 +233,8 @@ def from_mapping(data: dict[str, Any], *, name: object, where: str = "") -> Hard
         raise UnknownHardware(f"{where}: unknown field {unknown[0]!r}; fields: {sorted(known)}")
     if base_name and (not isinstance(base_name, str) or base_name not in PRESETS):
         raise UnknownHardware(f"{where}: base {base_name!r} is not one of {', '.join(PRESETS)}")
-    optional = {f.name for f in fields(Hardware) if f.default is None}
     for key, value in data.items():
-        if key == "calibrated":
-            if not isinstance(value, bool):
-                raise UnknownHardware(f"{where}: calibrated = {value!r} must be true or false")
-        elif not (value is None and key in optional):
-            data[key] = FIELDS[key].check(value, f"{where}: {key} =")
+        data[key] = _checked(key, value, where)
     base = asdict(PRESETS[base_name]) if base_name else {}
     values = {**base, **data, "name": name}
     defaults = {f.name for f in fields(Hardware) if f.default is not MISSING}
@@ -248,6 +242,25 @@ def from_mapping(data: dict[str, Any], *, name: object, where: str = "") -> Hard
     if missing:
         raise UnknownHardware(f"{where}: missing {', '.join(missing)} (or set base)")
     return Hardware(**values)
+
+
+_NOT_NUMBERS = {
+    "calibrated": (bool, "must be true or false"),
+    "device": (str, 'must be a name, e.g. "cpu"'),
+}
+
+
+def _checked(key: str, value: Any, where: str) -> Any:
+    """A field's value as the profile holds it, or UnknownHardware naming what is wrong."""
+    if key in _NOT_NUMBERS:
+        kind, rule = _NOT_NUMBERS[key]
+        if not isinstance(value, kind):
+            raise UnknownHardware(f"{where}: {key} = {value!r} {rule}")
+        return value
+    optional = {f.name for f in fields(Hardware) if f.default is None}
+    if value is None and key in optional:
+        return value
+    return FIELDS[key].check(value, f"{where}: {key} =")
 
 
 def with_overrides(hardware: Hardware, **overrides: float | int | None) -> Hardware:

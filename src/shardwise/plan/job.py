@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 from shardwise import builders
 from shardwise.config import ConfigError, JobConfig, derive
 from shardwise.parallel.pipeline import model_blocks
+from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import PRECISIONS, Layout, Precision
 from shardwise.plan.memory import Traced
 from shardwise.plan.model import Transformer
@@ -157,7 +158,10 @@ def _defaults(config: JobConfig) -> dict[str, object]:
     }
 
 
-def plan_job(config: JobConfig, nproc: int) -> PlannedJob:
+def plan_job(config: JobConfig, nproc: int, hardware: Hardware | None = None) -> PlannedJob:
+    """The job's model, layout and precision as the planner sees them; `train.precision =
+    "auto"` is what a run picks on `hardware`: bf16 on a GPU, fp32 on a calibrated CPU (its
+    profile measures fp32's rate only)."""
     derived = derive(config, nproc)
     degrees = derived.degrees
     par = config.parallel
@@ -178,6 +182,8 @@ def plan_job(config: JobConfig, nproc: int) -> PlannedJob:
         stages_per_rank=derived.stages_per_rank,
     )
     precision = config.train.precision
+    if precision == "auto":
+        precision = "fp32" if hardware is not None and hardware.device == "cpu" else "bf16"
     key = precision if precision == "fp32" else f"{precision}-autocast"
     optimizer: str = config.train.optimizer
     if optimizer == "sgd" and config.train.momentum > 0:

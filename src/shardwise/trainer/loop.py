@@ -33,11 +33,12 @@ from shardwise.config import ConfigError, Derived, JobConfig, derive, resolved, 
 from shardwise.fault.health import RankHealth
 from shardwise.fault.inject import FaultPlan
 from shardwise.fault.watchdog import Watchdog
-from shardwise.parallel.apply import Layout, parallelize
+from shardwise.parallel import compile
+from shardwise.parallel.apply import Layout, parallelize, unwrap
 from shardwise.parallel.init import initializer, materialize, supports_meta_init
 from shardwise.parallel.mesh import build_mesh, dp_group, dp_position, pp_group
 from shardwise.parallel.pipeline import example_batch, measure_block_costs
-from shardwise.trainer import flops, report
+from shardwise.trainer import flops, precision, report
 from shardwise.trainer import state as train_state
 from shardwise.trainer.data import GlobalBatchSampler, StepLoader, eval_loader
 from shardwise.trainer.memory import current_bytes, state_bytes
@@ -143,6 +144,7 @@ def _session(
         on_signal=watchdog.hurry,
     )
     progress = Progress(start=start, checkpoint=resume, window_start=start)
+    progress.compiled.start()
     session = _Session(run, reporter, progress, health, watchdog)
     status = "FAILED"
     try:
@@ -167,14 +169,25 @@ def _session(
 
 def build_run(config: JobConfig, device: torch.device, *, node: int = 0) -> Run:
     derived = derive(config, dist.get_world_size())
-    config = resolved(config, derived)
+    chosen = precision.choose(config.train.precision, device)
+    config = with_precision(resolved(config, derived), chosen.name)
     mesh = build_mesh(derived.degrees, device.type)
     dp_rank, dp_size = dp_position(mesh)
     train_set, held_out = builders.build_datasets(config)
     loss_fn = builders.build_loss(config)
     layout = build_layout(config, derived, mesh, device, sample=train_set[0])
+    builtin = config.train.loss in builders.LOSSES
+    if layout.compiled:
+        one_graph = layout.wrapper == "none"
+        layout.applied.append(
+            compile.describe_loss(
+                config.train.loss, compiled=layout.compiled, one_graph=one_graph, builtin=builtin
+            )
+        )
+    utilisation = _utilisation(config, derived, layout, loss_fn, train_set, device)
     if layout.pipeline is not None:
-        layout.pipeline.start(loss_fn, device)
+        stage_loss = compile.compiled_loss(loss_fn, builtin=builtin and bool(layout.compiled))
+        layout.pipeline.start(stage_loss, device)
     # Each data-parallel rank its own dropout stream; tensor-parallel and pipeline peers share it.
     train_state.reseed(config.job.seed, 0, dp_rank)
     sampler = GlobalBatchSampler(
@@ -202,6 +215,9 @@ def build_run(config: JobConfig, device: torch.device, *, node: int = 0) -> Run:
         device=device,
         layout=layout,
         loss_fn=loss_fn,
+        forward_loss=compile.forward_loss(
+            layout.parts[0], loss_fn, compiled=layout.compiled, builtin=builtin
+        ),
         optimizers=optimizers,
         schedulers=schedulers,
         scaler=grad_scaler(config.train.precision, device),
@@ -232,15 +248,48 @@ def build_run(config: JobConfig, device: torch.device, *, node: int = 0) -> Run:
         mesh=mesh,
         sync=sync,
         nonfinite=NonFiniteGuard(device, stop=config.fault.on_nonfinite == "stop"),
-        utilisation=flops.for_run(
-            lambda: builders.build_model(config),
+        utilisation=utilisation,
+        notes=chosen.notes,
+    )
+
+
+def with_precision(config: JobConfig, name: str) -> JobConfig:
+    """The config with `train.precision` as this device resolved it (`auto`), as it is saved."""
+    return config.model_copy(update={"train": config.train.model_copy(update={"precision": name})})
+
+
+def _utilisation(
+    config: JobConfig,
+    derived: Derived,
+    layout: Layout,
+    loss_fn: builders.LossFn,
+    train_set: Any,
+    device: torch.device,
+) -> flops.Utilisation | str:
+    """FLOPs per step (on the meta device, or on one real micro-batch through this rank's model
+    where the model cannot run there and the layout splits no layer nor stage) and the peak."""
+
+    def real() -> float | str:
+        if layout.pipeline is not None or derived.degrees["tp"] > 1:
+            return "a real micro-batch is counted without tensor or pipeline parallelism only"
+        return flops.count_real(
+            unwrap(layout.parts[0]),
             loss_fn,
-            train_set[0],
+            train_set,
             micro_batch=derived.micro_batch,
-            global_batch=derived.global_batch,
             device=device,
-            dtype=DTYPES.get(config.train.precision, torch.float32),
-        ),
+            precision=config.train.precision,
+        )
+
+    dtype = DTYPES.get(config.train.precision, torch.float32)
+    return flops.for_run(
+        lambda: builders.build_model(config),
+        loss_fn,
+        train_set[0],
+        micro_batch=derived.micro_batch,
+        global_batch=derived.global_batch,
+        peak=lambda: flops.measure_peak(device, dtype),
+        real=real,
     )
 
 
@@ -331,6 +380,8 @@ class Progress:
     grad_norm: torch.Tensor | None = None
     """The last step's gradient norm (reported at the end of the window)."""
     first_step_s: float = 0.0
+    compiled: compile.CompileWatch = field(default_factory=compile.CompileWatch)
+    """What torch.compile compiled in this run (train.compile)."""
     mfu_flagged: bool = False
     untimed: int = 0
     """Steps of the window left out of its throughput (compiling, profiled)."""
@@ -405,7 +456,8 @@ def _account(
     else:
         run.step_seconds += took
     if step == progress.start + 2 and run.config.train.compile:
-        _compiled(reporter, step, progress.first_step_s, took)
+        progress.compiled.warmed_up()
+        _compiled(reporter, step, progress, took)
     if step == min(progress.start + 2, run.config.train.steps):  # optimizer state in place
         progress.memory = report.memory(run, reporter, step)
 
@@ -441,20 +493,55 @@ def _end(
 ) -> TrainSummary:
     run.sync.close()
     _wait_for_saves(run)
+    _recompiled(run, progress, reporter)
     if run.config.train.steps > progress.start and preempted_at is None:
         progress.memory = report.memory(run, reporter, run.config.train.steps, final=True)
     return _summary(run, progress, preempted_at)
 
 
-def _compiled(reporter: report.Reporter, step: int, first: float, second: float) -> None:
-    """The compile time: what the first step (which compiled the blocks' forward and backward)
-    took beyond the second."""
+def _compiled(reporter: report.Reporter, step: int, progress: Progress, second: float) -> None:
+    """The compile time (what the first step, which compiled, took beyond the second), the graphs
+    and any graph breaks."""
+    first, watch = progress.first_step_s, progress.compiled
     seconds = max(first - second, 0.0)
-    reporter.record({"compile/seconds": seconds}, step)
+    reporter.record(
+        {
+            "compile/seconds": seconds,
+            "compile/graphs": float(watch.graphs),
+            "compile/graph_breaks": float(watch.breaks),
+        },
+        step,
+    )
+    breaks = ""
+    if watch.breaks:
+        reasons = watch.break_reasons()
+        breaks = (
+            f", {_plural(watch.breaks, 'graph break')} (first: {reasons[0] if reasons else '?'})"
+        )
     reporter.say(
         f"torch.compile: {seconds:.1f} s (the first step took {first:.2f} s, the second "
-        f"{second:.3f} s); throughput is measured from the second step"
+        f"{second:.3f} s), {_plural(watch.graphs, 'graph')}{breaks}; throughput is measured "
+        "from the second step"
     )
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def _recompiled(run: Run, progress: Progress, reporter: report.Reporter) -> None:
+    """At the end: graphs torch.compile compiled after the second step, said once."""
+    if not run.config.train.compile or run.config.train.steps < progress.start + 2:
+        return
+    again = progress.compiled.recompiled()
+    reporter.record({"compile/recompiles": float(again)}, run.config.train.steps)
+    if again:
+        reporter.say(
+            f"torch.compile compiled {_plural(again, 'graph')} more after step "
+            f"{progress.start + 2}: "
+            "something the graphs depend on changed (a shape, a flag); TORCH_LOGS=recompiles "
+            "says what"
+        )
 
 
 def _health(run: Run, step: int, reporter: report.Reporter, health: RankHealth) -> bool:
@@ -477,16 +564,32 @@ def _log(run: Run, step: int, progress: Progress, reporter: report.Reporter) -> 
     stats = _train_stats(run, progress, elapsed, step - progress.window_start - progress.untimed)
     if "samples/s" in stats:
         progress.rates.append(stats["samples/s"])
-    if stats.get("mfu", 0.0) > 100 and not progress.mfu_flagged:
-        progress.mfu_flagged = True
-        reporter.say(
-            f"step {step}: MFU {stats['mfu']:.0f}% is above 100%: the measured peak is too low "
-            "(the device was busy when it was measured) or the FLOP count too high"
-        )
+    if stats.get("mfu", 0.0) > 100:
+        _impossible_mfu(run, step, progress, reporter, stats)
     progress.metrics.update(stats)
     progress.losses, progress.skipped_flags, progress.untimed = [], [], 0
     progress.clock, progress.window_start = time.perf_counter(), step
     reporter.progress(stats, step)
+
+
+def _impossible_mfu(
+    run: Run, step: int, progress: Progress, reporter: report.Reporter, stats: dict[str, float]
+) -> None:
+    """An MFU above 100% is not reported: the peak it is measured against is wrong. Said once."""
+    achieved = stats["tflops"]
+    for key in ("mfu", "mfu_datasheet"):
+        stats.pop(key, None)
+    if progress.mfu_flagged:
+        return
+    progress.mfu_flagged = True
+    peak = run.utilisation.peak if isinstance(run.utilisation, flops.Utilisation) else None
+    than = f" ({peak.describe()})" if peak is not None else ""
+    reporter.say(
+        f"step {step}: {achieved:.3g} TFLOP/s per device is more than the peak{than}, so the "
+        "peak is wrong (measured while the device was busy, or a path the model does not "
+        "take): MFU is not reported. `shardwise plan --calibrate` measures this device's peak "
+        "for every later run"
+    )
 
 
 def _checkpoint(

@@ -186,6 +186,8 @@ def start(run: Run, start: int, *, resumed: bool) -> Reporter:
     console.print(derived_line(derived, run.tokens_per_sample), highlight=False, soft_wrap=True)
     for line in run.layout.applied:
         console.print(f"layout: {line}", highlight=False, soft_wrap=True)
+    for note in run.notes:
+        console.print(note, highlight=False, soft_wrap=True)
     console.print(utilisation_line(run.utilisation), highlight=False, soft_wrap=True)
     pipe = run.layout.pipeline
     if pipe is not None:

@@ -7,6 +7,7 @@ This module must not build anything: `loop.build_run` assembles the `Run` it wor
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import defaultdict
@@ -26,6 +27,7 @@ from shardwise.comm.base import Sync
 from shardwise.config import Derived, JobConfig
 from shardwise.fault.inject import FaultPlan
 from shardwise.parallel.apply import Layout
+from shardwise.parallel.compile import ForwardLoss, eager
 from shardwise.parallel.pipeline import pipeline_forward
 from shardwise.trainer.data import StepLoader
 from shardwise.trainer.flops import Utilisation
@@ -43,6 +45,8 @@ class Run:
     device: torch.device
     layout: Layout
     loss_fn: builders.LossFn
+    forward_loss: ForwardLoss
+    """One micro-batch's forward and loss (compiled under train.compile: parallel/compile.py)."""
     optimizers: list[torch.optim.Optimizer]
     schedulers: list[torch.optim.lr_scheduler.LambdaLR]
     scaler: torch.amp.GradScaler
@@ -68,6 +72,8 @@ class Run:
     """Time spent in training steps after the first (for the measured pipeline bubble)."""
     utilisation: Utilisation | str | None = None
     """FLOPs per step and the measured peak, for MFU (trainer/flops.py); or why there is none."""
+    notes: list[str] = field(default_factory=list)
+    """Lines for the start of the run (what `train.precision = "auto"` chose, and why)."""
     baseline_bytes: int = 0
     """Memory the process held before the run was built (CPU: the interpreter, torch, the
     process group), so `peak - baseline` is what training itself took."""
@@ -114,7 +120,7 @@ def train_step(
             count, losses = len(micro_batches), []
             for i, (inputs, target) in enumerate(micro_batches):
                 with run.sync.micro_batch(model, last=i == count - 1, step=step):
-                    loss = _loss(run, model, inputs, target, count)
+                    loss = _loss(run, inputs, target, count)
                     run.scaler.scale(loss).backward()
                 losses.append(loss.detach())
             loss = losses[0] if count == 1 else torch.stack(losses).sum()
@@ -139,13 +145,13 @@ def train_step(
     return loss, grad_norm, skip
 
 
-def _loss(run: Run, model: nn.Module, inputs: Any, target: Any, count: int) -> torch.Tensor:
+def _loss(run: Run, inputs: Any, target: Any, count: int) -> torch.Tensor:
     """One micro-batch's forward and loss, its share of the rank's mean (timed: the pipeline
     bubble and the straggler check count it)."""
     inputs, target = to_device(inputs, run.device), to_device(target, run.device)
     began = time.perf_counter()
     with autocast(run.config.train.precision, run.device):
-        loss = run.loss_fn(model(inputs), target)
+        loss = run.forward_loss(inputs, target)
         if count > 1:  # the mean over the rank's batch: each micro-batch's share
             loss = loss / count
     run.forward_seconds += time.perf_counter() - began
@@ -230,7 +236,14 @@ def _device(plan: NormPlan) -> torch.device:
 @torch.no_grad()
 def evaluate(run: Run) -> dict[str, float]:
     """Held-out loss (and accuracy for classification), exact over the whole split: each rank sums
-    loss × targets, correct predictions and counts; the sums are added across ranks."""
+    loss × targets, correct predictions and counts; the sums are added across ranks. Under
+    train.compile it runs eagerly: compiling it would compile the model again in eval mode."""
+    assert run.eval_data is not None
+    with eager() if run.layout.compiled else contextlib.nullcontext():
+        return _evaluate(run)
+
+
+def _evaluate(run: Run) -> dict[str, float]:
     assert run.eval_data is not None
     for part in run.parts:
         part.eval()
@@ -278,7 +291,8 @@ def mean_loss(run: Run, losses: list[torch.Tensor], skipped: list[torch.Tensor])
     loss = loss.mean()
     if run.pp_group is not None:
         dist.all_reduce(loss, group=run.pp_group)
-    dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=run.dp_group)
+    if run.derived.dp > 1:
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=run.dp_group)
     return float(loss.item())
 
 

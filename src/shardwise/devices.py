@@ -1,0 +1,119 @@
+"""What a device can do: the data-sheet figures shardwise knows, and the matrix-multiply peak
+measured one way for every user of it (a run's MFU, `bench/`, `shardwise plan --calibrate`).
+
+The peak is the best rate of a matrix multiply in the precision the model's own run in (bf16 on
+a GPU under `train.precision = "bf16"`, fp32 otherwise), through the operators the model's
+layers call (`torch.mm` and `F.linear`, whichever this device runs faster: a CPU's oneDNN may
+take one path and not the other), at square shapes large enough to reach the device's peak
+(4096 and 8192 on a GPU; 512 on a CPU core, within a few percent of its best square), each
+timed as the best of a few short bursts after a warm-up (a burst long enough to heat the chip
+measures its throttled clock, not its peak). On a GPU the data sheet's dense 16-bit figure is
+known for the devices below; MFU against it is what torchtitan reports.
+
+This module must not import anything of shardwise's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F  # noqa: N812 (the conventional name)
+
+DATASHEET_TFLOPS = {"h200": 989.0, "h100": 989.0, "a100": 312.0, "l40s": 362.0}
+"""Dense bf16/fp16 tensor-core TFLOP/s from NVIDIA's data sheets (H100 SXM and H200: 989;
+A100: 312; L40S: 362), by the name torch reports, lowercased."""
+
+SIZES = {"cuda": (4096, 8192), "cpu": (512,)}
+"""Square matrix sizes the peak is measured at, per device type (the best is kept)."""
+
+
+def datasheet(device: torch.device) -> tuple[str, float] | None:
+    """The GPU's name and its data sheet's dense 16-bit FLOP/s, where shardwise knows it."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in DATASHEET_TFLOPS.items():
+        if key in name.lower():
+            return name, tflops * 1e12
+    return None
+
+
+def device_name(device: torch.device) -> str:
+    """What a calibrated profile records as its device: the GPU's name, or "cpu"."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...] = ()) -> float:
+    """The best FLOP/s of `torch.mm` and `F.linear` on `dtype` operands over `sizes` (SIZES for
+    the device by default), each the best of five bursts of three after a warm-up; one call
+    after the warm-up where a call takes over 50 ms (a slow path: its peak is not in doubt, and
+    a run should not wait seconds for it)."""
+    best = 0.0
+    for n in sizes or SIZES.get(device.type, SIZES["cuda"]):
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        for op in (torch.mm, F.linear):
+            once = best_seconds(lambda: op(a, b), repeats=1, inner=1, device=device)  # noqa: B023
+            if once < 0.05:
+                once = min(once, best_seconds(lambda: op(a, b), device=device))  # noqa: B023
+            best = max(best, 2 * n**3 / once)
+    return best
+
+
+def profile_path() -> Path:
+    """Where `shardwise plan --calibrate` keeps this machine's profile."""
+    root = os.environ.get("SHARDWISE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shardwise"
+    )
+    return Path(root) / "this-machine.json"
+
+
+def profile_dtype(device: str) -> torch.dtype:
+    """The precision a calibrated profile's peak was measured in: bf16 on a GPU, fp32 on a CPU
+    core."""
+    return torch.float32 if device == "cpu" else torch.bfloat16
+
+
+def calibrated_peak(device: torch.device, dtype: torch.dtype) -> float | None:
+    """The calibrated profile's peak, where it was measured on this device in `dtype` (on a CPU:
+    per core, so only for a rank of one thread); None otherwise."""
+    path = profile_path()
+    try:
+        profile = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    name = device_name(device)
+    fits = (
+        isinstance(profile, dict)
+        and profile.get("calibrated") is True
+        and profile.get("device") == name
+        and profile_dtype(name) == dtype
+        and (device.type != "cpu" or torch.get_num_threads() == 1)
+    )
+    peak = profile.get("peak_flops") if fits else None
+    return float(peak) if isinstance(peak, int | float) and peak > 0 else None
+
+
+def best_seconds(
+    fn: Callable[[], object], repeats: int = 5, inner: int = 3, device: torch.device | None = None
+) -> float:
+    """The fastest of `repeats` runs of `inner` calls, per call, after one to warm up; on a CUDA
+    `device`, from the queue empty to the last kernel done."""
+    cuda = device is not None and device.type == "cuda"
+    fn()
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize(device)
+        began = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - began) / inner)
+    return min(times)

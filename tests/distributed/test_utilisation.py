@@ -1,0 +1,106 @@
+"""What a run says about its speed is true (issue 34): the peak MFU is measured against is the
+calibrated profile's where there is one, an MFU above 100% is never reported, a Hugging Face
+model's FLOPs are counted on a real micro-batch without changing its training, and
+`train.precision = "auto"` is resolved, printed and saved."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from helpers import digits_job, gpt_job
+from shardwise.tracking.metrics import read_metrics
+from shardwise.trainer.loop import build_run, train
+from shardwise.trainer.precision import decide
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_an_mfu_above_100_percent_is_never_reported(
+    tmp_path, one_rank, one_thread, monkeypatch, capsys
+):
+    """A calibrated profile whose peak is far too low (1 MFLOP/s): the run reports its TFLOP/s,
+    no MFU, and says once that the peak is wrong."""
+    monkeypatch.setenv("SHARDWISE_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    profile = {"peak_flops": 1e6, "calibrated": True, "device": "cpu"}
+    (tmp_path / "cache" / "this-machine.json").write_text(json.dumps(profile))
+    train(
+        digits_job(tmp_path / "run", train={"steps": 20}), device=torch.device("cpu"), resume=None
+    )
+    records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "tflops" in r]
+    assert records and not any("mfu" in r for r in records)
+    out = capsys.readouterr().out
+    assert out.count("MFU is not reported") == 1 and "calibrated profile" in out
+    assert "MFU" not in out.split("MFU is not reported")[1].replace("MFU = model", "")
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None,
+    reason="transformers is not installed (pip install 'shardwise[hf]'; make test does)",
+)
+def test_a_hugging_face_model_gets_an_mfu_counted_on_a_real_micro_batch(tmp_path, one_rank):
+    """The HF GPT-2 example cannot run on the meta device ("Tensor.item() cannot be called on
+    meta tensors"); its FLOPs are counted on one real micro-batch through the run's own model,
+    about 6 per parameter per token, and the run reports MFU. That the count leaves the model as
+    it was (random states, buffers, gradients) is test_flops.py's; that HF runs stay bitwise
+    across layouts and resumes is test_foreign_models.py's."""
+    args = {"n_layer": 2, "n_embd": 32, "n_head": 4, "n_positions": 16}
+    config = gpt_job(
+        tmp_path / "run",
+        model={"name": "examples.hf_gpt2:build_model", "args": args},
+        data={"args": {"seq_len": 16, "max_bytes": 20_000}},
+        train={"steps": 4, "global_batch": 4, "micro_batch": 2},
+    )
+    run = build_run(config, torch.device("cpu"))
+    assert "real micro-batch" in run.utilisation.describe()
+    per_token = run.utilisation.flops_per_step / (4 * 16)
+    params = sum(p.numel() for p in run.parameters())
+    assert 6 * params * 0.5 < per_token < 6 * params * 2
+    train(config, device=torch.device("cpu"), resume=None)
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert any("mfu" in r for r in records)
+
+
+@pytest.mark.parametrize(
+    ("asked", "rates", "chosen", "said"),
+    [
+        ("auto", {"fp32": 30e9, "bf16": 1e9}, "fp32", "train.precision = 'auto': fp32"),
+        ("auto", {"fp32": 90e9, "bf16": 200e9}, "bf16", "train.precision = 'auto': bf16"),
+        ("bf16", {"fp32": 30e9, "bf16": 0.57e9}, "bf16", "set train.precision = 'auto'"),
+        ("bf16", {"fp32": 30e9, "bf16": 20e9}, "bf16", None),
+    ],
+)
+def test_auto_precision_takes_bf16_on_a_cpu_only_where_it_is_as_fast(asked, rates, chosen, said):
+    decided = decide(asked, rates)
+    assert decided.name == chosen
+    if said is None:
+        assert decided.notes == []
+    else:
+        (note,) = decided.notes
+        assert said in note
+
+
+def test_auto_precision_is_resolved_printed_and_saved(tmp_path, one_rank, capsys):
+    train(
+        digits_job(tmp_path / "run", train={"steps": 2, "precision": "auto"}),
+        device=torch.device("cpu"),
+        resume=None,
+    )
+    saved = (tmp_path / "run" / "config.toml").read_text()
+    (line,) = [line for line in saved.splitlines() if line.startswith("precision")]
+    assert line in ('precision = "fp32"', 'precision = "bf16"')
+    chosen = line.split('"')[1]
+    assert (
+        f"train.precision = 'auto': {chosen} (matrix multiplies here: bf16"
+        in capsys.readouterr().out
+    )
