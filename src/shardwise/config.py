@@ -294,10 +294,12 @@ class CheckpointSection(Section):
     every_steps: int = Field(0, ge=0)
     """Save every k steps; 0 saves only at the end. The last step always saves."""
     keep_last: int = Field(2, gt=0)
-    async_save: bool = Field(False, alias="async")
+    async_save: Literal["auto"] | bool = Field("auto", alias="async")
     """`checkpoint.async = true`: copy the state to memory and write it in the background, so
     training waits only for the copy; rank 0 commits the checkpoint as soon as every rank's part
-    is written, and the next save (or the end of the run) reports a failed write."""
+    is written, and the next save (or the end of the run) reports a failed write. `auto` (the
+    default): on GPUs, unless the host lacks the memory for a copy of each rank's state (then
+    synchronous, said at start); synchronous on CPUs, where the copy competes with training."""
     fail_on_save_error: bool = False
     """A save that fails (a full disk, a lost mount) ends the run; by default it is reported and
     training continues, the previous checkpoint still good."""

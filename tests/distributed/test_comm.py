@@ -27,6 +27,7 @@ import torch
 import shardwise
 from helpers import digits_job, load_params, losses, run_distributed
 from shardwise.comm.powersgd import factor_bytes
+from shardwise.tracking.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 RTOL, ATOL = 1e-5, 1e-5
@@ -92,6 +93,25 @@ def test_bf16_sends_half_of_ddps_bytes_and_powersgd_its_factors(tmp_path, ddp):
     )
     assert got["comm/bytes_per_step"] == payload  # 2 ranks: an all-reduce sends 2·½ of it
     assert got["comm/compression_ratio"] == pytest.approx(full["comm/bytes_per_step"] * 2 / payload)
+
+
+def test_bytes_per_step_are_the_logging_windows_not_a_mean_since_the_start(tmp_path):
+    """PowerSGD reduces uncompressed for its first 10 steps: the window after them shows the
+    factors' bytes alone; the mean since the start stays, under its own name."""
+    powersgd = {"grad_compression": "powersgd", "powersgd_rank": 2, "powersgd_start_step": 10}
+    train(tmp_path, parallel=powersgd, train={"steps": 20}, tracking={"log_every": 5})
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    at = {r["step"]: r for r in records if "comm/bytes_per_step" in r}
+    model = shardwise.builders.build_model(digits_job(tmp_path))
+    factors = sum(
+        factor_bytes(p.shape, 2) or p.numel() * 4 for p in model.parameters() if p.requires_grad
+    )
+    uncompressed = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    assert at[5]["comm/bytes_per_step"] == uncompressed  # steps 1-5
+    assert at[20]["comm/bytes_per_step"] == factors  # steps 16-20
+    assert at[20]["comm/bytes_per_step_since_start"] == pytest.approx(
+        (10 * uncompressed + 10 * factors) / 20
+    )
 
 
 def _full_rank_powersgd() -> list[float]:

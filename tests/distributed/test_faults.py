@@ -145,13 +145,20 @@ GRACE_S = 25
 terminationGracePeriodSeconds: 30 s by default), from the ranks' save to the launcher's exit."""
 
 
-def test_sigterm_saves_at_a_step_boundary_exits_0_and_resumes_exactly(tmp_path, uninterrupted):
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_sigterm_saves_at_a_step_boundary_exits_0_and_resumes_exactly(
+    tmp_path, uninterrupted, asynchronous
+):
     """The launcher gets SIGTERM (as from a scheduler) after step 6: the ranks agree on a step,
     save there, and `shardwise train` exits 0 within a scheduler's grace period (not after torch
     elastic's 30 s wait for ranks that have stopped); `--resume auto` then ends bitwise like the
-    uninterrupted run."""
+    uninterrupted run. With synchronous and asynchronous checkpoints (the SIGTERM's save is
+    committed before the ranks stop either way)."""
     want_losses, want_params, _ = uninterrupted
-    sections = {**SECTIONS, "fault": {**SECTIONS["fault"], "check_interval_s": 0}}
+    sections = {
+        "checkpoint": {**SECTIONS["checkpoint"], "async": asynchronous},
+        "fault": {**SECTIONS["fault"], "check_interval_s": 0},
+    }
     command = _train_on_two_ranks(
         tmp_path, gpt_job(tmp_path / "run", train={"steps": 16}, **sections)
     )

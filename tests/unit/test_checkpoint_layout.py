@@ -154,3 +154,48 @@ def test_a_malformed_manifest_is_named_never_a_crash(root, change, reason):
     assert found is not None and found.startswith("its manifest cannot be read (")
     assert reason in found
     assert retention_victims(root, 1) == [] and newest_good(root)[0] is None
+
+
+@pytest.mark.parametrize(
+    ("asked", "cuda", "hosts", "chosen", "said"),
+    [
+        ("auto", False, [], False, None),  # a CPU run: the copy competes with training
+        ("auto", True, [("a", 4 << 30, 64 << 30), ("a", 4 << 30, 64 << 30)], True, None),
+        ("auto", True, [("a", 30 << 30, 64 << 30), ("a", 30 << 30, 64 << 30)], False, "a's"),
+        ("auto", True, [("a", 4 << 30, 64 << 30), ("b", 60 << 30, 64 << 30)], False, "b's"),
+        (True, False, [], True, None),
+        (False, True, [("a", 1, 1 << 40)], False, None),
+    ],
+)
+def test_checkpoints_are_asynchronous_on_gpus_where_each_host_has_memory_for_the_copies(
+    asked, cuda, hosts, chosen, said
+):
+    from shardwise.checkpoint.manager import asynchronous_by_default
+
+    asynchronous, note = asynchronous_by_default(asked, cuda=cuda, hosts=hosts)
+    assert asynchronous is chosen
+    if said is None:
+        assert note is None
+    else:
+        assert said in note and "checkpoint.async = true" in note
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_save_hashes_its_files_as_it_writes_them(tmp_path, where):
+    """DCP's writer, wrapped: the checksums it took on the way are the files' own, so nothing
+    is read back to write the manifest."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from shardwise.checkpoint.writer import digests, hashing_writer
+
+    target = str(tmp_path / "ckpt") if where == "local" else f"memory://hash-{uuid.uuid4().hex}"
+    state = {"w": torch.randn(1000, 100), "b": torch.arange(7), "step": 3, "rng": {"x": 1.5}}
+    writer = hashing_writer(target)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    found = digests(writer)
+    fs, path = fsspec.core.url_to_fs(target)
+    names = sorted(name_of(p) for p in fs.ls(path, detail=False))
+    assert sorted(found) == names and ".metadata" in names
+    for name in names:
+        assert found[name] == file_digest(join(target, name)), name

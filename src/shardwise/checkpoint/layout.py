@@ -146,16 +146,17 @@ def problem(location: Location, *, checksums: bool = True) -> str | None:
     return None
 
 
-def retention_victims(directory: Location, keep_last: int) -> list[str]:
+def retention_victims(directory: Location, keep_last: int, *, good: str = "") -> list[str]:
     """Checkpoints `keep_last` retention deletes: those older than the newest `keep_last` that
     verify (every file listed, at its size, with its checksum). One that fails is neither
     counted nor deleted (`--resume auto` skips it, and it is evidence), so retention never
-    deletes the newest good checkpoint, however a bad one was damaged."""
+    deletes the newest good checkpoint, however a bad one was damaged. `good`: a checkpoint
+    known to verify (just committed, its checksums taken as it was written)."""
     kept, victims = 0, []
     for location in reversed(complete_checkpoints(directory)):
         if kept >= keep_last:
             victims.append(location)
-        elif verified(location):
+        elif os.fspath(location) == os.fspath(good) or verified(location):
             kept += 1
     return victims
 
@@ -191,6 +192,16 @@ def newest_good(directory: Location) -> tuple[str | None, list[str]]:
             return location, warnings
         warnings.append(f"skipping checkpoint {name_of(location)}: {wrong}")
     return None, warnings
+
+
+def retire(location: Location) -> None:
+    """Make a checkpoint no checkpoint (its manifest, the commit marker, deleted); `remove`
+    deletes the rest."""
+    fs, path = storage(location)
+    if isinstance(fs, LocalFileSystem) and os.path.islink(path):
+        return
+    if fs.exists(f"{path}/{MANIFEST}"):
+        fs.rm_file(f"{path}/{MANIFEST}")
 
 
 def remove(location: Location) -> None:

@@ -18,14 +18,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from shardwise.checkpoint import safe
 from shardwise.checkpoint.layout import (
     MANIFEST,
-    Location,
     file_digest,
     is_local,
     join,
@@ -33,8 +34,10 @@ from shardwise.checkpoint.layout import (
     read_manifest,
     remove,
     retention_victims,
+    retire,
     storage,
 )
+from shardwise.checkpoint.writer import digests, hashing_writer, parallel_writer
 
 
 class WriteFailed(RuntimeError):
@@ -43,6 +46,38 @@ class WriteFailed(RuntimeError):
     def __init__(self, step: int, cause: BaseException) -> None:
         super().__init__(f"{type(cause).__name__}: {cause}")
         self.step = step
+
+
+HOST_SHARE = 0.8
+"""The share of a host's free memory the copies of its ranks' states may take (async saves)."""
+
+
+def asynchronous_by_default(
+    asked: bool | str, *, cuda: bool, hosts: list[tuple[str, int, int]]
+) -> tuple[bool, str | None]:
+    """What `checkpoint.async = asked` means: `auto` is asynchronous on GPUs where every host
+    has the memory for a copy of each of its ranks' states (`hosts`: each rank's host name,
+    state bytes and its host's free memory), synchronous on CPUs; and the line to say why a GPU
+    run saves synchronously."""
+    if asked != "auto":
+        return bool(asked), None
+    if not cuda:
+        return False, None
+    needs: dict[str, int] = {}
+    free: dict[str, int] = {}
+    for host, need, available in hosts:
+        needs[host] = needs.get(host, 0) + need
+        free[host] = min(free.get(host, available), available)
+    short = [h for h in needs if needs[h] > HOST_SHARE * free[h]]
+    if not short:
+        return True, None
+    host = short[0]
+    return False, (
+        f"checkpoint.async = 'auto': saving synchronously: copies of the states of {host}'s "
+        f"ranks take {needs[host] / 2**30:.1f} GiB of host memory, more than "
+        f"{HOST_SHARE:.0%} of the {free[host] / 2**30:.1f} GiB free there (set "
+        "checkpoint.async = true to copy anyway)"
+    )
 
 
 class CheckpointManager:
@@ -59,6 +94,28 @@ class CheckpointManager:
         # never interleave with training's.
         self._async_group = dist.new_group(backend="gloo") if asynchronous else None
         self._pending: tuple[Future[Any], int] | None = None
+        self.phases: dict[str, float] = {}
+        """The last save's seconds by phase on this rank: `stage` (async: the copy to memory,
+        what training waits for), `write` (DCP: serialise, write, fsync), `digest` (hash the
+        files), `commit` (rank 0: the manifest and the rename)."""
+        # The copy an asynchronous save writes from: kept from one save to the next (no
+        # allocation, no page faults after the first), pinned for the copy from a GPU.
+        cuda = torch.cuda.is_available()
+        self._stager = (
+            DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda,
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=cuda,
+                )
+            )
+            if asynchronous
+            else None
+        )
+        # Rank 0 deletes what retention retires in the background (big files take a while).
+        self._remover = ThreadPoolExecutor(1, thread_name_prefix="shardwise-retention")
+        self._retention: list[Future[Any]] = []
         # Rank 0 commits asynchronous saves from a thread of its own, off the training path.
         self._committer = (
             ThreadPoolExecutor(1, thread_name_prefix="shardwise-commit")
@@ -82,20 +139,31 @@ class CheckpointManager:
         manifest = {**manifest, "step": step}
         if self.asynchronous:
             future = dcp_async_save(
-                state, checkpoint_id=_dcp_id(target), process_group=self._async_group
+                state,
+                storage_writer=parallel_writer(target),
+                process_group=self._async_group,
+                async_stager=self._stager,
             )
             assert isinstance(future, Future)
+            self.phases = {"stage": time.perf_counter() - started}
             if self._committer is not None:
                 future = self._committer.submit(
                     self._commit_when_written, future, manifest, started
                 )
             self._pending = (future, step)
             return final
-        dcp_save(state, checkpoint_id=_dcp_id(target))
-        files = self._digests(target)
+        writer = hashing_writer(target)
+        dcp_save(state, storage_writer=writer)
+        written = time.perf_counter()
+        files = self._gathered(digests(writer))
+        digested = time.perf_counter()
         if self.is_leader:
-            files[".metadata"] = file_digest(join(target, ".metadata"))
             self._commit(manifest, files, started)
+        self.phases = {
+            "write": written - started,
+            "digest": digested - written,
+            "commit": time.perf_counter() - digested,
+        }
         dist.barrier()
         return final
 
@@ -109,6 +177,9 @@ class CheckpointManager:
     def wait(self) -> str | None:
         """Wait for an asynchronous save still in flight to be written and committed (all ranks
         call it); raises `WriteFailed` on every rank if it failed on any."""
+        for removal in self._retention:
+            removal.result()
+        self._retention.clear()
         if self._pending is None:
             return None
         future, step = self._pending
@@ -156,20 +227,21 @@ class CheckpointManager:
         else:
             fs, path = storage(join(target, MANIFEST))
             fs.pipe_file(path, text.encode())  # the commit: the manifest comes last
-        for old in retention_victims(self.directory, self.keep_last):
-            remove(old)
+        # this checkpoint was hashed as it was written: retention need not read it back
+        victims = retention_victims(self.directory, self.keep_last, good=final)
+        for old in victims:
+            retire(old)  # its manifest goes now: it is no checkpoint any more
+        if victims:  # its data in the background: deleting big files takes a while
+            self._retention.append(self._remover.submit(_remove_all, victims))
 
     def discard_partial(self, step: int) -> None:
         """Remove what a failed save of `step` left behind (all ranks call it)."""
         if self.is_leader:
             remove(self._target(step))
 
-    def _digests(self, target: str) -> dict[str, Any]:
-        """Size and checksum of every file, each rank hashing the files it wrote (DCP names them
-        `__<rank>_<n>.distcp`), gathered on rank 0 for the manifest."""
-        fs, path = storage(target)
-        written = sorted(fs.glob(f"{path}/__{dist.get_rank()}_*"))
-        mine = {name_of(p): file_digest(join(target, name_of(p))) for p in written}
+    def _gathered(self, mine: dict[str, Any]) -> dict[str, Any]:
+        """Every rank's files (DCP names them `__<rank>_<n>.distcp`; rank 0 also wrote
+        `.metadata`), with the sizes and checksums each hashed as it wrote them, on rank 0."""
         gathered: list[Any] = [None] * dist.get_world_size() if self.is_leader else []
         dist.gather_object(mine, gathered if self.is_leader else None, dst=0)
         return {name: d for part in gathered for name, d in part.items()}
@@ -181,9 +253,9 @@ class CheckpointManager:
         return read_manifest(location)
 
 
-def _dcp_id(location: Location) -> str | Path:
-    """DCP picks its file-system writer for a Path and its fsspec writer for a URL."""
-    return Path(location) if is_local(location) else os.fspath(location)
+def _remove_all(locations: list[str]) -> None:
+    for location in locations:
+        remove(location)
 
 
 def _rename_into_place(partial: Path, final: Path) -> None:

@@ -42,6 +42,11 @@ class Traffic:
     steps: int = 0
     spans_nodes: bool = False
     """The collectives counted run over ranks on more than one node."""
+    window_steps: int = 0
+    """The steps of the last window `metrics` reported on,"""
+    window_uncompressed: float = 0.0
+    """and what fp32 all-reduce would have sent in them."""
+    _mark: tuple[float, float, float, int] = (0.0, 0.0, 0.0, 0)
 
     def all_reduce(self, nbytes: float, ranks: int) -> None:
         self._add(2 * (ranks - 1) / ranks * nbytes if ranks > 1 else 0.0)
@@ -56,20 +61,26 @@ class Traffic:
             self.inter_node += sent
 
     def metrics(self) -> dict[str, float]:
-        """The mean per step since this process started training (a mode that synchronises
-        every H steps sends in one step what this spreads over H). The compression ratio is
-        against fp32 all-reduce of every gradient every step: of the bytes this rank sent on
-        one machine, of the bytes that crossed between machines on several."""
-        steps = max(self.steps, 1)
+        """The mean per step over the window since the last call (the logging window, as
+        samples/s is; a mode that synchronises every H steps sends in one step what this
+        spreads over the window's steps), and since this process started training
+        (`comm/bytes_per_step_since_start`). The compression ratio is against fp32 all-reduce
+        of every gradient every step: of the bytes this rank sent on one machine, of the bytes
+        that crossed between machines on several."""
+        now = (self.sent, self.inter_node, self.uncompressed, self.steps)
+        sent, inter, full, steps = (a - b for a, b in zip(now, self._mark, strict=True))
+        self._mark, self.window_steps, self.window_uncompressed = now, int(steps), full
+        per = max(steps, 1)
         # across machines what matters is what crosses between them: fp32 DDP's ring sends
         # `uncompressed` off each node, the same as each rank sends
-        paid = self.inter_node if self.spans_nodes else self.sent
+        paid = inter if self.spans_nodes else sent
         out = {
-            "comm/bytes_per_step": self.sent / steps,
-            "comm/compression_ratio": self.uncompressed / paid if paid else 1.0,
+            "comm/bytes_per_step": sent / per,
+            "comm/bytes_per_step_since_start": self.sent / max(self.steps, 1),
+            "comm/compression_ratio": full / paid if paid else 1.0,
         }
         if self.spans_nodes:
-            out["comm/inter_node_bytes_per_step"] = self.inter_node / steps
+            out["comm/inter_node_bytes_per_step"] = inter / per
         return out
 
 

@@ -227,6 +227,7 @@ class AsyncSync(Sync):
         self.p2p = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
         self.base = 0  # the version this worker's parameters are
         self.closed = False
+        self._server_mark = 0.0  # the server's bytes sent as of the last metrics
         self.server: Server | None = None
         if self.rank == 0:
             self.server = Server(
@@ -294,11 +295,16 @@ class AsyncSync(Sync):
             dist.send(bye, dst=0, group=self.p2p, tag=HEADER)
 
     def metrics(self) -> dict[str, float]:
+        """Rank 0's server sends for everyone: its bytes per step over the window (as the
+        base's), and since start."""
         out = super().metrics()
         if self.server is not None:
-            out["comm/bytes_per_step"] = self.server.sent / max(self.traffic.steps, 1)
-            sent = out["comm/bytes_per_step"]
-            full = self.traffic.uncompressed / max(self.traffic.steps, 1)
+            steps = max(self.traffic.window_steps, 1)
+            sent = (self.server.sent - self._server_mark) / steps
+            self._server_mark = self.server.sent
+            out["comm/bytes_per_step"] = sent
+            out["comm/bytes_per_step_since_start"] = self.server.sent / max(self.traffic.steps, 1)
+            full = self.traffic.window_uncompressed / steps
             out["comm/compression_ratio"] = full / sent if sent else 1.0
             counts = self.server.staleness_counts
             total = sum(counts.values())

@@ -48,7 +48,7 @@ def run_worker(
         torch.set_num_threads(threads)
         # A backstop: the watchdog names a hang after fault.timeout_s, before gloo/NCCL give up.
         timeout = timedelta(seconds=config.fault.timeout_s + 60)
-        _join(env, "nccl" if device.type == "cuda" else "gloo", timeout, store_host=store_host)
+        _join(env, device, timeout, store_host=store_host)
         from shardwise.trainer import loop  # here: the launching process never needs the trainer
 
         try:
@@ -76,8 +76,13 @@ def run_worker(
     return summary if env.rank == 0 else None
 
 
-def _join(env: WorkerEnv, backend: str, timeout: timedelta, *, store_host: str | None) -> None:
-    """Join the job's process group."""
+def _join(
+    env: WorkerEnv, device: torch.device, timeout: timedelta, *, store_host: str | None
+) -> None:
+    """Join the job's process group: NCCL bound to this rank's GPU (`device_id`: torch then
+    knows the device of every collective, and says nothing about guessing it), gloo on CPU."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    bound: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
     if env.restart_count and env.agent_store:
         # Under torchrun, after a restart the agent's store still holds the previous attempt's
         # addresses and gloo would dial the dead workers: give every attempt its own key space.
@@ -101,10 +106,11 @@ def _join(env: WorkerEnv, backend: str, timeout: timedelta, *, store_host: str |
             rank=env.rank,
             world_size=env.world_size,
             timeout=timeout,
+            **bound,
         )
         return
     dist.init_process_group(
-        backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
+        backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout, **bound
     )
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -85,7 +86,10 @@ def _all_reduce_worker(
     if cuda:
         torch.cuda.set_device(device)
     store = dist.FileStore(store_path, world)  # type: ignore[attr-defined]
-    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world)
+    bound: dict[str, Any] = {"device_id": device} if cuda else {}
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", store=store, rank=rank, world_size=world, **bound
+    )
     try:
         for size in sizes:
             tensor = torch.zeros(size // 4, device=device)

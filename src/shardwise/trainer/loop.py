@@ -11,6 +11,7 @@ import copy
 import hashlib
 import json
 import math
+import socket
 import time
 import warnings
 from collections.abc import Iterator
@@ -27,7 +28,11 @@ from shardwise import builders
 from shardwise.checkpoint import safe
 from shardwise.checkpoint.export import load_weights
 from shardwise.checkpoint.layout import name_of, read_manifest
-from shardwise.checkpoint.manager import CheckpointManager, WriteFailed
+from shardwise.checkpoint.manager import (
+    CheckpointManager,
+    WriteFailed,
+    asynchronous_by_default,
+)
 from shardwise.comm import choose as comm
 from shardwise.config import ConfigError, Derived, JobConfig, derive, resolved, shown
 from shardwise.fault.health import RankHealth
@@ -185,6 +190,7 @@ def build_run(config: JobConfig, device: torch.device, *, node: int = 0) -> Run:
             )
         )
     utilisation = _utilisation(config, derived, layout, loss_fn, train_set, device)
+    config, saving = _checkpoint_mode(config, layout, device)
     if layout.pipeline is not None:
         stage_loss = compile.compiled_loss(loss_fn, builtin=builtin and bool(layout.compiled))
         layout.pipeline.start(stage_loss, device)
@@ -240,7 +246,7 @@ def build_run(config: JobConfig, device: torch.device, *, node: int = 0) -> Run:
         checkpoints=CheckpointManager(
             config.checkpoint_dir,
             keep_last=config.checkpoint.keep_last,
-            asynchronous=config.checkpoint.async_save,
+            asynchronous=config.checkpoint.async_save is True,
         ),
         dp_group=dp_group(mesh),
         pp_group=pp_group(mesh),
@@ -249,13 +255,37 @@ def build_run(config: JobConfig, device: torch.device, *, node: int = 0) -> Run:
         sync=sync,
         nonfinite=NonFiniteGuard(device, stop=config.fault.on_nonfinite == "stop"),
         utilisation=utilisation,
-        notes=chosen.notes,
+        notes=chosen.notes + saving,
     )
 
 
 def with_precision(config: JobConfig, name: str) -> JobConfig:
     """The config with `train.precision` as this device resolved it (`auto`), as it is saved."""
     return config.model_copy(update={"train": config.train.model_copy(update={"precision": name})})
+
+
+def _checkpoint_mode(
+    config: JobConfig, layout: Layout, device: torch.device
+) -> tuple[JobConfig, list[str]]:
+    """The config with `checkpoint.async` resolved (`auto`: checkpoint/manager.py), the same on
+    every rank, and what to say about it."""
+    asked = config.checkpoint.async_save
+    hosts: list[Any] = []
+    if asked == "auto" and device.type == "cuda":
+        per_param = 2 if config.train.optimizer == "adamw" else int(config.train.momentum > 0)
+        held = state_bytes(layout.parts, optimizer_states_per_param=per_param)
+        mine = (socket.gethostname(), held["params"] + held["optimizer"], _free_memory())
+        hosts = [None] * dist.get_world_size()
+        dist.all_gather_object(hosts, mine)
+    asynchronous, note = asynchronous_by_default(asked, cuda=device.type == "cuda", hosts=hosts)
+    update = {"checkpoint": config.checkpoint.model_copy(update={"async_save": asynchronous})}
+    return config.model_copy(update=update), [note] if note else []
+
+
+def _free_memory() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
 
 
 def _utilisation(
