@@ -61,7 +61,10 @@ def test_override_values_are_read_as_toml():
         ("train.stpes=5", "unknown key 'train.stpes'; did you mean 'train.steps'?"),
         ("trian.steps=5", "unknown key 'trian'; did you mean 'train'?"),
         ("train.steps=abc", "train.steps: input should be a valid integer"),
-        ("train.precision=fp8", "train.precision: input should be 'fp32', 'bf16', 'fp16' or 'auto'"),
+        (
+            "train.precision=fp8",
+            "train.precision: input should be 'fp32', 'bf16', 'fp16' or 'auto'",
+        ),
         ("train.lr=-1", "train.lr: input should be greater than 0"),
         ("train", "expected section.key=value"),
         # numbers that pydantic would take: true as 1, inf, and sizes no code can use

@@ -9,6 +9,8 @@ the profile the planner predicts shardwise's runs on this machine from, per GPU:
   size that makes small models and small micro-batches reach less of the peak. Without a job
   file: width 2048, 16 heads, sequence 2048, micro-batch 4;
 - `memory_bandwidth`: a + b → c over 256 MiB arrays;
+- `dispatch_seconds`: the host's time per operator dispatched, on a GPT block too small to keep
+  the GPU busy (plan/kernels.py): what bounds a small model's step;
 - `memory`: the device's total memory;
 - with two or more GPUs, α and β of NCCL's all-reduce among all of them, fitted to the ring
   model over messages of 1 MiB to 256 MiB (NCCL's all-gather and reduce-scatter run on the same
@@ -36,6 +38,7 @@ import torch.multiprocessing as mp
 from shardwise.devices import best_seconds, device_name, matmul_peak
 from shardwise.plan.calibrate import LayerShape, layer_curve, line, memory_bandwidth
 from shardwise.plan.hardware import PRESETS, THIS_MACHINE, Hardware
+from shardwise.plan.kernels import dispatch_seconds
 
 DEFAULT_SHAPE = LayerShape(hidden=2048, heads=16, seq=2048, batch=4)
 ALL_REDUCE_SIZES = [1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
@@ -123,9 +126,11 @@ def calibrate_gpu(
     peak = matmul_peak(device, torch.bfloat16)
     rate, overhead = layer_curve(shape, curve_batches(shape.batch), device)
     bandwidth = memory_bandwidth(device, mib=256)
+    dispatch = dispatch_seconds(device)
     progress(
         f"  {peak / 1e12:.0f} TFLOP/s matmul, {rate / 1e12:.0f} TFLOP/s in large layers + "
-        f"{overhead * 1e3:.2f} ms per layer and micro-batch, {bandwidth / 1e9:.0f} GB/s"
+        f"{overhead * 1e3:.2f} ms per layer and micro-batch, {bandwidth / 1e9:.0f} GB/s, "
+        f"{dispatch * 1e6:.1f} µs of host time per operator dispatched"
     )
     if gpus >= 2:
         progress(f"all-reduce among the {gpus} GPUs (NCCL)…")
@@ -152,6 +157,7 @@ def calibrate_gpu(
         utilisation=min(1.0, rate / peak),
         layer_overhead=overhead,
         overlap=1.0,
+        dispatch_seconds=dispatch,
         calibrated=True,
         device=device_name(device),
     )

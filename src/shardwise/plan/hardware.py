@@ -84,6 +84,11 @@ class Hardware:
     powersgd_matrix_seconds: float | None = None
     """seconds of that work per compressed matrix, whatever its size (a few dozen small
     operations). None (either): memory bandwidth over `network.CODEC_PASSES` and the FLOPs."""
+    dispatch_seconds: float | None = None
+    """Seconds the host takes per operator it dispatches in an eager step (Python, torch's
+    dispatcher and the kernel launch), measured on a GPU by running a block too small to keep it
+    busy; where known, a step takes at least its operators' count × this (timing.host_time).
+    None: not measured (the layer overhead stands in for the host's work)."""
     calibrated: bool = False
     device: str = ""
     """The device a calibrated profile measured: the GPU's name as torch reports it, or `cpu`
@@ -114,6 +119,7 @@ FIELDS: dict[str, Bound] = {
     "int8_codec_rate": _RATE,
     "powersgd_codec_rate": _RATE,
     "powersgd_matrix_seconds": _LATENCY,
+    "dispatch_seconds": _LATENCY,
 }
 """The range of each numeric field of `Hardware` (a file's, or a calibrated profile's)."""
 

@@ -15,10 +15,19 @@ What overlaps with what (stated, not measured):
 - data-parallel gradient sync (all-reduce, or reduce-scatter + all-gather under ZeRO) overlaps
   with the backward pass, ZeRO-3's parameter all-gathers with forward and backward, up to the
   hardware's `overlap` fraction of that compute; the rest is exposed;
-- the optimizer step is memory-bound and runs after everything else: PyTorch's multi-tensor
-  ("foreach") implementations, which shardwise uses, pass over parameter-sized fp32 tensors once
-  per operation (`OPTIMIZER_PASSES`), and gradient clipping reads the gradients twice and writes
-  them once.
+- the optimizer step is memory-bound and runs after everything else: the fused AdamW and SGD
+  kernels shardwise uses read and write each parameter's fp32 values once (`FUSED_PASSES`);
+  where a layout mixes sharded and plain tensors (tensor parallelism) it falls back to the
+  multi-tensor ("foreach") implementations, which pass over them once per operation
+  (`OPTIMIZER_PASSES`); gradient clipping reads the gradients twice and writes them once.
+
+On a GPU the host dispatches every operator before the device can run it, and runs ahead of it:
+a step takes the longer of the two. Where the hardware says what a dispatch costs the host
+(`dispatch_seconds`, which `shardwise plan --calibrate` measures on a GPU), the step's dispatches
+are counted on the built-in GPT at the model's width (kernels.py: its layers' forward and
+backward per micro-batch, the embedding, head and loss, clipping and the optimizer) and the step
+is the longer of that host time and the device's work (the compute, its bubble, the exposed
+communication and the optimizer). A small model's step is then bound by its host, as measured.
 
 Ranks are placed tensor-parallel innermost, then data-parallel, then pipeline (Megatron-LM's
 order): a tensor-parallel group stays inside a node when tp ≤ GPUs per node; data-parallel and
@@ -106,15 +115,22 @@ class StepTime:
     """All data-parallel communication; `exposed` of it is not hidden behind compute."""
     exposed: float
     optimizer: float
+    host: float = 0.0
+    """Seconds the host takes to dispatch the step's operators (GPUs with a measured
+    `dispatch_seconds`; 0 otherwise): the step takes at least this long."""
 
     @property
-    def total(self) -> float:
+    def device(self) -> float:
         return (
             self.compute + self.bubble + self.tensor_parallel + self.pipeline + self.exposed
         ) + self.optimizer
 
+    @property
+    def total(self) -> float:
+        return max(self.device, self.host)
+
     def terms(self) -> dict[str, float]:
-        return {
+        found = {
             "compute": self.compute,
             "pipeline bubble": self.bubble,
             "tensor-parallel comm": self.tensor_parallel,
@@ -122,6 +138,9 @@ class StepTime:
             "data-parallel comm (exposed)": self.exposed,
             "optimizer step": self.optimizer,
         }
+        if self.host > self.device:
+            found["host dispatching the operators"] = self.host
+        return found
 
     def dominant(self) -> str:
         return max(self.terms().items(), key=lambda kv: kv[1])[0]
@@ -213,9 +232,41 @@ def step_time(
     data = data_parallel_comm(psi, layout, precision, dp_link)
     exposed = max(0.0, data - overlap_window(compute, layout, hardware))
     updated = psi / (layout.dp if layout.zero >= 1 else 1)
-    touched = 4 * OPTIMIZER_PASSES[optimizer] + 3 * precision.grad  # + clipping
+    passes = (FUSED_PASSES if fused(optimizer, layout) else OPTIMIZER_PASSES)[optimizer]
+    touched = 4 * passes + 3 * precision.grad  # + clipping
     optimizer_s = 0.0 if layout.offload_optimizer else updated * touched / hardware.memory_bandwidth
-    return StepTime(compute, bubble, tensor, pipeline, data, exposed, optimizer_s)
+    host = host_time(model, layout, precision, hardware)
+    return StepTime(compute, bubble, tensor, pipeline, data, exposed, optimizer_s, host)
+
+
+def fused(optimizer: str, layout: Layout) -> bool:
+    """Whether shardwise's optimizer is the fused kernel in this layout (trainer/optim.py): one
+    kernel takes all-plain or all-sharded parameters, not tensor parallelism's mix; fused SGD
+    takes no sharded ones."""
+    return layout.tp == 1 and (optimizer.startswith("adam") or layout.zero == 0)
+
+
+def host_time(
+    model: Transformer, layout: Layout, precision: Precision, hardware: Hardware
+) -> float:
+    """Seconds the host takes to dispatch a step's operators on the busiest stage (see the module
+    docstring); 0 where the hardware has no `dispatch_seconds` or is a CPU (whose host is its
+    device: the compute already counts it)."""
+    if hardware.dispatch_seconds is None or hardware.device == "cpu":
+        return 0.0
+    from shardwise.plan.kernels import work
+
+    counted = work(
+        hidden=model.hidden,
+        heads=model.heads,
+        ffn=model.ffn_size,
+        vocab=max(model.vocab, 2),
+        autocast=precision.name.endswith("-autocast"),
+    )
+    passes = 4 / 3 if layout.recompute == "full" else 1.0
+    layers = model.layers_per_stage(layout.pp) * passes
+    ops = counted.ops(layers=round(layers), microbatches=layout.microbatches)
+    return ops * hardware.dispatch_seconds
 
 
 def data_parallel_comm(
@@ -253,6 +304,11 @@ def overlap_window(compute: float, layout: Layout, hardware: Hardware) -> float:
     return compute * (1.0 if layout.zero >= 3 else 2 / 3) * hardware.overlap
 
 
+FUSED_PASSES = {"adamw": 7, "adam": 7, "sgd-momentum": 5, "sgd": 3}
+"""fp32 values read or written per parameter by the fused kernels (torch/optim, `fused=True`):
+AdamW reads the parameter, its gradient and both moments and writes the parameter and moments;
+SGD with momentum reads the parameter, gradient and momentum and writes two; plain SGD reads two
+and writes one."""
 OPTIMIZER_PASSES = {"adamw": 20, "adam": 20, "sgd-momentum": 8, "sgd": 3}
 """fp32 values read or written per parameter by PyTorch's multi-tensor optimizers (torch/optim):
 AdamW's decay, lerp, mul, addcmul, sqrt, div, add and addcdiv read 12 and write 8; SGD with
