@@ -10,6 +10,7 @@ each phase of the save.
 
     python bench/checkpoint_save.py                 # ~1 GB, 3 repeats: about 2 minutes here
     python bench/checkpoint_save.py --layers 4 --repeats 5
+    python bench/checkpoint_save.py --device cuda --layers 24 --hidden 1024   # 304M on a GPU
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the small-job helpers
 
 
-def build(layers: int, hidden: int, root: Path, asynchronous: bool):
+def build(layers: int, hidden: int, root: Path, asynchronous: bool, device: torch.device):
     """A one-rank run of the GPT whose optimizer has taken a step (its moments exist)."""
     from helpers import gpt_job
     from shardwise.trainer.loop import build_run
@@ -37,11 +38,11 @@ def build(layers: int, hidden: int, root: Path, asynchronous: bool):
 
     config = gpt_job(
         root / f"run-{'async' if asynchronous else 'sync'}",
-        model={"args": {"layers": layers, "heads": 12, "hidden": hidden, "seq_len": 32}},
+        model={"args": {"layers": layers, "heads": hidden // 64, "hidden": hidden, "seq_len": 32}},
         train={"global_batch": 1, "micro_batch": 1},
         checkpoint={"async": asynchronous, "keep_last": 1},
     )
-    run = build_run(config, torch.device("cpu"))
+    run = build_run(config, device)
     train_step(run, run.loader.next_step(), step=1)
     return run
 
@@ -66,6 +67,7 @@ def state_tensors(run) -> dict[str, torch.Tensor]:
 
 
 def baseline(tensors: dict[str, torch.Tensor], directory: Path) -> float:
+    """torch.save of the tensors (from a GPU: torch copies each to the host) and fsync."""
     path = directory / "baseline.pt"
     began = time.perf_counter()
     with open(path, "wb") as f:
@@ -93,13 +95,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="where the state lives: cpu or cuda")
     args = parser.parse_args()
+    device = torch.device(args.device)
     with tempfile.TemporaryDirectory(dir=REPO) as tmp:
         root = Path(tmp)
         store = dist.FileStore(str(root / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-        sync_run = build(args.layers, args.hidden, root, asynchronous=False)
-        async_run = build(args.layers, args.hidden, root, asynchronous=True)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+        sync_run = build(args.layers, args.hidden, root, asynchronous=False, device=device)
+        async_run = build(args.layers, args.hidden, root, asynchronous=True, device=device)
         tensors = state_tensors(sync_run)
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         print(f"state: {len(tensors)} tensors, {size / 1e9:.2f} GB; {os.cpu_count()} cores")

@@ -197,6 +197,27 @@ def report(label: str, size: tuple, found: dict[str, dict], peak: Peak, kind: st
             )
 
 
+def planned(size: tuple, kind: str) -> float | None:
+    """The planner's step for this size on this machine's calibrated profile (None without
+    one, or one of another device)."""
+    from shardwise.devices import device_name
+    from shardwise.plan.hardware import THIS_MACHINE, UnknownHardware, lookup
+    from shardwise.plan.layout import PRECISIONS, Layout
+    from shardwise.plan.model import Transformer
+    from shardwise.plan.timing import step_time
+
+    try:
+        hardware = lookup(THIS_MACHINE)
+    except UnknownHardware:
+        return None
+    if hardware.device != device_name(torch.device(kind)):
+        return None
+    layers, heads, hidden, seq, micro = size
+    model = Transformer(layers=layers, hidden=hidden, heads=heads, vocab=256, seq=seq)
+    precision = PRECISIONS["bf16-autocast" if kind == "cuda" else "fp32"]
+    return step_time(model, Layout(micro_batch=micro), precision, hardware).total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=None, help="default 3 GPU, 5 CPU")
@@ -230,6 +251,15 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             found = measure(label, size, args, kind, Path(tmp))
         report(label, size, found, peak, kind)
+        predicted = planned(size, kind)
+        hand = found.get("hand loop eager")
+        if predicted is not None and hand:
+            measured = statistics.median(hand["times"])
+            print(
+                f"  planner on this machine's calibrated profile: {predicted * 1e3:.1f} ms/step "
+                f"against the hand loop's {measured * 1e3:.1f} ms: {predicted / measured:.2f}x "
+                "(target 0.85-1.15)"
+            )
 
 
 if __name__ == "__main__":
