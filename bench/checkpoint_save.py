@@ -49,18 +49,9 @@ def build(layers: int, hidden: int, root: Path, asynchronous: bool, device: torc
 
 def state_tensors(run) -> dict[str, torch.Tensor]:
     """The tensors a save writes, by name (what the baseline torch.save's)."""
-    from shardwise.trainer import state as train_state
+    from shardwise.trainer.loop import capture
 
-    state = train_state.capture(
-        parts=run.parts,
-        optimizers=run.optimizers,
-        scheduler=run.schedulers[0],
-        scaler=run.scaler,
-        loader=run.loader,
-        step=1,
-        rank=0,
-        sync=run.sync,
-    )
+    state = capture(run, 1)
     flat = {f"model.{k}": v for k, v in state["model"].items()}
     flat |= {f"optim.{k}": v for k, v in state["optim"].items() if isinstance(v, torch.Tensor)}
     return flat

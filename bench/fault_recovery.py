@@ -21,10 +21,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from checkpoint_save import baseline  # the same torch.save + fsync (bench/ is on the path)
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -76,14 +76,7 @@ def plain_torch_save(directory: Path) -> float:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.zeros(2, config.model.args.get("seq_len", 128), dtype=torch.long)).sum().backward()
     optimizer.step()
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-    path = directory / "plain.pt"
-    started = time.perf_counter()
-    with open(path, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    return time.perf_counter() - started
+    return baseline({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, directory)
 
 
 def main() -> None:

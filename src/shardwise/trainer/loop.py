@@ -737,16 +737,7 @@ def save(run: Run, step: int, *, final: bool = False) -> str:
     """Checkpoint the run at `step`; a failed write raises `SaveFailed` after cleaning up. The
     `final` checkpoint is committed before this returns, even an asynchronous one, so that
     nothing after it (the last evaluation) can lose the trained model."""
-    state = train_state.capture(
-        parts=run.parts,
-        optimizers=run.optimizers,
-        scheduler=run.schedulers[0],
-        scaler=run.scaler,
-        loader=run.loader,
-        step=step,
-        rank=run.rank,
-        sync=run.sync,
-    )
+    state = capture(run, step)
     try:
         run.faults.before_save(step)
         path = run.checkpoints.save(step, state, _manifest(run))
@@ -760,6 +751,21 @@ def save(run: Run, step: int, *, final: bool = False) -> str:
         raise SaveFailed(f"saving the checkpoint of step {step} failed: {e}") from e
 
 
+def capture(run: Run, step: int) -> dict[str, Any]:
+    """The run's state as a checkpoint holds it (trainer/state.py), taken after `step`; what a
+    save writes and a restore fills."""
+    return train_state.capture(
+        parts=run.parts,
+        optimizers=run.optimizers,
+        scheduler=run.schedulers[0],
+        scaler=run.scaler,
+        loader=run.loader,
+        step=step,
+        rank=run.rank,
+        sync=run.sync,
+    )
+
+
 def restore(run: Run, path: str) -> int:
     """Load the checkpoint at `path` into the run; returns the step to continue after.
 
@@ -768,16 +774,7 @@ def restore(run: Run, path: str) -> int:
     tensors); otherwise each rank reseeds from (seed, step, data-parallel rank).
     """
     manifest = read_manifest(path)
-    state = train_state.capture(
-        parts=run.parts,
-        optimizers=run.optimizers,
-        scheduler=run.schedulers[0],
-        scaler=run.scaler,
-        loader=run.loader,
-        step=0,
-        rank=run.rank,
-        sync=run.sync,
-    )
+    state = capture(run, 0)
     same_layout, saved_rng = manifest.get("degrees") == run.derived.degrees, False
     if same_layout:
         state, saved_rng = train_state.with_saved_rng(state, safe.keys(path))
