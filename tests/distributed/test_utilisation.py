@@ -104,3 +104,20 @@ def test_auto_precision_is_resolved_printed_and_saved(tmp_path, one_rank, capsys
         f"train.precision = 'auto': {chosen} (matrix multiplies here: bf16"
         in capsys.readouterr().out
     )
+
+
+def test_a_resumed_auto_precision_run_keeps_the_precision_it_was_trained_in(
+    tmp_path, one_rank, capsys
+):
+    """The checkpoint records the precision; a run resumed with `auto` continues in it, whatever
+    today's probe would choose (exact resume)."""
+    job = digits_job(tmp_path / "run", train={"steps": 4, "precision": "bf16"})
+    train(job, device=torch.device("cpu"), resume=None)
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000004"
+    manifest = json.loads((checkpoint / "shardwise.json").read_text())
+    assert manifest["precision"] == "bf16"
+    capsys.readouterr()
+    resumed = digits_job(tmp_path / "again", train={"steps": 6, "precision": "auto"})
+    train(resumed, device=torch.device("cpu"), resume=str(checkpoint))
+    assert "train.precision = 'auto': bf16, as step_00000004 was trained" in capsys.readouterr().out
+    assert 'precision = "bf16"' in (tmp_path / "again" / "config.toml").read_text()

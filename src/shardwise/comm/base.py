@@ -63,24 +63,31 @@ class Traffic:
     def metrics(self) -> dict[str, float]:
         """The mean per step over the window since the last call (the logging window, as
         samples/s is; a mode that synchronises every H steps sends in one step what this
-        spreads over the window's steps), and since this process started training
-        (`comm/bytes_per_step_since_start`). The compression ratio is against fp32 all-reduce
-        of every gradient every step: of the bytes this rank sent on one machine, of the bytes
-        that crossed between machines on several."""
+        spreads over the window's steps, and nothing in a window without an agreement), and
+        since this process started training (`…_since_start`). The compression ratio is
+        against fp32 all-reduce of every gradient every step: of the bytes this rank sent on
+        one machine, of the bytes that crossed between machines on several; a window that sent
+        nothing has none."""
         now = (self.sent, self.inter_node, self.uncompressed, self.steps)
         sent, inter, full, steps = (a - b for a, b in zip(now, self._mark, strict=True))
         self._mark, self.window_steps, self.window_uncompressed = now, int(steps), full
-        per = max(steps, 1)
+        per, overall = max(steps, 1), max(self.steps, 1)
         # across machines what matters is what crosses between them: fp32 DDP's ring sends
         # `uncompressed` off each node, the same as each rank sends
         paid = inter if self.spans_nodes else sent
+        paid_overall = self.inter_node if self.spans_nodes else self.sent
         out = {
             "comm/bytes_per_step": sent / per,
-            "comm/bytes_per_step_since_start": self.sent / max(self.steps, 1),
-            "comm/compression_ratio": full / paid if paid else 1.0,
+            "comm/bytes_per_step_since_start": self.sent / overall,
+            "comm/compression_ratio_since_start": (
+                self.uncompressed / paid_overall if paid_overall else 1.0
+            ),
         }
+        if paid or not full:  # a window that sent nothing (local SGD between agreements) has none
+            out["comm/compression_ratio"] = full / paid if paid else 1.0
         if self.spans_nodes:
             out["comm/inter_node_bytes_per_step"] = inter / per
+            out["comm/inter_node_bytes_per_step_since_start"] = self.inter_node / overall
         return out
 
 

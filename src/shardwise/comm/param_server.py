@@ -303,9 +303,12 @@ class AsyncSync(Sync):
             sent = (self.server.sent - self._server_mark) / steps
             self._server_mark = self.server.sent
             out["comm/bytes_per_step"] = sent
-            out["comm/bytes_per_step_since_start"] = self.server.sent / max(self.traffic.steps, 1)
+            overall = self.server.sent / max(self.traffic.steps, 1)
+            out["comm/bytes_per_step_since_start"] = overall
             full = self.traffic.window_uncompressed / steps
             out["comm/compression_ratio"] = full / sent if sent else 1.0
+            full = self.traffic.uncompressed / max(self.traffic.steps, 1)
+            out["comm/compression_ratio_since_start"] = full / overall if overall else 1.0
             counts = self.server.staleness_counts
             total = sum(counts.values())
             if total:

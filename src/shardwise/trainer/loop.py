@@ -95,19 +95,25 @@ def train(
             count_reads=not config.train.compile,
         )
         preempted_at = None
-        for step in range(progress.start + 1, config.train.steps + 1):
-            session.watchdog.started(step)
-            began = time.perf_counter()
-            with profiler.step(step, reporting=_reporting(config, step)):
-                batch, fetched = _next_batch(run, step)
-                stepped = train_step(run, batch, step=step)
-                _account(run, step, progress, reporter, session.health, (began, fetched), stepped)
-                if profiler.wants(step):  # profiled: not in the throughput
-                    progress.untime(time.perf_counter() - began)
-                stop = _after_step(run, step, progress, reporter, session)
-            if stop:
-                preempted_at = step
-                break
+        try:
+            for step in range(progress.start + 1, config.train.steps + 1):
+                session.watchdog.started(step)
+                began = time.perf_counter()
+                reporting = _reporting(config, step) or step <= progress.start + 2
+                with profiler.step(step, reporting=reporting):
+                    batch, fetched = _next_batch(run, step)
+                    stepped = train_step(run, batch, step=step)
+                    _account(
+                        run, step, progress, reporter, session.health, (began, fetched), stepped
+                    )
+                    if profiler.wants(step):  # profiled: not in the throughput
+                        progress.untime(time.perf_counter() - began)
+                    stop = _after_step(run, step, progress, reporter, session)
+                if stop:
+                    preempted_at = step
+                    break
+        finally:
+            profiler.close()  # a window the run ended (or failed) inside of
         session.watchdog.beat()  # the end: the saves in flight may take a while
         summary = session.summary = _end(run, progress, reporter, preempted_at)
     return summary
@@ -132,7 +138,7 @@ def _session(
     """Build and restore the run, start its reporting and guards; afterwards write the summary
     and the run report (rank 0), and close everything whether the run finished or failed."""
     baseline = current_bytes(device)
-    run = build_run(config, device, node=node)
+    run = build_run(config, device, node=node, resume=resume)
     run.baseline_bytes = baseline
     run.faults = FaultPlan.from_env(rank=run.rank, attempt=restarts)
     start = restore(run, resume) if resume else 0
@@ -172,9 +178,13 @@ def _session(
         (config.run_dir / "summary.json").write_text(_json(asdict(session.summary)))
 
 
-def build_run(config: JobConfig, device: torch.device, *, node: int = 0) -> Run:
+def build_run(
+    config: JobConfig, device: torch.device, *, node: int = 0, resume: str | None = None
+) -> Run:
+    """Every part of the run, built on this rank (`resume`: the checkpoint it will continue
+    from, whose precision `train.precision = "auto"` keeps)."""
     derived = derive(config, dist.get_world_size())
-    chosen = precision.choose(config.train.precision, device)
+    chosen = _precision(config.train.precision, device, resume)
     config = with_precision(resolved(config, derived), chosen.name)
     mesh = build_mesh(derived.degrees, device.type)
     dp_rank, dp_size = dp_position(mesh)
@@ -257,6 +267,16 @@ def build_run(config: JobConfig, device: torch.device, *, node: int = 0) -> Run:
         utilisation=utilisation,
         notes=chosen.notes + saving,
     )
+
+
+def _precision(asked: str, device: torch.device, resume: str | None) -> precision.Chosen:
+    """What the run trains in: `auto` resolved on this device, or, resuming, as the checkpoint
+    was trained (a resumed run continues exactly, whatever a probe says today)."""
+    saved = read_manifest(resume).get("precision") if asked == "auto" and resume else None
+    if saved in ("fp32", "bf16", "fp16"):
+        note = f"train.precision = 'auto': {saved}, as {name_of(resume or '')} was trained"
+        return precision.Chosen(saved, [note])
+    return precision.choose(asked, device)
 
 
 def with_precision(config: JobConfig, name: str) -> JobConfig:
@@ -680,7 +700,8 @@ class NonFiniteStep(RuntimeError):
 
 
 def _reporting(config: JobConfig, step: int) -> bool:
-    """A step where the ranks meet anyway (a log, checkpoint or evaluation step)."""
+    """A step where the ranks meet anyway (a log, checkpoint or evaluation step; for the
+    profile also the first two steps of a process, which gather the memory table)."""
     every = (config.tracking.log_every, config.checkpoint.every_steps, config.eval.every_steps)
     return any(_due(step, n, config.train.steps) for n in every)
 
@@ -856,6 +877,7 @@ def _manifest(run: Run) -> dict[str, Any]:
         "world_size": run.derived.world_size,
         "degrees": run.derived.degrees,
         "global_batch": run.derived.global_batch,
+        "precision": run.config.train.precision,
         "model": shown(run.config.model),
         "config_sha256": hashlib.sha256(config_json.encode()).hexdigest(),
     }

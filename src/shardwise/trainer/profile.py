@@ -114,7 +114,9 @@ class StepProfiler:
 
     @contextlib.contextmanager
     def step(self, step: int, *, reporting: bool = False) -> Iterator[None]:
-        """Around one whole training step (`reporting`: one where the ranks meet anyway)."""
+        """Around one whole training step (`reporting`: one where the ranks meet anyway). A
+        window this process starts inside of (a resume, a restart) is not profiled; one the run
+        ends inside of is closed by `close`."""
         if not self.wants(step):
             yield
         elif step > self.last:
@@ -122,7 +124,7 @@ class StepProfiler:
                 yield
             if step == self.reads_last:
                 self._write()
-        else:
+        elif step == self.first or self._profile is not None:
             if step == self.first:
                 self._start()
             self._reporting[step] = reporting
@@ -130,6 +132,14 @@ class StepProfiler:
                 yield
             if step == self.last:
                 self._stop()
+        else:
+            yield
+
+    def close(self) -> None:
+        """The run ends (or fails): a profiler still recording stops, and what it saw is
+        written."""
+        if self._profile is not None:
+            self._stop()
 
     def _start(self) -> None:
         activities = [ProfilerActivity.CPU]
@@ -141,14 +151,14 @@ class StepProfiler:
             self._profile.__enter__()
 
     def _stop(self) -> None:
-        assert self._profile is not None
+        assert self._profile is not None, "stopped only while recording"
         with _native_stderr_muted():
             self._profile.__exit__(None, None, None)
         events = self._profile.events()
         self._profile = None
         self._summary = {
             "first_step": self.first,
-            **time_split(events, steps=self.last - self.first + 1),
+            **time_split(events, steps=max(len(self._reporting), 1)),
             "steps": step_counts(events, self._reporting),
             "host_reads": [],
         }
