@@ -170,22 +170,25 @@ def test_a_step_launches_no_more_than_5_percent_more_operators_than_the_hand_loo
 
 def test_a_profile_window_the_run_ends_in_or_resumes_into_is_closed_or_skipped(tmp_path, one_rank):
     """The default window (steps 10-11): a run of 10 steps ends inside it, and the profiler is
-    stopped and its step written; a run resumed after step 10 starts inside it and profiles
-    nothing, then counts the host's reads at 12 and 13 (12 gathers the memory table: a
-    reporting step)."""
-    ten = gpt_job(
-        tmp_path / "ten",
-        train={"steps": 10},
-        tracking={"log_every": 5},
-        checkpoint={"every_steps": 10},
+    stopped and its step written; the run resumed after step 10 starts inside it and profiles
+    nothing (what the first process profiled stays), then counts the host's reads at 12 and 13
+    (12 gathers the memory table: a reporting step); the run report draws the split."""
+    sections = {"tracking": {"log_every": 5, "report": True}, "checkpoint": {"every_steps": 10}}
+    loop.train(
+        gpt_job(tmp_path / "run", train={"steps": 10}, **sections),
+        device=torch.device("cpu"),
+        resume=None,
     )
-    loop.train(ten, device=torch.device("cpu"), resume=None)
-    profile = json.loads((tmp_path / "ten" / "profile" / "rank0.json").read_text())
+    profile = json.loads((tmp_path / "run" / "profile" / "rank0.json").read_text())
     assert [s["step"] for s in profile["steps"]] == [10]
-    resumed = gpt_job(tmp_path / "resumed", train={"steps": 14}, tracking={"log_every": 5})
-    checkpoint = tmp_path / "ten" / "checkpoints" / "step_00000010"
-    loop.train(resumed, device=torch.device("cpu"), resume=str(checkpoint))
-    profile = json.loads((tmp_path / "resumed" / "profile" / "rank0.json").read_text())
-    assert "steps" not in profile
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000010"
+    loop.train(
+        gpt_job(tmp_path / "run", train={"steps": 14}, **sections),
+        device=torch.device("cpu"),
+        resume=str(checkpoint),
+    )
+    profile = json.loads((tmp_path / "run" / "profile" / "rank0.json").read_text())
+    assert [s["step"] for s in profile["steps"]] == [10]
     reads = [(r["step"], r["reporting"], r["count"]) for r in profile["host_reads"]]
-    assert reads[1] == (13, False, 0) and reads[0][:2] == (12, True)  # 12: the memory table
+    assert reads[1] == (13, False, 0) and reads[0][:2] == (12, True)
+    assert (tmp_path / "run" / "report" / "time.png").exists()

@@ -188,8 +188,12 @@ def _bubble(records: Any, ranks: list[dict[str, Any]], profiles: Any, out: Path)
 
 
 def _time_split(records: Any, ranks: Any, profiles: list[dict[str, Any]], out: Path) -> Chart | str:
+    profiles = [p for p in profiles if "compute_s" in p]  # a window that ran
     if not profiles:
-        return "no profiler window was recorded (tracking.profile_step = 0, or a shorter run)"
+        return (
+            "no profiler window was recorded (tracking.profile_step = 0, a shorter run, or a "
+            "resume after its first step)"
+        )
     parts = ("compute_s", "communication_s", "data_s")
     fig, ax = _figure()
     bottom = [0.0] * len(profiles)

@@ -165,8 +165,14 @@ class StepProfiler:
         self._write()
 
     def _write(self) -> None:
+        """Write what was found; a process that profiled nothing (it resumed inside the window)
+        keeps what an earlier process of the run profiled and adds its host reads."""
+        found = self._summary
+        if "steps" not in found and self.path.exists():
+            with contextlib.suppress(ValueError):  # a file cut short by a crash: replaced
+                found = {**json.loads(self.path.read_text()), "host_reads": found["host_reads"]}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(self._summary, indent=2))
+        self.path.write_text(json.dumps(found, indent=2))
 
 
 @contextlib.contextmanager
