@@ -2,8 +2,10 @@
 upsampled to 3×32×32): a pipeline over its residual blocks trains it as one process does, the
 BatchNorm running statistics included; ResNet-50 has the published size.
 
-Tolerance as in test_layouts: different summation orders, fp32; the pipeline's micro-batches are
-the one process's accumulation micro-batches, so each BatchNorm sees the same batches."""
+Tolerance: different summation orders, fp32; the pipeline's micro-batches are the one process's
+accumulation micro-batches, so each BatchNorm sees the same batches. Adam spreads the last bits
+(as in test_compile): on an AVX-512 CPU the losses agree to 2e-7 up to step 3 and to 2.3e-5 at
+step 4, the parameters and statistics to 3.8e-5 (a running variance), so 1e-4 for both."""
 
 from __future__ import annotations
 
@@ -35,7 +37,9 @@ def test_a_pipeline_over_residual_blocks_matches_one_process(tmp_path):
     runs = {"root": tmp_path, "failures": failures}
     one = outcome(runs, "one", STEPS)
     assert any("running_mean" in name for name in one[1])  # buffers are compared too
-    assert_same_training(outcome(runs, "pp", STEPS), one, range(1, STEPS + 1))
+    assert_same_training(
+        outcome(runs, "pp", STEPS), one, range(1, STEPS + 1), loss_rtol=1e-4, param_atol=1e-4
+    )
 
 
 @pytest.mark.parametrize(("depth", "millions"), [(18, 11.17), (50, 23.52)])
