@@ -35,7 +35,13 @@ from shardwise.config import JobConfig
 from shardwise.tracking.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
-SECTIONS = {"checkpoint": {"every_steps": 4, "keep_last": 3}, "fault": {"max_restarts": 2}}
+SECTIONS = {
+    "checkpoint": {"every_steps": 4, "keep_last": 3},
+    "fault": {"max_restarts": 2},
+    # the profile window over steps 6-9, which the kills at step 7 and the SIGTERMs at step 6
+    # fall into: a process that ends inside it, or restarts into it, ends and resumes cleanly
+    "tracking": {"profile_step": 6, "profile_steps": 4},
+}
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -156,6 +162,7 @@ def test_sigterm_saves_at_a_step_boundary_exits_0_and_resumes_exactly(
     committed before the ranks stop either way)."""
     want_losses, want_params, _ = uninterrupted
     sections = {
+        **SECTIONS,
         "checkpoint": {**SECTIONS["checkpoint"], "async": asynchronous},
         "fault": {**SECTIONS["fault"], "check_interval_s": 0},
     }

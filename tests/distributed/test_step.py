@@ -169,11 +169,15 @@ def test_a_step_launches_no_more_than_5_percent_more_operators_than_the_hand_loo
 
 
 def test_a_profile_window_the_run_ends_in_or_resumes_into_is_closed_or_skipped(tmp_path, one_rank):
-    """The default window (steps 10-11): a run of 10 steps ends inside it, and the profiler is
+    """The default window (steps 10-11): a run of 5 steps ends before it and profiles nothing; a
+    run of 10 steps ends inside it, and the profiler is
     stopped and its step written; the run resumed after step 10 starts inside it and profiles
     nothing (what the first process profiled stays), then counts the host's reads at 12 and 13
     (12 gathers the memory table: a reporting step); the run report draws the split."""
     sections = {"tracking": {"log_every": 5, "report": True}, "checkpoint": {"every_steps": 10}}
+    short = gpt_job(tmp_path / "short", train={"steps": 5}, tracking={"log_every": 5})
+    loop.train(short, device=torch.device("cpu"), resume=None)  # ends before the window
+    assert not (tmp_path / "short" / "profile").exists()
     loop.train(
         gpt_job(tmp_path / "run", train={"steps": 10}, **sections),
         device=torch.device("cpu"),

@@ -33,6 +33,11 @@ the host, with where it happened (`host_reads` in the file: host_reads.py, which
 
 Each rank writes `profile/rank<r>.json` in the run directory; `shardwise report` reads them.
 
+A window the run ends inside of (fewer steps than its end, a preemption, a failure) is closed
+when the loop ends, and in any case before the process exits: a process that exits while torch's
+profiler records dies of SIGSEGV in its teardown, after its work is done. A window a process
+starts inside of (a resume, a restart) is not profiled.
+
 On CUDA, Kineto leaves NVIDIA's profiling library (CUPTI) attached after the window unless
 `TEARDOWN_CUPTI=1`, and an attached CUPTI slows every later kernel launch by 10-20%
 (pytorch/pytorch#144455): the window sets it, unless the user did.
@@ -40,6 +45,7 @@ On CUDA, Kineto leaves NVIDIA's profiling library (CUPTI) attached after the win
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -149,9 +155,13 @@ class StepProfiler:
         self._profile = profile(activities=activities)
         with _native_stderr_muted():
             self._profile.__enter__()
+        # A process that exits while torch's profiler records dies of SIGSEGV in its teardown
+        # (torch 2.13, CPU or CUDA): whatever ends this process, the window is closed first.
+        atexit.register(self.close)
 
     def _stop(self) -> None:
         assert self._profile is not None, "stopped only while recording"
+        atexit.unregister(self.close)
         with _native_stderr_muted():
             self._profile.__exit__(None, None, None)
         events = self._profile.events()
