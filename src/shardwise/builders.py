@@ -27,7 +27,7 @@ from pydantic import TypeAdapter, ValidationError
 from torch import nn
 from torch.utils.data import Dataset
 
-from shardwise.config import ConfigError, JobConfig, accepts_bool
+from shardwise.config import ConfigError, JobConfig, accepts_bool, accepts_str, kind_of
 from shardwise.datasets.digits import build_digits
 from shardwise.datasets.text import build_text
 from shardwise.imports import import_object
@@ -80,14 +80,15 @@ LOSSES: dict[str, LossFn] = {"cross_entropy": cross_entropy, "mse": mse}
 
 def check(config: JobConfig) -> None:
     """Resolve every name in the config and check builder arguments, without building anything."""
-    _check_args("model", resolve(config.model.name, MODELS, "model.name"), config.model.args)
-    _check_args("data", resolve(config.data.name, DATASETS, "data.name"), config.data.args)
+    model_builder = resolve(config.model.name, MODELS, "model.name")
+    model = _check_args("model", model_builder, config.model.args)
+    data = _check_args("data", resolve(config.data.name, DATASETS, "data.name"), config.data.args)
     resolve(config.train.loss, LOSSES, "train.loss")
     if config.parallel.tp_plan:
         resolve(config.parallel.tp_plan, {}, "parallel.tp_plan")
     if config.model.name == "gpt" and config.data.name == "text":
-        model_len = config.model.args.get("seq_len", 128)
-        data_len = config.data.args.get("seq_len", 128)
+        model_len = model.get("seq_len", 128)
+        data_len = data.get("seq_len", 128)
         if data_len > model_len:
             raise ConfigError(
                 f"data.args.seq_len ({data_len}) is longer than model.args.seq_len ({model_len}); "
@@ -170,6 +171,11 @@ def _check_args(section: str, builder: Callable[..., Any], args: dict[str, Any])
             if isinstance(value, bool) and not accepts_bool(hints[key]):
                 raise ConfigError(
                     f"{section}.args.{key}: expected a number, not {str(value).lower()}"
+                )
+            if isinstance(value, str) and not accepts_str(hints[key]):
+                raise ConfigError(
+                    f"{section}.args.{key}: expected {kind_of(hints[key])}, not the string "
+                    f"{value!r}: write it without quotes"
                 )
             try:  # the builder gets the value as annotated (12.0 for an int: 12)
                 checked[key] = TypeAdapter(hints[key]).validate_python(value, strict=False)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from shardwise import __version__
 from shardwise.config import ConfigError
+from shardwise.console import one_line_warnings
 from shardwise.launch.env import kubeflow
 from shardwise.redact import redacting_output
 
@@ -156,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    with redacting_output():  # credentials in URIs never reach the console (redact.py)
+    # credentials in URIs never reach the console (redact.py); warnings are one line (console.py)
+    with redacting_output(), one_line_warnings():
         return _run(build_parser().parse_args(argv))
 
 

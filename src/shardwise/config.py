@@ -89,7 +89,7 @@ class Section(BaseModel):
     def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
         field = cls.model_fields.get(info.field_name or "")
         if isinstance(value, bool) and field is not None and not accepts_bool(field.annotation):
-            raise ValueError(f"expected {_kind(field.annotation)}, not {str(value).lower()}")
+            raise ValueError(f"expected {kind_of(field.annotation)}, not {str(value).lower()}")
         return value
 
 
@@ -102,7 +102,19 @@ def accepts_bool(annotation: Any) -> bool:
     return any(accepts_bool(a) for a in typing.get_args(annotation))
 
 
-def _kind(annotation: Any) -> str:
+def accepts_str(annotation: Any) -> bool:
+    """Whether a field or argument annotated so takes a string (a path, a name, a choice)."""
+    if annotation in (str, Any, object) or annotation is None:
+        return annotation is not None
+    if isinstance(annotation, type) and issubclass(annotation, str | Path):
+        return True
+    if typing.get_origin(annotation) is Literal:
+        return any(isinstance(a, str) for a in typing.get_args(annotation))
+    return any(accepts_str(a) for a in typing.get_args(annotation))
+
+
+def kind_of(annotation: Any) -> str:
+    """What an annotation takes, in words: an integer, a number, a value of its type."""
     found = {a for a in (annotation, *typing.get_args(annotation)) if a in (int, float)}
     return "an integer" if found == {int} else "a number" if found else "a value of its type"
 

@@ -5,9 +5,12 @@ it for minutes."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import socket
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 from shardwise.config import ConfigError
 from shardwise.launch.env import environment
@@ -67,6 +70,29 @@ def _connect_error(host: str, port: int, timeout: float) -> str:
             if isinstance(e, TimeoutError) or left < 0.5:
                 return "timed out" if isinstance(e, TimeoutError) else e.strerror or str(e)
         time.sleep(0.25)
+
+
+@contextlib.contextmanager
+def ray_logs_to(path: Path) -> Iterator[None]:
+    """Ray's own logging goes to `path`, not the console, where it came before shardwise's
+    first line (its driver-side loggers: the token-authentication notice at every start,
+    connection and shutdown messages). Around `ray.init(configure_logging=False)`, which clears
+    the `ray` logger's handlers as it starts and logs its start from `ray._private`: that one
+    logs to the file during the start, and the `ray` logger from then on."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in ("ray._private", "ray"):
+        logger = logging.getLogger(name)
+        for old in list(logger.handlers):
+            logger.removeHandler(old)
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    yield
+    ray_logger = logging.getLogger("ray")  # cleared by ray.init
+    if handler not in ray_logger.handlers:
+        ray_logger.addHandler(handler)
 
 
 def loopback_ray() -> contextlib.AbstractContextManager[None]:

@@ -63,6 +63,9 @@ def test_us_employment_with_spark_features(tmp_path):
         "--plot",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
+    # Ray's own logging (the token-authentication notice) goes to the run's log (issue 35)
+    assert "Token authentication" not in done.stderr + done.stdout
+    assert "Token authentication is enabled" in (run_dir / "ray.log").read_text()
     said = f"features (spark, read {source} itself)"  # the console folds a long path
     assert "".join(said.split()) in "".join(done.stderr.split())
     assert "8 of 8 series forecast" in done.stderr

@@ -41,7 +41,18 @@ def test_user_builders_by_import_path(tmp_path, repo_cwd):
         ({"model": {"name": "mlp", "args": {"hiden": 3}}}, "did you mean 'model.args.hidden'?"),
         (
             {"model": {"name": "mlp", "args": {"hidden": "wide"}}},
-            "model.args.hidden: input should be a valid integer",
+            "model.args.hidden: expected an integer, not the string 'wide'",
+        ),
+        (  # a number in quotes: it was compared with the model's own and raised TypeError
+            {
+                "model": {"name": "gpt", "args": {"seq_len": 64}},
+                "data": {"name": "text", "args": {"seq_len": "64"}},
+            },
+            "data.args.seq_len: expected an integer, not the string '64': write it without",
+        ),
+        (
+            {"data": {"name": "digits", "args": {"eval_fraction": "0.2"}}},
+            "data.args.eval_fraction: expected a number, not the string '0.2'",
         ),
         ({"train": {"loss": "crossentropy"}}, "did you mean 'cross_entropy'?"),
         (

@@ -6,7 +6,6 @@ workers use after a restart (the newest good checkpoint)."""
 from __future__ import annotations
 
 import inspect
-import warnings
 from typing import Any
 
 from shardwise import builders
@@ -22,6 +21,7 @@ from shardwise.checkpoint.layout import (
 )
 from shardwise.checkpoint.safe import check_metadata
 from shardwise.config import ConfigError, JobConfig, shown
+from shardwise.console import warn
 
 
 def resume_point(config: JobConfig, resume: str) -> str | None:
@@ -97,9 +97,7 @@ def _newest_good(config: JobConfig) -> str | None:
     """The newest checkpoint whose files match its manifest; a warning names each one skipped."""
     path, skipped = newest_good(config.checkpoint_dir)
     for message in skipped:
-        warnings.warn(
-            f"{message}; resuming from {name_of(path) if path else 'the start'}", stacklevel=3
-        )
+        warn(f"{message}; resuming from {name_of(path) if path else 'the start'}", stacklevel=3)
     if path is not None:
         check_metadata(path)
     return path

@@ -17,7 +17,6 @@ import socket
 import tempfile
 import time
 import uuid
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -34,6 +33,7 @@ from shardwise import builders
 from shardwise.checkpoint.export import check_weights
 from shardwise.checkpoint.resume import resume_point
 from shardwise.config import ConfigError, JobConfig, apply_override, derive, load_config, validate
+from shardwise.console import warn
 from shardwise.fault.watchdog import describe as describe_hang
 from shardwise.launch.env import detect, environment
 from shardwise.launch.stores import LOOPBACK, RENDEZVOUS, loopback_collectives, register_rendezvous
@@ -234,7 +234,7 @@ def train(
     if worker is not None and worker.launcher == "slurm" and nodes is not None:
         worker = None  # srun started one shardwise agent per node (launch/slurm.py), not ranks
     if worker is not None and nproc not in (None, worker.world_size):
-        warnings.warn(
+        warn(
             f"--nproc {nproc} ignored: this process is rank {worker.rank} of {worker.world_size} "
             f"started by {worker.launcher}",
             stacklevel=2,

@@ -17,11 +17,11 @@ SHARDWISE_* in this process are passed to the actors.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import socket
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardwise.config import ConfigError
@@ -90,7 +90,7 @@ def describe(target: Target, options: RayOptions, resume: str) -> str:
 
 def train_on_ray(target: Target, options: RayOptions, resume: str | None) -> TrainSummary | None:
     """Run the job; rank 0's summary. `resume`: the checkpoint chosen before launch."""
-    ray = _connect(options)
+    ray = _connect(options, target.config.run_dir)
     try:
         _check_resources(ray, target, options)
         group = _placement_group(ray, target, options)
@@ -121,8 +121,8 @@ def train_on_ray(target: Target, options: RayOptions, resume: str | None) -> Tra
             ray.shutdown()
 
 
-def _connect(options: RayOptions) -> Any:
-    from shardwise.ray_cluster import check_ray_address, loopback_ray
+def _connect(options: RayOptions, run_dir: Path) -> Any:
+    from shardwise.ray_cluster import check_ray_address, loopback_ray, ray_logs_to
 
     address = options.address
     if address:
@@ -130,12 +130,13 @@ def _connect(options: RayOptions) -> Any:
     with contextlib.nullcontext() if address else loopback_ray():
         import ray
 
-        ray.init(
-            address=address or "local",
-            include_dashboard=False,
-            logging_level=logging.WARNING,
-            log_to_driver=True,
-        )
+        with ray_logs_to(run_dir / "ray.log"):
+            ray.init(
+                address=address or "local",
+                include_dashboard=False,
+                configure_logging=False,
+                log_to_driver=True,
+            )
     return ray
 
 

@@ -16,6 +16,7 @@ from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-
 
 from shardwise.checkpoint.resume import start_point
 from shardwise.config import ConfigError, JobConfig
+from shardwise.console import one_line_warnings
 from shardwise.launch.env import WorkerEnv, detect, visible_cpus
 from shardwise.launch.stores import worker_store
 from shardwise.redact import redacting_output
@@ -39,7 +40,7 @@ def run_worker(
     torchrun/Slurm, the user's `--resume` request, which rank 0 resolves for everyone.
     `store_host`: shardwise's own launcher has rank 0 host the workers' store on that address
     only (loopback on one machine; "" for the address the agent gives, across machines)."""
-    with redacting_output():  # what this rank prints, as the CLI does (redact.py)
+    with redacting_output(), one_line_warnings():  # what this rank prints, as the CLI does
         env = detect()
         assert env is not None, "run_worker runs under torch elastic or Slurm"
         config = JobConfig.model_validate(config_data)

@@ -14,14 +14,12 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import json
-import logging
 import math
 import os
 import re
 import shutil
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +29,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from shardwise.config import ConfigError, flatten, shown
+from shardwise.console import warn
 from shardwise.manymodel.backtest import ChunkResult, Plan, run_chunk
 from shardwise.manymodel.config import (
     BUILTIN_MODELS,
@@ -49,7 +48,7 @@ from shardwise.manymodel.models import ModelContext
 from shardwise.manymodel.outputs import TABLES, assemble, chosen_forecasts
 from shardwise.manymodel.report import Summary, print_summary, start_tracking, summarise, track
 from shardwise.manymodel.transforms import TARGET, TargetTransform
-from shardwise.ray_cluster import check_ray_address, loopback_ray
+from shardwise.ray_cluster import check_ray_address, loopback_ray, ray_logs_to
 
 GLOBAL_FILE = "global.parquet"
 _MAX_CHUNK = 100
@@ -357,13 +356,16 @@ def start_ray(config: ManyModelsConfig) -> tuple[Any, bool]:
             ".venv/", "runs/", ".git/", "**/__pycache__/", ".*_cache/", "*.egg-info/"
         ]  # fmt: skip
     try:
-        with contextlib.nullcontext() if address else loopback_ray():
+        with (
+            contextlib.nullcontext() if address else loopback_ray(),
+            ray_logs_to(config.run_dir / "ray.log"),
+        ):
             ray.init(
                 # "local": a fresh instance even when a `ray start` cluster runs on this machine
                 address=address or "local",
                 runtime_env=runtime_env,
                 include_dashboard=False,
-                logging_level=logging.WARNING,
+                configure_logging=False,
             )
     except ConnectionError as e:  # something answers at the address, but not Ray
         if address is None:
@@ -374,7 +376,7 @@ def start_ray(config: ManyModelsConfig) -> tuple[Any, bool]:
         ) from None
     node: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
     if not address and not ipaddress.ip_address(node).is_loopback:
-        warnings.warn(
+        warn(
             f"the local Ray instance listens on {node}, not only on loopback: ray was "
             "imported before shardwise started it",
             stacklevel=2,

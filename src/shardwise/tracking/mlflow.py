@@ -25,11 +25,11 @@ import multiprocessing
 import os
 import queue
 import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from shardwise.console import warn
 from shardwise.redact import redacting_output
 
 _FLUSH_SECONDS = 1.0
@@ -93,7 +93,7 @@ class MlflowTracker:
         if self._process.is_alive():
             self._process.terminate()
             self._process.join()
-            warnings.warn(
+            warn(
                 f"MLflow did not finish within {_CLOSE_TIMEOUT:.0f}s; some metrics may be missing "
                 "there (metrics.jsonl has them all)",
                 stacklevel=2,
@@ -112,7 +112,7 @@ class MlflowTracker:
             if kind == "run_id":
                 self._run_id = value
             else:
-                warnings.warn(value, stacklevel=3)
+                warn(value, stacklevel=3)
 
 
 def _serve(requests: Any, replies: Any, settings: tuple[Any, ...]) -> None:

@@ -13,7 +13,6 @@ import json
 import math
 import socket
 import time
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -35,6 +34,7 @@ from shardwise.checkpoint.manager import (
 )
 from shardwise.comm import choose as comm
 from shardwise.config import ConfigError, Derived, JobConfig, derive, resolved, shown
+from shardwise.console import warn
 from shardwise.fault.health import RankHealth
 from shardwise.fault.inject import FaultPlan
 from shardwise.fault.watchdog import Watchdog
@@ -801,7 +801,7 @@ def restore(run: Run, path: str) -> int:
         state, saved_rng = train_state.with_saved_rng(state, safe.keys(path))
         state, _ = train_state.with_saved_sync(state, safe.keys(path))
         if not saved_rng and run.rank == 0:
-            warnings.warn(
+            warn(
                 f"{name_of(path)} holds no random-number states shardwise can load (an older "
                 "version pickled them, and a pickle could run code): each rank reseeds from "
                 "(seed, step, rank), so the resumed run is exact but not bitwise",

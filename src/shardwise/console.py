@@ -1,0 +1,50 @@
+"""What shardwise says outside the progress display reads the same everywhere: an error is
+`shardwise: error: …` on one line (the CLI), a warning `shardwise: warning: …` on one line, on
+every rank and in every command, without the file, line and source line Python's warnings print.
+
+shardwise's own warnings are `ShardwiseWarning`s; others (torch's, a library's) print as Python
+prints them. This module must not import anything of shardwise's: everything may use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import warnings
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+
+class ShardwiseWarning(UserWarning):
+    """Something the user should know that does not stop the run (a checkpoint skipped, a
+    setting ignored, a tracker that could not finish)."""
+
+
+@contextlib.contextmanager
+def one_line_warnings() -> Iterator[None]:
+    """While inside, a `ShardwiseWarning` is printed as one line to stderr."""
+    previous = warnings.showwarning
+
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        if issubclass(category, ShardwiseWarning):
+            print(f"shardwise: warning: {message}", file=file or sys.stderr, flush=True)
+        else:
+            previous(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = previous
+
+
+def warn(message: str, **kwargs: Any) -> None:
+    """Issue a `ShardwiseWarning`."""
+    warnings.warn(message, ShardwiseWarning, stacklevel=kwargs.pop("stacklevel", 2) + 1)
