@@ -4,6 +4,7 @@ contract. The tests name them by import path (`tests.zoo:...`), as a user's job 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -205,3 +206,56 @@ def loss_that_reads_a_value(outputs: Any, target: torch.Tensor) -> torch.Tensor:
     if not torch.isfinite(loss):  # bool(): a read of the value
         raise ValueError("non-finite loss")
     return loss
+
+
+def norm_blocks(*, channels: int = 4) -> nn.Sequential:
+    """Four blocks for 8×8 digits, each with one of torch's own normalisations that keep running
+    statistics: BatchNorm2d, BatchNorm2d with momentum=None (a cumulative average),
+    InstanceNorm2d with track_running_stats, and BatchNorm1d before the head; no bias before a
+    norm (it cancels it: Adam would turn its zero gradient's rounding into full steps). Under a
+    pipeline of two stages the first and the last stage both hold a batch norm."""
+    c = channels
+    return nn.Sequential(
+        OrderedDict(
+            first=nn.Sequential(
+                nn.Conv2d(1, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU()
+            ),
+            second=nn.Sequential(
+                nn.Conv2d(c, c, 3, padding=1, bias=False),
+                nn.BatchNorm2d(c, momentum=None),
+                nn.ReLU(),
+            ),
+            third=nn.Sequential(
+                nn.Conv2d(c, c, 3, padding=1, bias=False),
+                nn.InstanceNorm2d(c, affine=True, track_running_stats=True),
+                nn.ReLU(),
+            ),
+            last=nn.Sequential(
+                nn.Flatten(),
+                nn.Linear(c * 64, 32, bias=False),
+                nn.BatchNorm1d(32),
+                nn.ReLU(),
+                nn.Linear(32, 10),
+            ),
+        )
+    )
+
+
+class CountsCalls(nn.Module):
+    """A layer that counts its forward calls in a buffer, in place, as some users' do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x
+
+
+def counts_calls() -> nn.Sequential:
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), CountsCalls(), nn.Linear(32, 10))
+
+
+def sync_batch_norm() -> nn.Sequential:
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.SyncBatchNorm(32), nn.Linear(32, 10))

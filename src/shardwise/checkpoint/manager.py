@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from shardwise.checkpoint.layout import (
     retire,
     storage,
 )
+from shardwise.checkpoint.planner import FirstHolderPlanner
 from shardwise.checkpoint.writer import digests, hashing_writer, parallel_writer
 
 
@@ -123,8 +125,17 @@ class CheckpointManager:
             else None
         )
 
-    def save(self, step: int, state: dict[str, Any], manifest: dict[str, Any]) -> str:
-        """Write `state` as the checkpoint of `step` and return where it is. Synchronous: the
+    def save(
+        self,
+        step: int,
+        state: dict[str, Any],
+        manifest: dict[str, Any],
+        *,
+        first_holder: Collection[str] = (),
+    ) -> str:
+        """Write `state` as the checkpoint of `step` and return where it is; the values named
+        in `first_holder` (flattened keys), which the ranks holding them may disagree on, are
+        written by the lowest of those ranks (checkpoint/planner.py). Synchronous: the
         checkpoint is committed on return. Asynchronous: the state is copied to memory and
         written in the background, and rank 0 commits it as soon as every rank's part is
         written; the next `save` or `wait` reports how that went."""
@@ -143,6 +154,7 @@ class CheckpointManager:
                 storage_writer=parallel_writer(target),
                 process_group=self._async_group,
                 async_stager=self._stager,
+                planner=FirstHolderPlanner(first_holder),
             )
             assert isinstance(future, Future)
             self.phases = {"stage": time.perf_counter() - started}
@@ -153,7 +165,7 @@ class CheckpointManager:
             self._pending = (future, step)
             return final
         writer = hashing_writer(target)
-        dcp_save(state, storage_writer=writer)
+        dcp_save(state, storage_writer=writer, planner=FirstHolderPlanner(first_holder))
         written = time.perf_counter()
         files = self._gathered(digests(writer))
         digested = time.perf_counter()

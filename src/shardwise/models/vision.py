@@ -7,7 +7,6 @@ from collections import OrderedDict
 from typing import Literal
 
 import torch
-import torch.nn.functional as F  # noqa: N812 (the conventional name)
 from pydantic import PositiveInt
 from torch import nn
 
@@ -47,29 +46,6 @@ def build_cnn(
     )
 
 
-class BatchNorm2d(nn.BatchNorm2d):
-    """torch's BatchNorm2d, except that in training the running statistics are updated apart
-    from the normalisation. torch's own op keeps them for its backward, and a pipeline runs
-    several micro-batches' forwards (each updating them in place) before their backwards: this
-    ResNet split into two stages failed with "modified by an inplace operation" (a smaller CNN
-    with BatchNorm only in its first stage does not; which stages it hits is not pinned down).
-    The update is torch's: running = (1 − momentum) · running + momentum · the batch's
-    (variance unbiased)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.running_mean is None or self.running_var is None:
-            return super().forward(x)
-        out = F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
-        with torch.no_grad():
-            dims = [0, 2, 3]
-            momentum = self.momentum if self.momentum is not None else 0.1
-            self.running_mean.lerp_(x.mean(dims), momentum)
-            self.running_var.lerp_(x.var(dims, unbiased=True), momentum)
-            if self.num_batches_tracked is not None:
-                self.num_batches_tracked.add_(1)
-        return out
-
-
 class BasicBlock(nn.Module):
     """ResNet-18/34's block: two 3×3 convolutions and the identity (a 1×1 projection where the
     shape changes) added before the last ReLU."""
@@ -81,10 +57,10 @@ class BasicBlock(nn.Module):
         out = width * self.expansion
         self.body = nn.Sequential(
             nn.Conv2d(inputs, width, 3, stride=stride, padding=1, bias=False),
-            BatchNorm2d(width),
+            nn.BatchNorm2d(width),
             nn.ReLU(inplace=True),
             nn.Conv2d(width, out, 3, padding=1, bias=False),
-            BatchNorm2d(out),
+            nn.BatchNorm2d(out),
         )
         self.shortcut = _shortcut(inputs, out, stride)
 
@@ -103,13 +79,13 @@ class Bottleneck(BasicBlock):
         out = width * self.expansion
         self.body = nn.Sequential(
             nn.Conv2d(inputs, width, 1, bias=False),
-            BatchNorm2d(width),
+            nn.BatchNorm2d(width),
             nn.ReLU(inplace=True),
             nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False),
-            BatchNorm2d(width),
+            nn.BatchNorm2d(width),
             nn.ReLU(inplace=True),
             nn.Conv2d(width, out, 1, bias=False),
-            BatchNorm2d(out),
+            nn.BatchNorm2d(out),
         )
         self.shortcut = _shortcut(inputs, out, stride)
 
@@ -117,7 +93,7 @@ class Bottleneck(BasicBlock):
 def _shortcut(inputs: int, out: int, stride: int) -> nn.Module:
     if stride == 1 and inputs == out:
         return nn.Identity()
-    return nn.Sequential(nn.Conv2d(inputs, out, 1, stride=stride, bias=False), BatchNorm2d(out))
+    return nn.Sequential(nn.Conv2d(inputs, out, 1, stride=stride, bias=False), nn.BatchNorm2d(out))
 
 
 RESNETS: dict[int, tuple[type[BasicBlock], tuple[int, ...]]] = {
@@ -144,7 +120,7 @@ def build_resnet(
     blocks: dict[str, nn.Module] = {
         "stem": nn.Sequential(
             nn.Conv2d(channels, width, 3, padding=1, bias=False),
-            BatchNorm2d(width),
+            nn.BatchNorm2d(width),
             nn.ReLU(inplace=True),
         )
     }

@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.config import Derived, ParallelSection
 from shardwise.parallel.compile import apply_compile, whole_model
+from shardwise.parallel.norms import statistics_apart
 from shardwise.parallel.pipeline import (
     Pipeline,
     group_blocks,
@@ -123,6 +124,8 @@ def parallelize(
         whole = whole_model(degrees, parallel.activation_checkpoint, wrapper)
         compiled = "whole" if whole else "blocks"
     applied = describe(model, held, degrees, parallel, wrapper, compiled=compiled)
+    if pipe is not None:  # before compiling: the graphs trace the forward it gets
+        applied += _statistics_apart(parts)
     for part in parts:
         blocks = [b for b in all_blocks if has_submodule(part, b)]
         # 2. Tensor parallel (which gives each name of a tied weight a parameter of its own).
@@ -207,6 +210,18 @@ def describe(
     elif wrapper == "ddp":
         lines.append("data parallel (DDP): every rank holds the whole model")
     return lines
+
+
+def _statistics_apart(parts: list[nn.Module]) -> list[str]:
+    """Pipeline stages' batch norms made safe for the schedule (parallel/norms.py), said."""
+    apart = [name for part in parts for name in statistics_apart(part)]
+    if not apart:
+        return []
+    return [
+        f"pipeline: {len(apart)} batch norms on this rank ({span(apart)}) update their running "
+        "statistics apart from normalising (torch's in-place update would break the schedule's "
+        "backward)"
+    ]
 
 
 def _needs(degrees: dict[str, int], parallel: ParallelSection, wrapper: str) -> str:

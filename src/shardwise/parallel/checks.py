@@ -11,8 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.instancenorm import _InstanceNorm
 
 from shardwise.config import ConfigError, Derived, JobConfig
+from shardwise.parallel.norms import statistics_apart
 from shardwise.parallel.pipeline import (
     example_batch,
     group_blocks,
@@ -34,10 +37,11 @@ def check_layout(config: JobConfig, derived: Derived) -> None:
 
     degrees = derived.degrees
     recompute = config.parallel.activation_checkpoint
-    if degrees["pp"] == 1 and degrees["tp"] == 1 and recompute == "none":
-        return
     with torch.device("meta"):
         model = builders.build_model(config)
+    _check_sync_batch_norm(config, derived, model)
+    if degrees["pp"] == 1 and degrees["tp"] == 1 and recompute == "none":
+        return
     if recompute != "none" and not model_blocks(model):
         raise ConfigError(
             f"parallel.activation_checkpoint = '{recompute}' recomputes blocks, but "
@@ -48,6 +52,7 @@ def check_layout(config: JobConfig, derived: Derived) -> None:
     if degrees["pp"] > 1:
         train_set, _ = builders.build_datasets(config)
         example = example_batch(train_set[0], derived.micro_batch, torch.device("meta"))
+        _check_buffers_in_forward(model, example, degrees["pp"])
         _check_pipeline(config, derived, model, example)
     if degrees["tp"] > 1:
         tp = degrees["tp"]
@@ -60,6 +65,47 @@ def check_layout(config: JobConfig, derived: Derived) -> None:
             model, plan_fn, tp=tp, sequence_parallel=config.parallel.sequence_parallel
         )
         _check_tp_plan(model, plan, tp)
+
+
+def _check_sync_batch_norm(config: JobConfig, derived: Derived, model: nn.Module) -> None:
+    """torch runs SyncBatchNorm across ranks on GPUs only: on CPUs it raises in the first step."""
+    synced = [n for n, m in model.named_modules() if isinstance(m, nn.SyncBatchNorm)]
+    cpu = config.job.device == "cpu" or not torch.cuda.is_available()
+    if synced and cpu and derived.world_size > 1:
+        raise ConfigError(
+            f"{synced[0]} is an nn.SyncBatchNorm, which torch synchronises across ranks on GPUs "
+            "only: use nn.BatchNorm (each rank's own statistics; DDP keeps rank 0's) or train "
+            "on GPUs"
+        )
+
+
+def _check_buffers_in_forward(model: nn.Module, example: Any, pp: int) -> None:
+    """A module that changes a buffer in place in forward breaks a pipeline schedule's backward
+    (a later micro-batch's forward changes what an earlier one's backward needs), but torch's
+    batch norms (whose statistics the stages update apart: parallel/norms.py) and instance norms
+    (torch keeps copies). Run on the meta device, where in-place updates count too."""
+    statistics_apart(model)  # as the stages will have them (momentum=None reads no number)
+    versions = {name: b._version for name, b in model.named_buffers()}
+    try:
+        with torch.no_grad():
+            model(example)
+    except Exception:
+        return  # the model does not run on the meta device: its stages are checked as they run
+    for name, buffer in model.named_buffers():
+        if buffer._version == versions[name]:
+            continue
+        owner, _, short = name.rpartition(".")
+        module = model.get_submodule(owner)
+        if isinstance(module, _BatchNorm | _InstanceNorm) and not isinstance(
+            module, nn.SyncBatchNorm
+        ):
+            continue
+        raise ConfigError(
+            f"parallel.pp = {pp}: {owner or 'the model'} ({type(module).__name__}) changes its "
+            f"buffer '{short}' in place in forward, which breaks a pipeline's backward (the next "
+            "micro-batch's forward changes what the last one's backward needs); update it under "
+            "torch.no_grad() on a new tensor (self.x = self.x + 1), or set parallel.pp = 1"
+        )
 
 
 def _check_pipeline(config: JobConfig, derived: Derived, model: nn.Module, example: Any) -> None:

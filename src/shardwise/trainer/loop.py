@@ -761,7 +761,8 @@ def save(run: Run, step: int, *, final: bool = False) -> str:
     state = capture(run, step)
     try:
         run.faults.before_save(step)
-        path = run.checkpoints.save(step, state, _manifest(run))
+        buffers = train_state.own_buffers(state, run.parts)
+        path = run.checkpoints.save(step, state, _manifest(run), first_holder=buffers)
         if final:
             run.checkpoints.wait()
         return path

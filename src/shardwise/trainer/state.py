@@ -75,6 +75,20 @@ def capture(
     }
 
 
+def own_buffers(state: dict[str, Any], parts: list[nn.Module]) -> frozenset[str]:
+    """The flattened keys of `state`'s buffers (a BatchNorm's running statistics): each
+    data-parallel rank updates its own, so the checkpoint stores the first replica's
+    (checkpoint/planner.py). Found by storage, whatever names a wrapper gives them."""
+    held = {b.data_ptr() for part in parts for b in part.buffers() if not isinstance(b, DTensor)}
+    return frozenset(
+        f"model.{key}"
+        for key, value in state["model"].items()
+        if isinstance(value, torch.Tensor)
+        and not isinstance(value, DTensor)
+        and value.data_ptr() in held
+    )
+
+
 def apply(
     state: dict[str, Any],
     *,
