@@ -151,11 +151,12 @@ def test_selection_copes_with_a_run_where_every_model_failed():
     assert selection.strategy == "per_series" and selection.best_model == ""
 
 
-def test_the_ensemble_has_conformal_intervals_from_its_own_window_errors(tmp_path):
-    """The ensemble's interval is its mean forecast ± the conformal width of the errors the same
-    ensemble (the same top models' mean) made on the windows: on the forecast, every window's;
-    in the backtest, the earlier windows' only."""
-    from shardwise.manymodel.intervals import half_widths
+def test_the_ensemble_has_intervals_from_its_own_window_errors(tmp_path):
+    """The ensemble's interval is its mean forecast ± the conformal rank of the scale-free
+    errors the same ensemble (the same top models' mean) made on the windows, pooled over the
+    series, times the series' scale: its backtest rows are that mean on each window, with the
+    window's actual values and scale."""
+    from shardwise.manymodel.intervals import calibrate
 
     config, table = tiny_job(
         tmp_path,
@@ -163,31 +164,26 @@ def test_the_ensemble_has_conformal_intervals_from_its_own_window_errors(tmp_pat
         backtest={"horizon": 6, "n_windows": 3, "ensemble_top_k": 2, "levels": [80]},
     )
     tables = run_in_process(config, table).tables()
-    metrics = tables["metrics"]
-    ensemble = metrics.filter(pl.col("model") == "ensemble")
-    assert ensemble.filter(pl.col("window") == 1)["coverage_80"].is_not_null().all()
-    forecasts = tables["forecasts"].filter(pl.col(SERIES) == 0)
-    mean = forecasts.filter(pl.col("model") == "ensemble").sort("step")
-    # the ensemble's errors on each window, from the two models' forecasts of that window
-    spec = FeatureSpec.from_config(config, table.season_length)
-    features = polars_features(table.frame, spec, table.columns).filter(pl.col(SERIES) == 0)
-    observed = features.filter(~pl.col("_future"))
-    plan = make_plan(config, table, spec)
-    from shardwise.manymodel.backtest import _fit_predict, origins
-    from shardwise.manymodel.models import build
-
-    errors = []
-    for origin in origins(observed.height, plan):
-        train = observed.head(origin).rename({"units": "y"})
-        test = observed.slice(origin, 6).rename({"units": "y"})
-        both = [
-            _fit_predict(build(n, {}, plan.context), n, train, test.drop("y"), plan)[0].values
-            for n in ("seasonal_naive", "ridge")
-        ]
-        errors.append(np.abs(test["y"].to_numpy() - np.mean(both, axis=0)))
-    width = half_widths(errors, 80)
-    np.testing.assert_allclose(mean["hi_80"] - mean["forecast"], width, rtol=1e-9)
-    np.testing.assert_allclose(mean["forecast"] - mean["lo_80"], width, rtol=1e-9)
+    backtest = tables["backtest"]
+    got = calibrate(backtest.lazy(), [80], 3, "pooled", sources=lambda r: r)
+    forecasts = got.forecast_bounds(tables["forecasts"].lazy()).collect()
+    mean = forecasts.filter((pl.col(SERIES) == 0) & (pl.col("model") == "ensemble")).sort("step")
+    # the ensemble's scale-free errors on every window of every series, step by step
+    ensemble = backtest.filter(pl.col("model") == "ensemble")
+    both = backtest.filter(pl.col("model") != "ensemble").group_by(SERIES, "window", "step")
+    means = both.agg(pl.col("forecast").mean().alias("mean"))
+    check = ensemble.join(means, on=[SERIES, "window", "step"])
+    np.testing.assert_allclose(check["forecast"], check["mean"], rtol=1e-12)
+    scaled = ensemble.with_columns(
+        ((pl.col("actual") - pl.col("forecast")).abs() / pl.col("scale")).alias("e")
+    )
+    for step in range(1, 7):
+        errors = np.sort(scaled.filter(pl.col("step") == step)["e"].to_numpy())
+        q = errors[int(np.ceil((errors.size + 1) * 0.8)) - 1]  # 9 errors: the 8th
+        row = mean.filter(pl.col("step") == step)
+        width = q * row["scale"].item()
+        assert row["hi_80"].item() - row["forecast"].item() == pytest.approx(width, rel=1e-9)
+        assert row["forecast"].item() - row["lo_80"].item() == pytest.approx(width, rel=1e-9)
 
 
 def test_the_backtest_forecasts_are_the_ones_the_metrics_score(tmp_path):

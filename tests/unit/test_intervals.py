@@ -1,13 +1,15 @@
-"""Conformal prediction intervals from the backtest's errors (issue 19 point 4): the rank rule by
-hand, the interval scores by hand, and the coverage of the forecasts' intervals over many series
-with known noise, checked against values the run never saw."""
+"""Prediction intervals from the backtest's errors (issue 19 point 4, issue 35 point 2): the
+conformal rank by hand, a level that cannot be honoured left null, and the coverage of the
+intervals over many series with known noise at three windows, checked against values the run
+never saw, with widths that cover by being right, not wide."""
 
 from __future__ import annotations
 
-import math
+import json
 
 import numpy as np
 import polars as pl
+import pyarrow.parquet as pq
 import pytest
 
 from shardwise.config import validate_as
@@ -15,10 +17,11 @@ from shardwise.manymodel.backtest import run_chunk
 from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.manymodel.data import SERIES, load_series
 from shardwise.manymodel.features import FeatureSpec, polars_features
-from shardwise.manymodel.intervals import half_widths, interval_scores
+from shardwise.manymodel.intervals import METADATA_KEY, calibrate, needed
 from shardwise.manymodel.runner import make_plan
 
-SERIES_COUNT, MONTHS, SIGMA = 300, 72, 2.0
+SERIES_COUNT, MONTHS, SIGMA, HORIZON = 2000, 60, 2.0, 2
+Z = {80: 1.2815515655446004, 95: 1.959963984540054}
 
 
 def _mean(t: np.ndarray) -> np.ndarray:
@@ -37,29 +40,68 @@ class KnowsTheMean:
         return _mean(t)
 
 
-def test_the_conformal_rank_and_the_scores_by_hand():
-    errors = [np.array([1.0, 2.0]), np.array([5.0, 4.0]), np.array([3.0, np.nan])]
-    # 3 errors at step 1: rank ⌈4 · 0.5⌉ = 2; 2 at step 2: rank ⌈3 · 0.5⌉ = 2
-    np.testing.assert_array_equal(half_widths(errors, 50), [3.0, 4.0])
-    np.testing.assert_array_equal(half_widths(errors, 95), [5.0, 4.0])  # too few: the largest
-    actual, lower, upper = np.array([1.0, 5.0, 9.0]), np.zeros(3), np.full(3, 6.0)
-    got = interval_scores(actual, lower, upper, 80, naive_mae=2.0)
-    winkler = (6 + 6 + 6 + 2 / 0.2 * 3) / 3  # widths, plus 2/α times the 3 the last one misses by
-    assert got["coverage_80"] == pytest.approx(2 / 3)
-    assert got["winkler_80"] == pytest.approx(winkler)
-    assert got["msis_80"] == pytest.approx(winkler / 2.0)
-    assert math.isnan(interval_scores(actual * np.nan, lower, upper, 80, 2.0)["coverage_80"])
+def _rows(errors: list[list[float]], scale: float = 1.0) -> pl.LazyFrame:
+    """Backtest rows of one model and one step: `errors[s][w]` of series s on window w."""
+    return pl.DataFrame(
+        [
+            {SERIES: s, "model": "m", "window": w, "origin": 0, "step": 1, "forecast": 0.0,
+             "actual": e, "scale": scale}
+            for s, per_series in enumerate(errors) for w, e in enumerate(per_series)
+        ]
+    ).lazy()  # fmt: skip
 
 
-def test_intervals_cover_unseen_values_at_their_level_over_many_series(tmp_path):
-    """300 series of a known mean plus N(0, 2) noise; 39 one-step backtest windows give 39
-    errors per series, from which the forecast's intervals are built. Against the next value,
-    drawn but never given to the run, they cover within ±3 points of 80% and 95%."""
+def test_the_conformal_rank_by_hand():
+    """Pooled over series: the ⌈(n + 1)·L⌉-th smallest of the n scale-free errors of the
+    windows before; a series' half-width is that times its scale."""
+    rows = _rows([[1.0, 5.0, 0.0], [2.0, 4.0, 0.0], [3.0, 6.0, 0.0]], scale=2.0)
+    got = calibrate(rows, [50], 3, "pooled", sources=lambda r: r)
+    pooled = got.pooled.sort("window")
+    # window 1: 3 errors (0.5, 1, 1.5): rank ⌈4 · 0.5⌉ = 2; window 2: 6, rank ⌈7 · 0.5⌉ = 4;
+    # window 3 (the forecast's): 9, three of them 0, rank ⌈10 · 0.5⌉ = 5
+    assert pooled["q_50"].to_list() == [1.0, 2.0, 1.0]
+    final = got.forecast_bounds(
+        pl.DataFrame(
+            {SERIES: [0], "model": ["m"], "step": [1], "forecast": [10.0], "scale": [3.0]}
+        ).lazy()
+    ).collect()
+    assert final.row(0, named=True) | {} == {
+        SERIES: 0, "model": "m", "step": 1, "forecast": 10.0, "scale": 3.0,
+        "lo_50": 7.0, "hi_50": 13.0,
+    }  # fmt: skip
+    # per series, 3 windows before the forecast: rank ⌈4 · 0.5⌉ = 2 of (0, 1, 5)
+    series = calibrate(rows, [50], 3, "series", sources=lambda r: r).series
+    assert series.filter((pl.col(SERIES) == 0) & (pl.col("window") == 3))["w_50"].item() == 1.0
+
+
+def test_a_level_that_cannot_be_honoured_is_null_and_says_what_it_needs():
+    """3 series × 2 windows give 6 errors at the forecast: 80% needs 4 (honoured), 95% needs 19
+    (not): its bounds are null, never the largest error under the level's name."""
+    assert (needed(80), needed(90), needed(95)) == (4, 9, 19)
+    rows = _rows([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    got = calibrate(rows, [80, 95], 2, "pooled", sources=lambda r: r)
+    final = got.forecast_bounds(
+        pl.DataFrame(
+            {SERIES: [0], "model": ["m"], "step": [1], "forecast": [0.0], "scale": [1.0]}
+        ).lazy()
+    ).collect()
+    assert final["hi_80"].item() == 6.0 and final["hi_95"].item() is None
+    assert got.levels[80].honoured and not got.levels[95].honoured
+    assert "19 errors per model and step pooled over 3 series" in got.levels[95].needs
+    assert "backtest.n_windows ≥ 7" in got.levels[95].needs
+    shown = json.loads(got.metadata()[METADATA_KEY])
+    assert shown["95"]["honoured"] is False and shown["80"]["method"] == "pooled"
+
+
+@pytest.fixture(scope="module")
+def noisy(tmp_path_factory):
+    """2,000 series of a known mean plus N(0, 2) noise, three windows of two steps, and the
+    next two values, drawn but never given to the run."""
     rng = np.random.default_rng(0)
-    t = np.arange(MONTHS + 1)
-    noisy = _mean(t)[None, :] + rng.normal(0, SIGMA, (SERIES_COUNT, MONTHS + 1))
+    t = np.arange(MONTHS + HORIZON)
+    noisy = _mean(t)[None, :] + rng.normal(0, SIGMA, (SERIES_COUNT, MONTHS + HORIZON))
     months = [f"{2015 + k // 12}-{k % 12 + 1:02d}-01" for k in range(MONTHS)]
-    names = [f"s{i:03d}" for i in range(SERIES_COUNT)]
+    names = [f"s{i:04d}" for i in range(SERIES_COUNT)]
     frame = pl.DataFrame(
         {
             "shop": np.repeat(names, MONTHS),
@@ -67,17 +109,17 @@ def test_intervals_cover_unseen_values_at_their_level_over_many_series(tmp_path)
             "units": noisy[:, :MONTHS].reshape(-1),
         }
     )
-    path = tmp_path / "noisy.csv"
+    path = tmp_path_factory.mktemp("noisy") / "noisy.csv"
     frame.write_csv(path)
-    model = "test_intervals:KnowsTheMean"
     config = validate_as(
         ManyModelsConfig,
         {
             "data": {"source": str(path), "id_columns": ["shop"], "timestamp": "month",
                      "target": "units"},
-            "models": {"names": [model], "scale": {"KnowsTheMean": "none"}},
+            "models": {"names": ["test_intervals:KnowsTheMean"],
+                       "scale": {"KnowsTheMean": "none"}},
             "features": {"lags": [1]},
-            "backtest": {"horizon": 1, "step": 1, "n_windows": 39, "levels": [80, 95],
+            "backtest": {"horizon": HORIZON, "n_windows": 3, "levels": [80, 95],
                          "min_train": 12},
         },
     )  # fmt: skip
@@ -85,13 +127,47 @@ def test_intervals_cover_unseen_values_at_their_level_over_many_series(tmp_path)
     spec = FeatureSpec.from_config(config, table.season_length)
     plan = make_plan(config, table, spec)
     tables = run_chunk(polars_features(table.frame, spec, table.columns), plan).tables()
-    forecasts = tables["forecasts"].sort(SERIES)
-    truth = noisy[:, MONTHS]  # series are numbered in id order
+    return tables, noisy[:, MONTHS:]
+
+
+def test_pooled_intervals_cover_unseen_values_at_three_windows(noisy):
+    """At 3 windows each series has 3 errors per step, too few for any per-series interval at
+    80% (4) or 95% (19); pooled over 2,000 series they are 6,000. Against the next values the
+    intervals cover within ±3 points of 80% and 95% (≥ 3 standard errors: 0.9 and 0.5 points),
+    and their half-widths are within 5% of z·σ: a band too wide would cover too, and fail."""
+    tables, truth = noisy
+    got = calibrate(tables["backtest"].lazy(), [80, 95], 3, "auto", sources=lambda r: r)
+    assert got.levels[80].method == "pooled" and got.levels[80].chosen_on == [1]
+    assert got.levels[80].reported_on == [2]
+    forecasts = got.forecast_bounds(tables["forecasts"].lazy()).collect().sort(SERIES, "step")
+    actual = truth.reshape(-1)  # series in id order, then steps
     for level in (80, 95):
         lower, upper = forecasts[f"lo_{level}"].to_numpy(), forecasts[f"hi_{level}"].to_numpy()
-        covered = float(np.mean((truth >= lower) & (truth <= upper)))
+        covered = float(np.mean((actual >= lower) & (actual <= upper)))
         assert abs(covered - level / 100) <= 0.03, (level, covered)
-    metrics = tables["metrics"]
-    assert metrics.filter(pl.col("window") == 0)["coverage_80"].is_null().all()
-    late = metrics.filter(pl.col("window") >= 20)  # 20 or more earlier errors per interval
-    assert abs(late["coverage_80"].mean() - 0.80) <= 0.03
+        half = float(np.mean(upper - lower) / 2)
+        assert half == pytest.approx(Z[level] * SIGMA, rel=0.05), (level, half)
+        # the held-out window (2, from windows 0 and 1) scores the same way
+        held = got.levels[level].scores[f"coverage_{level}"]
+        assert abs(held - level / 100) <= 0.03, (level, held)
+        assert got.levels[level].honoured
+
+
+def test_per_series_intervals_at_three_windows_are_not_made(noisy):
+    """What the run did before: each series' own 3 errors, the largest standing for 95%.
+    Now such a level is null, and says it needs 19 windows."""
+    tables, _ = noisy
+    got = calibrate(tables["backtest"].lazy(), [80, 95], 3, "series", sources=lambda r: r)
+    forecasts = got.forecast_bounds(tables["forecasts"].lazy()).collect()
+    assert forecasts["lo_95"].is_null().all() and forecasts["lo_80"].is_null().all()
+    assert "backtest.n_windows ≥ 19 (has 3)" in got.levels[95].needs
+
+
+def test_the_forecast_files_carry_the_intervals_method_in_their_metadata(tmp_path):
+    from shardwise.manymodel.outputs import _Appended
+
+    path = tmp_path / "f.parquet"
+    with _Appended({"f": path}, {METADATA_KEY: json.dumps({"80": {"honoured": True}})}) as out:
+        out.write("f", pl.DataFrame({"a": [1]}))
+    metadata = pq.read_schema(path).metadata
+    assert json.loads(metadata[METADATA_KEY.encode()]) == {"80": {"honoured": True}}

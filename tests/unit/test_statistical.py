@@ -124,18 +124,25 @@ def test_a_user_model_that_would_share_a_built_in_name_is_refused():
 
 def test_a_models_own_intervals_are_statsforecasts(tmp_path):
     """`backtest.intervals = "model"`: auto_ets's interval columns are statsforecast's own, on
-    the same history; seasonal_naive (none of its own) gets conformal ones."""
+    the same history; seasonal_naive (none of its own) gets pooled ones, here not honoured (one
+    series, two windows: 2 errors where 80% needs 4)."""
+    from shardwise.manymodel.intervals import calibrate
+
     y = _multiplicative()
     backtest = {"horizon": 6, "n_windows": 2, "levels": [80], "intervals": "model"}
     _, tables = _job(tmp_path, {"a": y}, ["auto_ets", "seasonal_naive"], backtest=backtest)
-    final = tables["forecasts"].filter(pl.col("model") == "auto_ets").sort("step")
+    got = calibrate(tables["backtest"].lazy(), [80], 2, "model", sources=lambda r: r)
+    forecasts = got.forecast_bounds(tables["forecasts"].lazy()).collect()
+    final = forecasts.filter(pl.col("model") == "auto_ets").sort("step")
     own = AutoETS(season_length=12).fit(y).predict(h=6, level=[80])
     np.testing.assert_allclose(final["lo_80"].to_numpy(), own["lo-80"], rtol=1e-9)
     np.testing.assert_allclose(final["hi_80"].to_numpy(), own["hi-80"], rtol=1e-9)
-    naive = tables["forecasts"].filter(pl.col("model") == "seasonal_naive")
-    assert naive["lo_80"].is_not_null().all()  # conformal, from the two windows' errors
-    first = tables["metrics"].filter((pl.col("window") == 0) & (pl.col("model") == "auto_ets"))
-    assert first["coverage_80"].is_not_null().all()  # its own: no earlier window needed
+    naive = forecasts.filter(pl.col("model") == "seasonal_naive")
+    assert naive["lo_80"].is_null().all()
+    # its own on the backtest too, from the first window on
+    first = got.bounds(tables["backtest"].lazy()).collect()
+    first = first.filter((pl.col("window") == 0) & (pl.col("model") == "auto_ets"))
+    assert first["lo_80"].is_not_null().all()
 
 
 @pytest.mark.parametrize("refit", [False, 2])

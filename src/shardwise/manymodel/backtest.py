@@ -35,7 +35,7 @@ import numpy as np
 import polars as pl
 
 from shardwise.manymodel.data import FUTURE, SERIES, Columns
-from shardwise.manymodel.intervals import bound_names, half_widths, interval_scores, score_names
+from shardwise.manymodel.intervals import bound_names
 from shardwise.manymodel.models import Model, ModelContext, as_values, build
 from shardwise.manymodel.transforms import TARGET, TargetTransform
 
@@ -63,8 +63,9 @@ class Plan:
     ensemble_top_k: int = 0
     levels: tuple[int, ...] = ()
     """Prediction-interval levels in percent (intervals.py); () for points only."""
-    intervals: str = "conformal"
-    """"model": a model's own intervals where it has them (`predict_interval`), else conformal."""
+    intervals: str = "auto"
+    """"model": a model's own intervals (`predict_interval`) are computed and kept with its
+    forecasts, for the run to use where it has them (intervals.py)."""
     global_models: frozenset[str] = frozenset()
     """Labels of the models fitted across series (global_models.py): the chunks get their
     forecasts (`Given`) instead of fitting them."""
@@ -106,11 +107,11 @@ class ChunkResult:
     choices: list[dict[str, Any]] = field(default_factory=list)
     forecasts: list[dict[str, Any]] = field(default_factory=list)
     failures: list[dict[str, Any]] = field(default_factory=list)
-    backtest: list[tuple[int, str, int, int, np.ndarray]] = field(default_factory=list)
-    """(series, model, window, origin, forecast) per backtest window: each model's, which the
-    metrics score, and the ensemble's of the series' final top k (not the nested one the metrics
-    score: the forecasts' ensemble on past windows, for the conformal widths and the
-    reconciliation)."""
+    backtest: list[_Window] = field(default_factory=list)
+    """Per backtest window: each model's forecast, which the metrics score, and the ensemble's
+    of the series' final top k (not the nested one the metrics score: the forecasts' ensemble
+    on past windows, for the intervals and the reconciliation), with the window's actual values
+    and scale (intervals.py)."""
     series: int = 0
     failed_series: int = 0
     started: float = 0.0
@@ -119,16 +120,11 @@ class ChunkResult:
     levels: tuple[int, ...] = ()
 
     def tables(self) -> dict[str, pl.DataFrame]:
-        scores = [name for level in self.levels for name in score_names(level)]
-        bounds = [name for level in self.levels for name in bound_names(level)]
+        bounds = dict.fromkeys(own_bounds(self.levels), pl.Float64)
         return {
-            "metrics": pl.DataFrame(
-                self.metrics, schema={**_METRICS_SCHEMA, **dict.fromkeys(scores, pl.Float64)}
-            ),
+            "metrics": pl.DataFrame(self.metrics, schema=_METRICS_SCHEMA),
             "choices": pl.DataFrame(self.choices, schema=_CHOICE_SCHEMA),
-            "forecasts": pl.DataFrame(
-                self.forecasts, schema={**_FORECAST_SCHEMA, **dict.fromkeys(bounds, pl.Float64)}
-            ),
+            "forecasts": pl.DataFrame(self.forecasts, schema={**_FORECAST_SCHEMA, **bounds}),
             "failures": pl.DataFrame(self.failures, schema=_FAILURE_SCHEMA),
             "backtest": self._backtest(),
         }
@@ -136,21 +132,51 @@ class ChunkResult:
     def _backtest(self) -> pl.DataFrame:
         """The windows' forecasts, a row per step: built from arrays, not a dict per row (there
         are n_windows × horizon rows per model and series)."""
+        bounds = own_bounds(self.levels)
+        schema = {**_BACKTEST_SCHEMA, **dict.fromkeys(bounds, pl.Float64)}
         if not self.backtest:
-            return pl.DataFrame(schema=_BACKTEST_SCHEMA)
-        series, models, windows, starts, values = zip(*self.backtest, strict=True)
-        lengths = [v.size for v in values]
-        return pl.DataFrame(
-            {
-                SERIES: np.repeat(series, lengths),
-                "model": np.repeat(models, lengths),
-                "window": np.repeat(windows, lengths),
-                "origin": np.repeat(starts, lengths),
-                "step": np.concatenate([np.arange(1, n + 1) for n in lengths]),
-                "forecast": np.concatenate(values),
-            },
-            schema=_BACKTEST_SCHEMA,
-        )
+            return pl.DataFrame(schema=schema)
+        lengths = [w.forecast.size for w in self.backtest]
+        columns: dict[str, Any] = {
+            SERIES: np.repeat([w.series for w in self.backtest], lengths),
+            "model": np.repeat([w.model for w in self.backtest], lengths),
+            "window": np.repeat([w.window for w in self.backtest], lengths),
+            "origin": np.repeat([w.origin for w in self.backtest], lengths),
+            "step": np.concatenate([np.arange(1, n + 1) for n in lengths]),
+            "forecast": np.concatenate([w.forecast for w in self.backtest]),
+            "actual": np.concatenate([w.actual for w in self.backtest]),
+            "scale": np.repeat([w.scale for w in self.backtest], lengths),
+        }
+        for level in self.levels:
+            for side, name in enumerate(own_bounds((level,))):
+                columns[name] = np.concatenate(
+                    [
+                        w.own[level][side] if level in w.own else np.full(n, np.nan)
+                        for w, n in zip(self.backtest, lengths, strict=True)
+                    ]
+                )
+        return pl.DataFrame(columns, schema=schema).fill_nan(None)
+
+
+@dataclass(frozen=True)
+class _Window:
+    """A model's forecast of one backtest window of a series, the window's actual values and
+    scale (the in-sample seasonal naive MAE before it), and the model's own intervals."""
+
+    series: int
+    model: str
+    window: int
+    origin: int
+    forecast: np.ndarray
+    actual: np.ndarray
+    scale: float
+    own: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+
+
+def own_bounds(levels: Sequence[int]) -> list[str]:
+    """The columns of the models' own intervals in a chunk's tables: `own_lo_80`, `own_hi_80`
+    (null where a model has none, or `backtest.intervals` is not "model")."""
+    return [f"own_{name}" for level in levels for name in bound_names(level)]
 
 
 _METRICS_SCHEMA = {
@@ -166,7 +192,13 @@ _CHOICE_SCHEMA: dict[str, pl.DataType] = {
     "score": pl.Float64(),
     "top": pl.List(pl.String),
 }
-_FORECAST_SCHEMA = {SERIES: pl.Int64, "step": pl.Int64, "model": pl.String, "forecast": pl.Float64}
+_FORECAST_SCHEMA = {
+    SERIES: pl.Int64,
+    "step": pl.Int64,
+    "model": pl.String,
+    "forecast": pl.Float64,
+    "scale": pl.Float64,
+}
 _BACKTEST_SCHEMA = {
     SERIES: pl.Int64,
     "model": pl.String,
@@ -174,6 +206,8 @@ _BACKTEST_SCHEMA = {
     "origin": pl.Int64,
     "step": pl.Int64,
     "forecast": pl.Float64,
+    "actual": pl.Float64,
+    "scale": pl.Float64,
 }
 _FAILURE_SCHEMA = {SERIES: pl.Int64, "model": pl.String, "stage": pl.String, "error": pl.String}
 
@@ -213,8 +247,7 @@ def forecast_series(
     scores: dict[str, list[float]] = {label: [] for label in models}
     fits: dict[str, Any] = {}  # each model's last fit, for the windows that update it
     predictions: dict[str, list[_Forecast]] = {label: [] for label in models}
-    errors: dict[str, list[np.ndarray]] = {label: [] for label in models}
-    actuals: list[np.ndarray] = []
+    truths: list[_Truth] = []
     for window, origin in enumerate(origins(observed.height, plan)):
         train, test = observed.head(origin), observed.slice(origin, plan.horizon)
         truth = _Truth(
@@ -222,7 +255,7 @@ def forecast_series(
             seasonal_mae(train[TARGET].to_numpy().astype(np.float64), plan.context.season_length),
             {SERIES: series, "window": window, "origin": origin},
         )
-        actuals.append(truth.actual)
+        truths.append(truth)
         # the choices made on the windows before this one, ranked by their scores there
         ranked = sorted(scores, key=lambda label: _score(scores[label])) if window else []
         for label in list(scores):
@@ -232,41 +265,36 @@ def forecast_series(
                 )
             except Exception as e:
                 out.failures.append(_failure(series, label, f"window {window}", e))
-                del scores[label], predictions[label], errors[label]
+                del scores[label], predictions[label]
                 continue
-            row = truth.scores(predicted, plan, errors[label])
+            row = truth.scores(predicted)
             out.metrics.append({**truth.keys, "model": label, **row})
             scores[label].append(row[plan.metric] if np.isfinite(row[plan.metric]) else row["mae"])
             predictions[label].append(predicted)
-            out.backtest.append((series, label, window, origin, predicted.values))
-            errors[label].append(np.abs(truth.actual - predicted.values))
+            out.backtest.append(truth.window(label, predicted))
         ranked = [label for label in ranked if label in predictions]  # not failed here
         if ranked:
             top = ranked[: plan.ensemble_top_k] if plan.ensemble_top_k > 1 else []
-            out.metrics.append(  # the chosen model's interval, from its earlier errors
-                {**truth.keys, "model": SELECTED}
-                | truth.scores(predictions[ranked[0]][-1], plan, errors[ranked[0]][:-1])
-            )
-            if top:  # its interval from the same ensemble's errors on the earlier windows
+            chosen = predictions[ranked[0]][-1]
+            out.metrics.append({**truth.keys, "model": SELECTED} | truth.scores(chosen))
+            if top:
                 mean = np.mean([predictions[label][-1].values for label in top], axis=0)
-                earlier = _ensemble_errors(top, predictions, actuals[:-1])
                 out.metrics.append(
-                    {**truth.keys, "model": ENSEMBLE} | truth.scores(_Forecast(mean), plan, earlier)
+                    {**truth.keys, "model": ENSEMBLE} | truth.scores(_Forecast(mean))
                 )
     out.series += 1
-    windows = _Windows(scores, errors, predictions, actuals, fits)
+    windows = _Windows(scores, predictions, truths, fits)
     _refit(plan, series, models, (observed, future.drop(TARGET)), windows, out)
 
 
 @dataclass(frozen=True)
 class _Windows:
-    """One series' backtest, per model: scores, absolute errors and forecasts per window, and
-    each window's actual values."""
+    """One series' backtest, per model: scores and forecasts per window, and each window's
+    actual values and scale."""
 
     scores: dict[str, list[float]]
-    errors: dict[str, list[np.ndarray]]
     predictions: dict[str, list[_Forecast]]
-    actuals: list[np.ndarray]
+    truths: list[_Truth]
     fits: dict[str, Any]
     """Each model's last fit (what `backtest.refit` may update instead of fitting again)."""
 
@@ -274,15 +302,6 @@ class _Windows:
 def _ensemble(top: list[str], predictions: dict[str, list[_Forecast]], n: int) -> list[np.ndarray]:
     """The mean forecast of the `top` models on each of the first `n` windows."""
     return [np.mean([predictions[label][w].values for label in top], axis=0) for w in range(n)]
-
-
-def _ensemble_errors(
-    top: list[str], predictions: dict[str, list[_Forecast]], actuals: list[np.ndarray]
-) -> list[np.ndarray]:
-    """The absolute errors, on each window of `actuals`, of the mean forecast of the `top`
-    models: the ensemble's conformal intervals come from them, as a model's from its own."""
-    means = _ensemble(top, predictions, len(actuals))
-    return [np.abs(actual - mean) for actual, mean in zip(actuals, means, strict=True)]
 
 
 def origins(n: int, plan: Plan) -> list[int]:
@@ -329,17 +348,17 @@ class _Truth:
     naive_mae: float
     keys: dict[str, Any]
 
-    def scores(
-        self, predicted: _Forecast, plan: Plan | None = None, earlier: Sequence[np.ndarray] = ()
-    ) -> dict[str, float]:
-        """The point metrics and, with `plan`, each level's interval scores (the model's own
-        interval, or a conformal one from the errors of earlier windows only)."""
-        row = _metrics(self.actual, predicted.values, self.naive_mae)
-        for level in plan.levels if plan is not None else ():
-            bounds = predicted.bounds(level, list(earlier))
-            if bounds is not None:
-                row.update(interval_scores(self.actual, *bounds, level, self.naive_mae))
-        return row
+    def scores(self, predicted: _Forecast) -> dict[str, float]:
+        """The point metrics (the intervals are scored across series: intervals.py)."""
+        return _metrics(self.actual, predicted.values, self.naive_mae)
+
+    def window(self, label: str, predicted: _Forecast) -> _Window:
+        """`label`'s forecast of this window, as the backtest table keeps it."""
+        keys = self.keys
+        return _Window(
+            keys[SERIES], label, keys["window"], keys["origin"], predicted.values, self.actual,
+            self.naive_mae, predicted.own,
+        )  # fmt: skip
 
 
 def _refit(
@@ -354,7 +373,7 @@ def _refit(
     forecast the future ones, with intervals from every window's errors; the series' choice
     (best mean over the windows) and its top k."""
     observed, future = rows
-    scores, errors = windows.scores, windows.errors
+    scores = windows.scores
     ranked = sorted(scores, key=lambda label: _score(scores[label]))
     finals: dict[str, _Forecast] = {}
     for label in ranked:
@@ -373,38 +392,30 @@ def _refit(
     out.choices.append(
         {SERIES: series, "model": ranked[0], "score": _score(scores[ranked[0]]), "top": top}
     )
-    columns = {label: _bounds(plan, finals[label], errors[label]) for label in finals}
-    if plan.ensemble_top_k > 1:  # conformal, from the same ensemble's errors on every window
+    if plan.ensemble_top_k > 1:  # its intervals from its own errors on the windows
         finals[ENSEMBLE] = _Forecast(np.mean([finals[label].values for label in top], axis=0))
-        means = _ensemble(top, windows.predictions, len(windows.actuals))
-        starts = origins(observed.height, plan)
+        means = _ensemble(top, windows.predictions, len(windows.truths))
         out.backtest.extend(
-            (series, ENSEMBLE, w, start, mean)
-            for w, (start, mean) in enumerate(zip(starts, means, strict=True))
+            truth.window(ENSEMBLE, _Forecast(mean))
+            for truth, mean in zip(windows.truths, means, strict=True)
         )
-        ensemble = _ensemble_errors(top, windows.predictions, windows.actuals)
-        columns[ENSEMBLE] = _bounds(plan, finals[ENSEMBLE], ensemble)
+    scale = seasonal_mae(observed[TARGET].to_numpy().astype(np.float64), plan.context.season_length)
     out.forecasts.extend(
         {
             SERIES: series,
             "step": k + 1,
             "model": label,
             "forecast": float(v),
-            **{name: float(bound[k]) for name, bound in columns[label].items()},
+            "scale": scale,
+            **{
+                name: float(predicted.own[level][side][k])
+                for level in predicted.own
+                for side, name in enumerate(own_bounds((level,)))
+            },
         }
         for label, predicted in finals.items()
         for k, v in enumerate(predicted.values)
     )
-
-
-def _bounds(plan: Plan, predicted: _Forecast, errors: list[np.ndarray]) -> dict[str, np.ndarray]:
-    """The forecast's interval columns at each level (`lo_80`, `hi_80`, …)."""
-    columns: dict[str, np.ndarray] = {}
-    for level in plan.levels:
-        bounds = predicted.bounds(level, errors)
-        if bounds is not None:
-            columns.update(zip(bound_names(level), bounds, strict=True))
-    return columns
 
 
 def _score(values: list[float]) -> float:
@@ -420,16 +431,6 @@ class _Forecast:
 
     values: np.ndarray
     own: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
-
-    def bounds(self, level: int, errors: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray] | None:
-        """The interval at `level`: the model's own, else conformal from `errors` (earlier
-        windows' absolute errors), else none."""
-        if level in self.own:
-            return self.own[level]
-        if not errors:
-            return None
-        width = half_widths(errors, level)
-        return self.values - width, self.values + width
 
 
 def _fit_predict(

@@ -134,11 +134,15 @@ class BacktestSection(Section):
     """k ≥ 2 adds an ensemble per series: the mean forecast of its k best models."""
     levels: list[int] = Field(default_factory=list)
     """Prediction intervals at these levels in percent, e.g. [80, 95]: conformal, from the
-    backtest windows' errors (no extra fits); scored on later windows (coverage, Winkler, MSIS)
-    and written as `lo_80`, `hi_80`, … columns of the forecasts."""
-    intervals: Literal["conformal", "model"] = "conformal"
-    """`model`: the intervals of models that have their own (auto_ets, auto_arima, auto_theta,
-    mstl: statsforecast's), conformal ones for the rest."""
+    backtest windows' errors (no extra fits), pooled across series; scored on later windows
+    (coverage, Winkler, MSIS) and written as `lo_80`, `hi_80`, … columns of the forecasts, null
+    where the level cannot be honoured (manymodel/intervals.py)."""
+    intervals: Literal["auto", "pooled", "series", "model"] = "auto"
+    """Where the intervals' errors come from: `pooled` (every series' errors, each divided by
+    its series' seasonal naive MAE, per model and step), `series` (each series' own: 19 windows
+    for 95%), `auto` (whichever of the two scores better on the earlier windows), `model` (the
+    intervals of models that have their own: auto_ets, auto_arima, auto_theta, mstl, pooled ones
+    for the rest)."""
     selection: Literal["auto", "per_series", "ensemble", "best_model"] = "auto"
     """What the forecasts use: each series' best model, its ensemble, or the one model best over
     all series. `auto` picks whichever scores best on the windows after the first, each chosen

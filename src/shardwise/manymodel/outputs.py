@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 from shardwise.config import ConfigError
 from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.manymodel.data import FUTURE, SERIES, SeriesTable
+from shardwise.manymodel.intervals import Calibration, bound_names, calibrate
 from shardwise.manymodel.selection import Selection, forecasts, select
 
 TABLES = ("metrics", "choices", "forecasts", "failures", "backtest")
@@ -27,11 +28,12 @@ one): few enough to bound the driver's memory, enough that the parts' overhead s
 
 def assemble(
     config: ManyModelsConfig, table: SeriesTable, n_chunks: int, chunk_size: int
-) -> tuple[dict[str, pl.DataFrame], Selection]:
+) -> tuple[dict[str, pl.DataFrame], Selection, Calibration | None]:
     """Combine the chunks (`chunk_size` series each, in series order) into the run's output
     tables, with the series' id columns; the forecasts are those of the strategy `select` picks
-    (every model's are kept too). The metrics, choices and failures are returned; the forecast
-    tables, the largest, are written a few chunks at a time (`_write_forecasts`)."""
+    (every model's are kept too), with intervals calibrated across series (intervals.py). The
+    metrics, choices and failures are returned; the forecast tables, the largest, are written a
+    few chunks at a time (`_write_forecasts`)."""
     run_dir = config.run_dir
     ids = table.series_ids()
     paths = {name: chunk_files(run_dir, name, n_chunks) for name in TABLES}
@@ -45,19 +47,31 @@ def assemble(
         metric=config.backtest.metric,
         requested=config.backtest.selection,
     )
-    _write_forecasts(run_dir, table, (ids, outputs["choices"]), selection, paths, chunk_size)
+    calibration = None
+    if config.backtest.levels:
+        chosen = outputs["choices"].lazy().select(SERIES, "model")
+        calibration = calibrate(
+            pl.scan_parquet(paths["backtest"]),
+            sorted(set(config.backtest.levels)),
+            config.backtest.n_windows,
+            config.backtest.intervals,
+            sources=lambda rows: forecasts(rows, chosen, selection),
+        )
+    _write_forecasts(
+        run_dir, table, (ids, outputs["choices"]), (selection, calibration), paths, chunk_size
+    )
     files = {"metrics": "backtest_metrics", "choices": "best_models", "failures": "failures"}
     for name, filename in files.items():
         outputs[name].drop(SERIES).write_parquet(run_dir / f"{filename}.parquet")
     table.skipped.write_parquet(run_dir / "skipped.parquet")
-    return outputs, selection
+    return outputs, selection, calibration
 
 
 def _write_forecasts(
     run_dir: Path,
     table: SeriesTable,
     series: tuple[pl.DataFrame, pl.DataFrame],
-    selection: Selection,
+    chosen_by: tuple[Selection, Calibration | None],
     paths: dict[str, list[Path]],
     chunk_size: int,
 ) -> None:
@@ -75,10 +89,10 @@ def _write_forecasts(
     chosen_of = chosen.with_columns((pl.col(SERIES) // size).alias("_part")).partition_by(
         "_part", as_dict=True, include_key=False
     )
-    schema = pl.read_parquet_schema(paths["forecasts"][0])  # every chunk's has the same columns
-    bounds = [c for c in schema if c.startswith(("lo_", "hi_"))]
+    calibration = chosen_by[1]
+    metadata = calibration.metadata() if calibration is not None else {}
     names = ("forecasts_by_model", "forecasts", "backtest_forecasts")
-    with _Appended({name: run_dir / f"{name}.parquet" for name in names}) as out:
+    with _Appended({name: run_dir / f"{name}.parquet" for name in names}, metadata) as out:
         for i, (start, stop) in enumerate(itertools.pairwise(edges)):
             chunks = range(i * per_part, min((i + 1) * per_part, n_chunks))
             tables = _part_forecasts(
@@ -87,7 +101,7 @@ def _write_forecasts(
                 ids.slice(i * size, size).lazy(),
                 chosen_of.get((i,), chosen.clear()).lazy(),
                 ([paths["forecasts"][c] for c in chunks], [paths["backtest"][c] for c in chunks]),
-                (selection, bounds),
+                chosen_by,
             )
             for name, frame in zip(names, tables, strict=True):
                 out.write(name, frame)
@@ -99,19 +113,32 @@ def _part_forecasts(
     ids: pl.LazyFrame,
     choices: pl.LazyFrame,
     files: tuple[list[Path], list[Path]],
-    chosen_by: tuple[Selection, list[str]],
+    chosen_by: tuple[Selection, Calibration | None],
 ) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
     """A few chunks' forecast tables (`_write_forecasts`) from their `forecasts` and `backtest`
     files, their `rows` of the table, their series' `ids` and `choices`: every model's forecasts
     with each step's timestamp, the chosen strategy's, and every window's with each step's
-    timestamp and actual value; `chosen_by`: the strategy, and the interval columns."""
+    timestamp and actual value; `chosen_by`: the strategy, and the intervals (each window's
+    from the windows before it)."""
     ts, y = table.columns.timestamp, table.columns.target
-    selection, bounds = chosen_by
+    selection, calibration = chosen_by
+    bounds = (
+        [name for level in calibration.levels for name in bound_names(level)]
+        if calibration is not None
+        else []
+    )
+
+    def bounded(frame: pl.LazyFrame) -> pl.LazyFrame:
+        return calibration.bounds(frame) if calibration is not None else frame
+
+    def finals(frame: pl.LazyFrame) -> pl.LazyFrame:
+        return calibration.forecast_bounds(frame) if calibration is not None else frame
+
     future = rows.filter(pl.col(FUTURE)).select(
         SERIES, ts, (pl.int_range(pl.len()).over(SERIES) + 1).alias("step")
     )
     by_model = (
-        ids.join(pl.scan_parquet(files[0]), on=SERIES, how="inner")
+        finals(ids.join(pl.scan_parquet(files[0]), on=SERIES, how="inner"))
         .join(future, on=[SERIES, "step"], how="left")
         .select(SERIES, *table.columns.ids, ts, "step", "model", "forecast", *bounds)
         .sort(SERIES, "model", "step")
@@ -122,12 +149,12 @@ def _part_forecasts(
         SERIES, ts, y, pl.int_range(pl.len()).over(SERIES).alias("_row")
     )
     windows = (
-        pl.scan_parquet(files[1])
+        bounded(pl.scan_parquet(files[1]))
         .with_columns((pl.col("origin") + pl.col("step") - 1).alias("_row"))  # the row forecast
         .join(observed, on=[SERIES, "_row"], how="left")
         .join(ids, on=SERIES)
         .sort(SERIES, "model", "window", "step")
-        .select(*table.columns.ids, ts, "model", "window", "step", "forecast", y)
+        .select(*table.columns.ids, ts, "model", "window", "step", "forecast", y, *bounds)
         .collect()
     )
     return by_model.drop(SERIES), chosen.drop(SERIES), windows
@@ -138,8 +165,9 @@ class _Appended:
     name until every part is in, then renamed into place: an output file is complete or absent
     (the one an earlier run left stays until then)."""
 
-    def __init__(self, paths: dict[str, Path]) -> None:
+    def __init__(self, paths: dict[str, Path], metadata: dict[str, str] | None = None) -> None:
         self._paths = paths
+        self._metadata = metadata or {}
         self._partial = {
             name: path.with_name(f"{path.name}.partial") for name, path in paths.items()
         }
@@ -150,6 +178,8 @@ class _Appended:
 
     def write(self, name: str, frame: pl.DataFrame) -> None:
         part = frame.to_arrow()
+        if self._metadata:
+            part = part.replace_schema_metadata({**(part.schema.metadata or {}), **self._metadata})
         if name not in self._writers:
             self._writers[name] = pq.ParquetWriter(
                 self._partial[name], part.schema, compression="zstd"

@@ -4,7 +4,7 @@ strategy), the MLflow run, and the table printed at the end."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ from shardwise.config import flatten
 from shardwise.manymodel.backtest import ENSEMBLE, SELECTED
 from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.manymodel.data import SERIES, SeriesTable
+from shardwise.manymodel.intervals import Calibration, Level, describe
 from shardwise.manymodel.selection import STRATEGIES, Selection
 
 
@@ -35,6 +36,8 @@ class Summary:
     mlflow_run_id: str | None
     selection: Selection
     """What the forecasts use, and the held-out scores it was picked by."""
+    intervals: dict[int, Level] = field(default_factory=dict)
+    """Each interval level's method and scores (intervals.py)."""
 
 
 def summarise(
@@ -42,6 +45,7 @@ def summarise(
     table: SeriesTable,
     outputs: dict[str, pl.DataFrame],
     selection: Selection,
+    calibration: Calibration | None,
     *,
     chunks_run: int,
     chunks_reused: int,
@@ -78,6 +82,10 @@ def summarise(
         if strategy in selection.held_out:
             for name, value in selection.held_out[strategy].items():
                 overall[f"held_out/{strategy}_{name}"] = value
+    levels = calibration.levels if calibration is not None else {}
+    for level in levels.values():
+        overall |= {f"intervals/{name}": value for name, value in level.scores.items()}
+        overall[f"intervals/honoured_{level.level}"] = float(level.honoured)
     return Summary(
         run_dir=config.run_dir,
         series=table.num_series,
@@ -92,6 +100,7 @@ def summarise(
         seconds=seconds,
         mlflow_run_id=None,
         selection=selection,
+        intervals=levels,
     )
 
 
@@ -194,10 +203,8 @@ def print_summary(console: Console, summary: Summary) -> None:
     if used == "best_model":
         used = f"best_model ({summary.selection.best_model})"
     console.print(f"forecasts use: {used}{why}; every model's are in forecasts_by_model.parquet")
-    coverage = {k: v for k, v in held.get("per_series", {}).items() if k.startswith("coverage_")}
-    if coverage:
-        shown = ", ".join(f"{k.removeprefix('coverage_')}% → {v:.1%}" for k, v in coverage.items())
-        console.print(f"conformal intervals on held-out windows (each series' choice): {shown}")
+    if summary.intervals:
+        console.print(describe(summary.intervals))
     console.print(
         f"failed {summary.failed}, skipped {summary.skipped}; chunks run {summary.chunks_run}, "
         f"reused {summary.chunks_reused}; at most {summary.peak_concurrency} tasks at once; "

@@ -127,7 +127,7 @@ def run(
         if started_ray:
             ray.shutdown()
         shutil.rmtree(run_dir / "features", ignore_errors=True)  # scratch: big, and redone
-    outputs, selection = assemble(config, table, n_chunks, chunk_size)
+    outputs, selection, calibration = assemble(config, table, n_chunks, chunk_size)
     # the chosen forecasts were streamed to their file: read back once, for what needs them
     wanted = bool(config.hierarchy.levels) or config.tracking.plots
     chosen = chosen_forecasts(run_dir, table) if wanted else None
@@ -140,6 +140,7 @@ def run(
         table,
         outputs,
         selection,
+        calibration,
         chunks_run=len(todo),
         chunks_reused=len(done),
         peak=_peak_concurrency(intervals),
