@@ -3,20 +3,24 @@ forecast, and the reconciled forecasts add up."""
 
 from __future__ import annotations
 
+import json
+
 import polars as pl
+import pyarrow.parquet as pq
 import pytest
 
 from helpers import HIERARCHY_LEVELS as LEVELS
 from helpers import hierarchical_job
 from shardwise.manymodel.data import load_series
 from shardwise.manymodel.hierarchy import incoherence
+from shardwise.manymodel.intervals import METADATA_KEY
 from shardwise.manymodel.runner import run
 
 pytestmark = pytest.mark.slow
 
 
 def test_a_hierarchical_run_forecasts_every_level_and_reconciles(ray_cluster, tmp_path):
-    config = hierarchical_job(tmp_path, tracking={"mlflow": True})
+    config = hierarchical_job(tmp_path, tracking={"mlflow": True}, backtest={"levels": [80, 95]})
     summary = run(config)
     assert summary.series == 13 and summary.failed == 0
     run_dir = tmp_path / "run"
@@ -66,6 +70,20 @@ def test_a_hierarchical_run_forecasts_every_level_and_reconciles(ray_cluster, tm
         .sort()
         .equals(bottom.filter(pl.col("method") == "base")["mae"].sort())
     )
+    # each method's intervals, from the errors of its reconciliations of the backtest: window 1
+    # only (mint_shrink needs window 0's errors), 13 per step, enough for 80% (4), not for 95%
+    # (19): those are null, and the file's metadata says what they need
+    assert reconciled["mint_shrink_lo_80"].is_not_null().all()
+    assert (reconciled["mint_shrink_lo_80"] <= reconciled["mint_shrink"]).all()
+    assert reconciled["bottom_up_hi_95"].is_null().all()
+    shown = json.loads(pq.read_schema(run_dir / "forecasts_reconciled.parquet").metadata[
+        METADATA_KEY.encode()
+    ])  # fmt: skip
+    assert shown["95"]["honoured"] is False and "13 series" in shown["95"]["needs"]
+    # the base forecasts' intervals: 2 windows of 13 series, 26 errors, both levels honoured,
+    # none chosen (a window to choose on and one to report on take 3)
+    assert chosen["lo_95"].is_not_null().all()
+    assert summary.intervals[95].honoured and summary.intervals[95].method == "pooled"
     # and tracked: each method's mean MASE per level
     import mlflow
 

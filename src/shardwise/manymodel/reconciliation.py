@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import polars as pl
+import pyarrow.parquet as pq
 from rich.console import Console
 from rich.table import Table
 
@@ -25,6 +26,7 @@ from shardwise.manymodel.backtest import failure_message
 from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.manymodel.data import FUTURE, SERIES, Columns, SeriesTable
 from shardwise.manymodel.hierarchy import FROM_ERRORS, incoherence, reconcile, unique_ids
+from shardwise.manymodel.intervals import Calibration, calibrate, describe
 
 
 def reconcile_run(
@@ -36,8 +38,19 @@ def reconcile_run(
     weighted = bool(FROM_ERRORS & set(config.hierarchy.methods))
     past = latest(rows, table.columns.timestamp) if weighted else None
     paths = series_paths(config, table)
-    _reconcile(config, table, paths, chosen, past, console)
-    _score(config, table, paths, rows, console)
+    windows = _score(config, table, paths, rows, console)
+    calibration = None
+    if config.backtest.levels and windows is not None:
+        method = config.backtest.intervals
+        calibration = calibrate(
+            windows.lazy(),
+            sorted(set(config.backtest.levels)),
+            config.backtest.n_windows,
+            "pooled" if method == "model" else method,  # a reconciliation has none of its own
+            sources=lambda frame: frame,
+        )
+        console.print("reconciled " + describe(calibration.levels))
+    _reconcile(config, table, paths, (chosen, past), calibration, console)
 
 
 def series_paths(config: ManyModelsConfig, table: SeriesTable) -> pl.DataFrame:
@@ -98,14 +111,16 @@ def _reconcile(
     config: ManyModelsConfig,
     table: SeriesTable,
     paths: pl.DataFrame,
-    forecast: pl.DataFrame,
-    past: pl.DataFrame | None,
+    forecasts: tuple[pl.DataFrame, pl.DataFrame | None],
+    calibration: Calibration | None,
     console: Console,
 ) -> None:
     """Reconcile the chosen forecasts (`chosen_forecasts`) of every level (hierarchy.py), the
     error-weighted methods with the same models' backtest forecasts `past`:
-    `forecasts_reconciled.parquet`. A method hierarchicalforecast cannot apply to these series
-    is reported and left out; the others are still written."""
+    `forecasts_reconciled.parquet`, with each method's intervals (`<method>_lo_80`, …) from
+    its reconciled backtest forecasts' errors (`calibration`). A method hierarchicalforecast
+    cannot apply to these series is reported and left out; the others are still written."""
+    forecast, past = forecasts
     missing = table.num_series - forecast[SERIES].n_unique()
     if missing:
         console.print(
@@ -123,12 +138,53 @@ def _reconcile(
     if reconciled is None:
         return
     methods = [m for m in methods if m not in failed]
-    reconciled.drop(SERIES).write_parquet(config.run_dir / "forecasts_reconciled.parquet")
+    metadata = {}
+    if calibration is not None:
+        scale = _seasonal_naive_mae(history, table.columns, table.season_length)
+        reconciled = _with_intervals(reconciled, scale, calibration, table.columns)
+        metadata = calibration.metadata()
+    written = reconciled.drop(SERIES).to_arrow()
+    written = written.replace_schema_metadata({**(written.schema.metadata or {}), **metadata})
+    pq.write_table(written, config.run_dir / "forecasts_reconciled.parquet")
     gaps = {m: incoherence(reconciled, m, table.columns, levels) for m in methods}
     shown = ", ".join(f"{m} {gap:.0e}" for m, gap in gaps.items())
     console.print(
         f"reconciled forecasts ({len(levels) + 2} levels; largest gap to the sum of the "
         f"series below: {shown}): {config.run_dir / 'forecasts_reconciled.parquet'}"
+    )
+
+
+def _with_intervals(
+    reconciled: pl.DataFrame, scale: pl.DataFrame, calibration: Calibration, columns: Columns
+) -> pl.DataFrame:
+    """`reconciled` (a column per method) with each method's interval columns
+    (`bottom_up_lo_80`, …), from the errors of its reconciliations of the backtest windows."""
+    methods = reconciled.columns[reconciled.columns.index("base") :]
+    long = _long(reconciled, scale, columns)
+    bounded = calibration.forecast_bounds(long.lazy()).collect()
+    names = [c for c in bounded.columns if c.startswith(("lo_", "hi_"))]
+    wide = bounded.pivot(
+        "model", index=[SERIES, columns.timestamp], values=names, separator="|"
+    ).rename(lambda c: "_".join(reversed(c.split("|"))) if "|" in c else c)
+    shown = [f"{m}_{n}" for m in methods for n in names if f"{m}_{n}" in wide.columns]
+    return reconciled.join(
+        wide.select(SERIES, columns.timestamp, *shown),
+        on=[SERIES, columns.timestamp],
+        how="left",
+    )
+
+
+def _long(reconciled: pl.DataFrame, scale: pl.DataFrame, columns: Columns) -> pl.DataFrame:
+    """A row per series, method (as `model`) and timestamp, with its step (the timestamp's
+    rank in the series) and the series' `scale`, as the backtest's rows are (intervals.py)."""
+    methods = reconciled.columns[reconciled.columns.index("base") :]
+    ts = columns.timestamp
+    return (
+        reconciled.unpivot(
+            methods, index=[SERIES, ts], variable_name="model", value_name="forecast"
+        )
+        .join(scale.rename({"_scale": "scale"}), on=SERIES, how="left")
+        .with_columns(pl.col(ts).rank("dense").over(SERIES, "model").cast(pl.Int64).alias("step"))
     )
 
 
@@ -138,16 +194,17 @@ def _score(
     paths: pl.DataFrame,
     rows: pl.DataFrame,
     console: Console,
-) -> None:
+) -> pl.DataFrame | None:
     """Score the base forecasts and each method's reconciliation of them on the backtest
     windows (module docstring): `reconciled_metrics.parquet` and a table of mean MASE per level
-    and method."""
+    and method. Returns those reconciled forecasts as the backtest's rows (intervals.py), for
+    the intervals; None if no window was reconciled."""
     columns, levels = table.columns, config.hierarchy.levels
     ids, ts, y = list(columns.ids), columns.timestamp, columns.target
     methods = list(config.hierarchy.methods)
     first = 1 if FROM_ERRORS & set(methods) else 0
     observed = table.frame.filter(~pl.col(FUTURE))
-    scored, failed = [], {}
+    scored, failed, windows = [], {}, []
     for window in range(first, config.backtest.n_windows):
         these = rows.filter(pl.col("window") == window)
         if these[SERIES].n_unique() < table.num_series:  # a series without a forecast there
@@ -162,6 +219,12 @@ def _score(
             actual = these.select(SERIES, ts, pl.col(y).alias("_actual"))
             scale = _seasonal_naive_mae(history, columns, table.season_length)
             scored.append(_errors(reconciled, actual, scale, columns).with_columns(window=window))
+            windows.append(
+                _long(reconciled, scale, columns)
+                .join(actual.rename({"_actual": "actual"}), on=[SERIES, ts], how="left")
+                .select(SERIES, "model", pl.lit(window, pl.Int64).alias("window"), "step",
+                        "forecast", "actual", "scale")
+            )  # fmt: skip
     for method, why in failed.items():
         console.print(f"hierarchy.methods: {method} not scored on the backtest: {why}")
     if not scored:
@@ -174,7 +237,7 @@ def _score(
                 else "no window has a forecast for every series of the hierarchy"
             )
         )
-        return
+        return None
     metrics = pl.concat(scored, how="diagonal_relaxed")
     metrics = metrics.filter(~pl.col("method").is_in(list(failed)))  # only what every window has
     level = pl.lit("total")
@@ -186,6 +249,8 @@ def _score(
     metrics.write_parquet(config.run_dir / "reconciled_metrics.parquet")
     order = ["total", *("/".join(level) for level in levels), "/".join(ids)]
     console.print(_table(metrics, ["base", *(m for m in methods if m not in failed)], order))
+    kept = pl.concat(windows).filter(~pl.col("model").is_in(list(failed)))
+    return kept.with_columns(pl.col("actual").cast(pl.Float64), pl.col("scale").cast(pl.Float64))
 
 
 def _table(metrics: pl.DataFrame, methods: list[str], levels: list[str]) -> Table:
