@@ -306,8 +306,10 @@ def describe(levels: dict[int, Level]) -> str:
     reported, or what it needs."""
     parts = []
     for level, v in levels.items():
-        coverage = v.scores.get(score_names(level)[0], math.nan)
+        coverage, winkler, msis = (v.scores.get(n, math.nan) for n in score_names(level))
         shown = f"{level}% → {coverage:.1%}" if math.isfinite(coverage) else f"{level}% → –"
+        if math.isfinite(winkler):
+            shown += f" (Winkler {winkler:.4g}, MSIS {msis:.3g})"
         if not v.honoured:
             shown += f" (not honoured for {v.missing} of {v.total} forecasts: needs {v.needs})"
         parts.append(shown)
