@@ -13,13 +13,14 @@ import importlib.util
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 import torch
 
 from helpers import assert_same_training, gpt_job, outcome, train_in_workers
 from shardwise.checkpoint.export import export_safetensors, load_exported
+from shardwise.config import Schedule
 
 pytestmark = pytest.mark.slow
 LOSS_RTOL, PARAM_ATOL = 1e-5, 2e-5
@@ -50,15 +51,7 @@ TRACEABLE = {**BN_CNN, "eval": {"max_samples": 62, "batch": 8}}
 # rounding noise, which Adam makes full steps of, and the layouts part after 6 steps
 NORMS = {**BN_CNN, "model": {"name": "tests.zoo:norm_blocks", "args": {}}}
 NORMS["train"] = {**BN_CNN["train"], "global_batch": 32, "micro_batch": 4}
-SCHEDULES = (
-    "GPipe",
-    "1F1B",
-    "Interleaved1F1B",
-    "LoopedBFS",
-    "InterleavedZeroBubble",
-    "ZBVZeroBubble",
-    "DualPipeV",
-)
+SCHEDULES = get_args(Schedule)  # every schedule the config accepts
 MP_CNN = {**TRACEABLE, "model": {"name": "tests.zoo:model_parallel_cnn", "args": {}}}
 MARKED_CNN = {**TRACEABLE, "model": {"name": "tests.zoo:marked_cnn", "args": {}}}
 RESIDUAL = {**TRACEABLE, "model": {"name": "tests.zoo:residual_mlp", "args": {}}}
