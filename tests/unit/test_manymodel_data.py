@@ -345,6 +345,21 @@ def test_resume_ignores_entries_that_are_not_finished_chunks(tmp_path):
     assert _finished_chunks(tmp_path, config(tmp_path / "x.csv"), resume=True) == {2}
 
 
+def test_resume_of_a_run_whose_job_no_longer_loads_is_one_line(tmp_path):
+    """A run made before backtest.intervals = "conformal" was renamed: its saved job.toml is
+    refused, and the message says what to do with the run directory."""
+    from shardwise.manymodel.runner import TABLES, _finished_chunks
+
+    chunk = tmp_path / "chunks" / "chunk-000000"
+    chunk.mkdir(parents=True)
+    (chunk / "done").write_text("{}")
+    for table in TABLES:
+        (chunk / f"{table}.parquet").write_bytes(b"")
+    (tmp_path / "job.toml").write_text('[backtest]\nintervals = "conformal"\n')
+    with pytest.raises(ConfigError, match=r"^--resume: .*job\.toml, the job its chunks were made by, no longer"):
+        _finished_chunks(tmp_path, config(tmp_path / "x.csv"), resume=True)
+
+
 @pytest.mark.parametrize(
     ("layout", "done", "message"),
     [

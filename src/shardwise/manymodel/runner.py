@@ -231,7 +231,13 @@ def _finished_chunks(run_dir: Path, config: ManyModelsConfig, resume: bool) -> s
     if done and saved.exists():
         from shardwise.config import load_job_file
 
-        before = flatten(load_job_file(saved, (), ManyModelsConfig))
+        try:
+            before = flatten(load_job_file(saved, (), ManyModelsConfig))
+        except ConfigError as e:  # written by an earlier shardwise, whose settings changed
+            raise ConfigError(
+                f"--resume: {saved}, the job its chunks were made by, no longer loads ({e}); "
+                "they cannot be reused: use a new job.name or job.run_dir"
+            ) from None
         now = flatten(config)
         changed = sorted(
             k
