@@ -130,7 +130,7 @@ def test_a_method_that_cannot_run_is_reported_and_the_others_written(tmp_path):
     forecasts = future.join(last, on=SERIES)
     exact = history.select(SERIES, "month", pl.col("units").alias("forecast"))
     console = Console(record=True, width=200)
-    _reconcile(config, table, series_paths(config, table), forecasts, exact, console)
+    _reconcile(config, table, series_paths(config, table), (forecasts, exact), None, console)
     said = console.export_text()
     assert "hierarchy.methods: mint_shrink failed: Exception: Insample residuals close to 0" in said
     written = pl.read_parquet(config.run_dir / "forecasts_reconciled.parquet")
@@ -209,7 +209,7 @@ def test_overlapping_windows_give_mint_one_error_per_row(tmp_path):
     last = observed.group_by(SERIES).agg(pl.col("units").last().alias("forecast"))
     console = Console(record=True, width=200)
     paths = series_paths(config, table)
-    _reconcile(config, table, paths, future.join(last, on=SERIES), past, console)
+    _reconcile(config, table, paths, (future.join(last, on=SERIES), past), None, console)
     _score(config, table, paths, rows, console)
     assert "failed" not in console.export_text()
     written = pl.read_parquet(config.run_dir / "forecasts_reconciled.parquet")
