@@ -37,8 +37,9 @@ import polars as pl
 
 from shardwise.config import validate_as
 from shardwise.manymodel.backtest import refits
+from shardwise.manymodel.columns import FUTURE
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.data import FUTURE, load_series
+from shardwise.manymodel.data import load_series
 from shardwise.manymodel.runner import run
 
 HORIZON, WINDOWS, SEASON = 12, 3, 12

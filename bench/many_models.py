@@ -38,8 +38,9 @@ import polars as pl
 
 from shardwise.config import validate_as
 from shardwise.manymodel.backtest import Plan, run_chunk
+from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.data import SERIES, SeriesTable, load_series
+from shardwise.manymodel.data import SeriesTable, load_series
 from shardwise.manymodel.features import FeatureSpec, polars_features
 from shardwise.manymodel.runner import THREAD_ENV, make_plan, run, start_ray
 

@@ -30,7 +30,7 @@ WEEKS, HORIZON, ITEMS = 104, 8, 50
 
 def hierarchy_frames(bottom: int) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
     """Every series' history, forecasts and backtest forecasts of the last 16 weeks."""
-    from shardwise.manymodel.data import SERIES
+    from shardwise.manymodel.columns import SERIES
 
     stores = bottom // ITEMS
     rng = np.random.default_rng(0)
@@ -74,7 +74,7 @@ def measure(bottom: int, methods: list[str], dense: bool) -> dict[str, float]:
     import threading
 
     from shardwise.manymodel import hierarchy
-    from shardwise.manymodel.data import SERIES, Columns
+    from shardwise.manymodel.columns import SERIES, Columns
 
     hierarchy.DENSE_UP_TO = sys.maxsize if dense else 0
     history, forecasts, past = hierarchy_frames(bottom)

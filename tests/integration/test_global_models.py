@@ -9,8 +9,9 @@ import polars as pl
 import pytest
 
 from shardwise.config import validate_as
+from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.data import SERIES, load_series
+from shardwise.manymodel.data import load_series
 from shardwise.manymodel.features import FeatureSpec, polars_features
 from shardwise.manymodel.global_models import Worker
 from shardwise.manymodel.runner import make_plan, run

@@ -10,8 +10,9 @@ import pytest
 
 from shardwise.config import ConfigError, validate_as
 from shardwise.manymodel.backtest import _metrics, run_chunk
+from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.data import SERIES, SeriesTable, load_series
+from shardwise.manymodel.data import SeriesTable, load_series
 from shardwise.manymodel.features import FeatureSpec, polars_features
 from shardwise.manymodel.runner import make_plan
 from shardwise.manymodel.selection import select

@@ -9,8 +9,9 @@ import polars as pl
 import pytest
 
 from shardwise.config import validate_as
+from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.data import SERIES, load_series
+from shardwise.manymodel.data import load_series
 from shardwise.manymodel.feature_files import write_features
 from shardwise.manymodel.features import FeatureSpec, polars_features
 
@@ -69,7 +70,7 @@ def test_only_the_chunks_asked_for_are_written(retail, tmp_path):
 def test_which_files_spark_reads_itself(tmp_path):
     """Spark's executors read the user's file where its types read alike in Spark and polars;
     otherwise they read the driver's checked copy, and the run says why."""
-    from shardwise.manymodel.data import Columns
+    from shardwise.manymodel.columns import Columns
     from shardwise.manymodel.spark import source_file_problem
 
     columns = Columns(ids=("shop",), timestamp="t", target="y", covariates=("price",))

@@ -10,7 +10,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from shardwise.manymodel.data import Columns
+from shardwise.manymodel.columns import Columns
 from shardwise.manymodel.features import FeatureSpec, polars_features
 
 COLUMNS = Columns(ids=("store", "item"), timestamp="ts", target="y", covariates=())

@@ -11,7 +11,8 @@ from polars.testing import assert_frame_equal
 from helpers import HIERARCHY_LEVELS as LEVELS
 from helpers import hierarchical_job
 from shardwise.config import ConfigError
-from shardwise.manymodel.data import FUTURE, SERIES, Columns, load_series
+from shardwise.manymodel.columns import FUTURE, SERIES, Columns
+from shardwise.manymodel.data import load_series
 from shardwise.manymodel.hierarchy import incoherence, reconcile, unique_ids
 
 

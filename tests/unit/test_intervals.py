@@ -14,8 +14,9 @@ import pytest
 
 from shardwise.config import validate_as
 from shardwise.manymodel.backtest import run_chunk
+from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.data import SERIES, load_series
+from shardwise.manymodel.data import load_series
 from shardwise.manymodel.features import FeatureSpec, polars_features
 from shardwise.manymodel.intervals import METADATA_KEY, calibrate, needed
 from shardwise.manymodel.runner import make_plan

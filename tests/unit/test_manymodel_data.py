@@ -15,8 +15,9 @@ import polars as pl
 import pytest
 
 from shardwise.config import ConfigError, validate_as
+from shardwise.manymodel.columns import FUTURE, SERIES
 from shardwise.manymodel.config import ManyModelsConfig, check
-from shardwise.manymodel.data import FUTURE, SERIES, load_series
+from shardwise.manymodel.data import load_series
 
 
 def config(source, **sections) -> ManyModelsConfig:

@@ -11,8 +11,9 @@ import pytest
 from shardwise.config import validate_as
 from shardwise.manymodel import outputs
 from shardwise.manymodel.backtest import run_chunk
+from shardwise.manymodel.columns import FUTURE, SERIES
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.data import FUTURE, SERIES, load_series
+from shardwise.manymodel.data import load_series
 from shardwise.manymodel.features import FeatureSpec, polars_features
 from shardwise.manymodel.outputs import _Appended, assemble
 from shardwise.manymodel.runner import _write_chunk, make_plan

@@ -34,9 +34,10 @@ from typing import Any, Literal
 import numpy as np
 import polars as pl
 
-from shardwise.manymodel.data import FUTURE, SERIES, Columns
+from shardwise.manymodel.columns import FUTURE, SERIES, Columns
+from shardwise.manymodel.context import ModelContext
 from shardwise.manymodel.intervals import bound_names
-from shardwise.manymodel.models import Model, ModelContext, as_values, build
+from shardwise.manymodel.models import Model, as_values, build
 from shardwise.manymodel.transforms import TARGET, TargetTransform
 
 METRICS = ("mae", "rmse", "smape", "mase")

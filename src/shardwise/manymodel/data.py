@@ -18,27 +18,10 @@ from typing import Any
 import polars as pl
 
 from shardwise.config import ConfigError
+from shardwise.manymodel.columns import FUTURE, SERIES, Columns, run_numbers
 from shardwise.manymodel.config import BUILTIN_SOURCES, ManyModelsConfig
 
-SERIES = "_series"
-"""Integer index of a series (0 … n − 1, in id order), added to every internal table."""
-FUTURE = "_future"
-"""True on the `horizon` rows after a series' last observation."""
-
 _SEASONS = {"1mo": 12, "3mo": 4, "1q": 4, "1w": 52, "7d": 52, "1d": 7, "1h": 24, "1y": 1}
-
-
-@dataclass(frozen=True)
-class Columns:
-    ids: tuple[str, ...]
-    timestamp: str
-    target: str
-    covariates: tuple[str, ...]
-
-    @property
-    def named(self) -> list[str]:
-        """Every column the job names, once each, in this order."""
-        return list(dict.fromkeys((*self.ids, self.timestamp, self.target, *self.covariates)))
 
 
 @dataclass
@@ -230,12 +213,6 @@ def _with_ids(frame: pl.DataFrame, names: pl.DataFrame) -> pl.DataFrame:
 def _ids_of(names: pl.DataFrame, series: int) -> str:
     """A series' ids as `store=n, item=3`, for messages."""
     return ", ".join(f"{k}={v}" for k, v in names.row(series, named=True).items() if k != SERIES)
-
-
-def run_numbers(ids: list[str]) -> pl.Expr:
-    """Series numbers 0, 1, … in row order, for a table sorted by `ids` (runs of equal ids;
-    nulls equal nulls)."""
-    return pl.struct(ids).rle_id().cast(pl.Int64)
 
 
 def _check_groups(config: ManyModelsConfig, columns: Columns) -> None:

@@ -17,27 +17,22 @@ import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import polars as pl
 
 from shardwise.config import ConfigError
-from shardwise.manymodel.data import FUTURE, SERIES
+from shardwise.manymodel.columns import CHUNK_KEY, FUTURE, SERIES, Columns
 from shardwise.manymodel.features import (
     FeatureSpec,
     group_features,
     series_features,
     with_groups,
 )
-
-if TYPE_CHECKING:
-    from shardwise.manymodel.data import Columns
-    from shardwise.manymodel.spark import SourceFile
+from shardwise.manymodel.spark import FIRST, LAST, SourceFile, source_file_problem, spark_features
 
 BATCH_ROWS = 500_000
 """Rows of input the polars backend turns into features at a time (≈ 100 MB of features with
 twenty columns): what bounds the driver's memory for features, whatever the number of series."""
-CHUNK_KEY = "chunk"
 
 
 @dataclass(frozen=True)
@@ -103,8 +98,6 @@ def write_features(
     (root / "chunks").mkdir(parents=True)
     made_by = backend
     if wanted and backend == "spark":
-        from shardwise.manymodel.spark import spark_features
-
         kind = frame.schema[columns.timestamp]  # the file's, when Spark reads the file
         nanos = isinstance(kind, pl.Datetime) and kind.time_unit == "ns"
         readable, zone = _for_spark(frame, columns.timestamp)
@@ -135,7 +128,6 @@ def _spark_input(
     """What Spark reads the checked table from, and a phrase saying so: the user's file with the
     driver's two small tables beside it where `spark.source_file_problem` finds none, or else the
     driver's checked copy."""
-    from shardwise.manymodel.spark import FIRST, LAST, SourceFile, source_file_problem
 
     problem = source_file_problem(source, columns) if source else None
     if source is None or problem is not None:

@@ -16,15 +16,12 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 from functools import reduce
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import polars as pl
 
+from shardwise.manymodel.columns import SERIES, Columns, run_numbers
 from shardwise.manymodel.config import FeaturesSection, ManyModelsConfig
-from shardwise.manymodel.data import SERIES, run_numbers
-
-if TYPE_CHECKING:
-    from shardwise.manymodel.data import Columns
 
 _CALENDAR = {
     "year": lambda ts: ts.dt.year(),

@@ -26,7 +26,7 @@ from typing import Any
 import polars as pl
 
 from shardwise.manymodel.backtest import Plan, failure_message, origins
-from shardwise.manymodel.data import FUTURE, SERIES
+from shardwise.manymodel.columns import FUTURE, SERIES
 from shardwise.manymodel.group import Group
 from shardwise.manymodel.models import as_values, build
 from shardwise.manymodel.transforms import TARGET

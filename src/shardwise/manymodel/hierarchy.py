@@ -23,7 +23,7 @@ from typing import Any
 import polars as pl
 
 from shardwise.config import ConfigError
-from shardwise.manymodel.data import FUTURE, SERIES, Columns
+from shardwise.manymodel.columns import FUTURE, SERIES, Columns
 
 TOTAL = "total"
 """The top of every hierarchy, in `unique_id` paths (`total/CA/north`)."""

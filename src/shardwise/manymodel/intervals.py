@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
-from shardwise.manymodel.data import SERIES
+from shardwise.manymodel.columns import SERIES
 
 AUTO = ("pooled", "series")
 """The methods `backtest.intervals = "auto"` chooses between."""

@@ -23,6 +23,7 @@ import polars as pl
 from shardwise.config import ConfigError
 from shardwise.imports import import_object
 from shardwise.manymodel.config import BUILTIN_MODELS
+from shardwise.manymodel.context import ModelContext
 from shardwise.manymodel.group import Group
 from shardwise.manymodel.statistical import STATISTICAL
 
@@ -31,19 +32,6 @@ class Model(Protocol):
     def fit(self, frame: pl.DataFrame) -> Any: ...
 
     def predict(self, fitted: Any, frame: pl.DataFrame) -> Any: ...
-
-
-@dataclass(frozen=True)
-class ModelContext:
-    target: str
-    features: tuple[str, ...]
-    """Numeric model inputs: covariates and computed features."""
-    categorical: tuple[str, ...]
-    """Features that are codes, not quantities (calendar parts): one-hot for linear models."""
-    season_length: int
-    seed: int
-    freq: str = ""
-    """The data's spacing (`1mo`, `1d`, …): MSTL's default seasonalities follow it."""
 
 
 def build(name: str, args: dict[str, Any], context: ModelContext) -> Model:

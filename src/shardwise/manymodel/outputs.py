@@ -14,8 +14,9 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from shardwise.config import ConfigError
+from shardwise.manymodel.columns import FUTURE, SERIES
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.data import FUTURE, SERIES, SeriesTable
+from shardwise.manymodel.data import SeriesTable
 from shardwise.manymodel.intervals import Calibration, bound_names, calibrate
 from shardwise.manymodel.selection import Selection, forecasts, select
 

@@ -13,7 +13,8 @@ import numpy as np
 import polars as pl
 
 from shardwise.manymodel.backtest import ENSEMBLE, SELECTED
-from shardwise.manymodel.data import FUTURE, SERIES, SeriesTable
+from shardwise.manymodel.columns import FUTURE, SERIES
+from shardwise.manymodel.data import SeriesTable
 
 
 def write_plots(

@@ -23,8 +23,9 @@ from rich.console import Console
 from rich.table import Table
 
 from shardwise.manymodel.backtest import failure_message
+from shardwise.manymodel.columns import FUTURE, SERIES, Columns
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.data import FUTURE, SERIES, Columns, SeriesTable
+from shardwise.manymodel.data import SeriesTable
 from shardwise.manymodel.hierarchy import FROM_ERRORS, incoherence, reconcile, unique_ids
 from shardwise.manymodel.intervals import Calibration, calibrate, describe
 

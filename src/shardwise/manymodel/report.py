@@ -14,8 +14,9 @@ from rich.table import Table
 
 from shardwise.config import flatten
 from shardwise.manymodel.backtest import ENSEMBLE, SELECTED
+from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.data import SERIES, SeriesTable
+from shardwise.manymodel.data import SeriesTable
 from shardwise.manymodel.intervals import Calibration, Level, describe
 from shardwise.manymodel.selection import STRATEGIES, Selection
 

@@ -31,6 +31,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from shardwise.config import ConfigError, flatten, shown
 from shardwise.console import warn
 from shardwise.manymodel.backtest import ChunkResult, Plan, run_chunk
+from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import (
     BUILTIN_MODELS,
     BUILTIN_SOURCES,
@@ -40,11 +41,11 @@ from shardwise.manymodel.config import (
     model_label,
     model_scale,
 )
-from shardwise.manymodel.data import SERIES, SeriesTable, load_series
+from shardwise.manymodel.context import ModelContext
+from shardwise.manymodel.data import SeriesTable, load_series
 from shardwise.manymodel.eta import Eta
 from shardwise.manymodel.feature_files import FeatureChunks, write_features
 from shardwise.manymodel.features import FeatureSpec
-from shardwise.manymodel.models import ModelContext
 from shardwise.manymodel.outputs import TABLES, assemble, chosen_forecasts
 from shardwise.manymodel.report import Summary, print_summary, start_tracking, summarise, track
 from shardwise.manymodel.transforms import TARGET, TargetTransform

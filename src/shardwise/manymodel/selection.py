@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import polars as pl
 
 from shardwise.manymodel.backtest import ENSEMBLE, METRICS, SELECTED
-from shardwise.manymodel.data import SERIES
+from shardwise.manymodel.columns import SERIES
 
 STRATEGIES = ("best_model", "per_series", "ensemble")
 INTERVAL_SCORES = ("coverage_", "winkler_", "msis_")

@@ -11,17 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import polars as pl
 
 from shardwise.launch.env import environment
-from shardwise.manymodel.data import FUTURE, SERIES
-from shardwise.manymodel.feature_files import CHUNK_KEY
+from shardwise.manymodel.columns import CHUNK_KEY, FUTURE, SERIES, Columns
 from shardwise.manymodel.features import FeatureSpec, window_moments
-
-if TYPE_CHECKING:
-    from shardwise.manymodel.data import Columns
 
 
 def session(master: str, *, app: str = "shardwise-features", python: str | None = None) -> Any:

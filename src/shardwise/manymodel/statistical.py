@@ -12,15 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import polars as pl
 
 from shardwise.config import ConfigError
-
-if TYPE_CHECKING:
-    from shardwise.manymodel.models import ModelContext
+from shardwise.manymodel.context import ModelContext
 
 _SEASONALITIES = {"1h": (24, 168), "1d": (7, 365), "1w": (52,), "7d": (52,)}
 """Seasonal periods MSTL fits by default, by data frequency (else the one season length)."""
