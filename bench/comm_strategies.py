@@ -232,7 +232,8 @@ def predict(job: Path, modes: dict[str, list[str]], link: dict[str, Any]) -> dic
 
     import tomli_w
 
-    from shardwise.config import ConfigError, load_config
+    from shardwise.common.errors import ConfigError
+    from shardwise.config import load_config
 
     try:
         hardware = shared_profile()

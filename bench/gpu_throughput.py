@@ -200,7 +200,7 @@ def report(label: str, size: tuple, found: dict[str, dict], peak: Peak, kind: st
 def planned(size: tuple, kind: str) -> float | None:
     """The planner's step for this size on this machine's calibrated profile (None without
     one, or one of another device)."""
-    from shardwise.devices import device_name
+    from shardwise.common.devices import device_name
     from shardwise.plan.hardware import THIS_MACHINE, UnknownHardware, lookup
     from shardwise.plan.layout import PRECISIONS, Layout
     from shardwise.plan.model import Transformer

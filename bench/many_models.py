@@ -214,8 +214,8 @@ def pandas_features(
 
 
 def bench_features(series: int, repeats: int, scratch: Path) -> None:
+    from shardwise.common.spark import session
     from shardwise.manymodel.feature_files import write_features
-    from shardwise.manymodel.spark import session
 
     config = job("retail_synthetic", series, scratch / "features")
     table = load_series(config)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "ConfigError": "shardwise.config",
+    "ConfigError": "shardwise.common.errors",
     "JobConfig": "shardwise.config",
     "load_config": "shardwise.config",
     "train": "shardwise.launch.local",
@@ -31,7 +31,8 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
-    from shardwise.config import ConfigError, JobConfig, load_config
+    from shardwise.common.errors import ConfigError
+    from shardwise.config import JobConfig, load_config
     from shardwise.launch.local import Nodes, WorkerFailed, train
     from shardwise.manymodel.config import ManyModelsConfig, load_many_models
     from shardwise.manymodel.runner import many_models

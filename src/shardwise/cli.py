@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from shardwise import __version__
-from shardwise.config import ConfigError
-from shardwise.console import one_line_warnings
+from shardwise.common.console import one_line_warnings
+from shardwise.common.errors import ConfigError
+from shardwise.common.redact import redacting_output
 from shardwise.launch.env import kubeflow
-from shardwise.redact import redacting_output
 
 if TYPE_CHECKING:
     from shardwise.launch.local import Nodes, WorkerFailed

@@ -27,7 +27,8 @@ from pydantic import (
     field_validator,
 )
 
-from shardwise.redact import redacted
+from shardwise.common.errors import ConfigError
+from shardwise.common.redact import redacted
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 """Named device-mesh axes, outermost first; their degrees multiply to the world size."""
@@ -60,13 +61,6 @@ RunName = Annotated[
 ]
 """A name that is also a directory under `runs/`: letters, digits, `.`, `_` and `-`, no path
 separators, and not `.` or `..`."""
-
-
-class ConfigError(ValueError):
-    """A mistake the user can fix in the job file, the command line or the inputs.
-
-    The CLI prints the message as one line and exits with code 2.
-    """
 
 
 Beta = Annotated[float, Field(ge=0, lt=1)]

@@ -323,7 +323,7 @@ def test_a_hugging_face_checkpoint_resumes_on_another_layout(runs):
 def test_a_hugging_face_export_loads_into_the_stock_model(runs, repo_cwd, name):
     from transformers import GPT2LMHeadModel
 
-    from shardwise.imports import import_object
+    from shardwise.common.imports import import_object
 
     build_model = import_object("examples.hf_gpt2:build_model", "model.name")
 

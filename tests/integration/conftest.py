@@ -11,7 +11,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    from shardwise.ray_cluster import loopback_ray
+    from shardwise.common.ray_cluster import loopback_ray
 
     here = os.path.dirname(__file__)  # the test models (bad_models.py), for the workers
     with loopback_ray():  # as `shardwise many-models` starts it
@@ -30,7 +30,7 @@ def ray_cluster():
 
 @pytest.fixture(scope="session")
 def spark():
-    from shardwise.manymodel.spark import session
+    from shardwise.common.spark import session
 
     spark = session("local[2]")
     yield spark

@@ -8,7 +8,8 @@ import numpy as np
 import polars as pl
 import pytest
 
-from shardwise.config import ConfigError, validate_as
+from shardwise.common.errors import ConfigError
+from shardwise.config import validate_as
 from shardwise.manymodel.backtest import _metrics, run_chunk
 from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig

@@ -3,7 +3,7 @@ import torch
 
 from helpers import digits_job
 from shardwise.builders import build_datasets, build_loss, build_model, check, cross_entropy
-from shardwise.config import ConfigError
+from shardwise.common.errors import ConfigError
 
 
 def test_builtins_build(tmp_path):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.devices import matmul_peak
+from shardwise.common.devices import matmul_peak
 from shardwise.plan.calibrate import LayerShape, layer_curve
 from shardwise.plan.calibrate_gpu import (
     ALL_REDUCE_SIZES,

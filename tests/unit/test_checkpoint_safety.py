@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from shardwise.checkpoint import safe
-from shardwise.config import ConfigError
+from shardwise.common.errors import ConfigError
 from shardwise.trainer import state
 
 

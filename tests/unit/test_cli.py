@@ -103,7 +103,7 @@ def test_missing_job_file(capsys, tmp_path):
 
 
 def test_debug_shows_the_traceback(repo_cwd):
-    from shardwise.config import ConfigError
+    from shardwise.common.errors import ConfigError
 
     with pytest.raises(ConfigError):
         main(["train", "examples/digits.toml", "--set", "train.stpes=1", "--debug"])

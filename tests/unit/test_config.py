@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
+from shardwise.common.errors import ConfigError
 from shardwise.config import (
-    ConfigError,
     ParallelSection,
     apply_override,
     derive,

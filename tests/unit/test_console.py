@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import warnings
 
-from shardwise.console import ShardwiseWarning, one_line_warnings, warn
+from shardwise.common.console import ShardwiseWarning, one_line_warnings, warn
 
 
 def test_a_shardwise_warning_is_one_line_without_file_or_source(capsys):

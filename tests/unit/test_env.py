@@ -72,7 +72,7 @@ def test_first_host(nodelist, first):
 def test_a_gpu_job_needs_a_gpu_for_each_rank_of_a_node(choice, ranks, gpus, message):
     """Refused before launch, in one line (a GPU for rank 1 of a one-GPU machine ended in a
     CUDA 'invalid device ordinal' traceback from the worker)."""
-    from shardwise.config import ConfigError
+    from shardwise.common.errors import ConfigError
     from shardwise.launch.worker import check_devices
 
     with pytest.raises(ConfigError, match=message) as error:

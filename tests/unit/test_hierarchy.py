@@ -10,7 +10,7 @@ from polars.testing import assert_frame_equal
 
 from helpers import HIERARCHY_LEVELS as LEVELS
 from helpers import hierarchical_job
-from shardwise.config import ConfigError
+from shardwise.common.errors import ConfigError
 from shardwise.manymodel.columns import FUTURE, SERIES, Columns
 from shardwise.manymodel.data import load_series
 from shardwise.manymodel.hierarchy import incoherence, reconcile, unique_ids

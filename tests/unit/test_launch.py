@@ -11,7 +11,7 @@ import tomli_w
 
 from helpers import digits_job
 from shardwise.cli import main
-from shardwise.config import ConfigError
+from shardwise.common.errors import ConfigError
 from shardwise.launch.targets import filesystem_type, unshared
 
 

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from helpers import gpt_job
-from shardwise.config import ConfigError, derive
+from shardwise.common.errors import ConfigError
+from shardwise.config import derive
 from shardwise.models.gpt import build_gpt
 from shardwise.parallel.checks import check_layout
 from shardwise.parallel.init import materialize, supports_meta_init

@@ -14,7 +14,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from shardwise.config import ConfigError, validate_as
+from shardwise.common.errors import ConfigError
+from shardwise.config import validate_as
 from shardwise.manymodel.columns import FUTURE, SERIES
 from shardwise.manymodel.config import ManyModelsConfig, check
 from shardwise.manymodel.data import load_series
@@ -389,7 +390,7 @@ def closed_port() -> int:
 def loopback_ray_imported(monkeypatch):
     """Import ray as start_ray does (loopback only), so later tests that start Ray see it so;
     wait 1 s for an address to answer instead of 10."""
-    from shardwise import ray_cluster
+    from shardwise.common import ray_cluster
 
     with ray_cluster.loopback_ray():
         import ray  # noqa: F401
@@ -410,7 +411,7 @@ def loopback_ray_imported(monkeypatch):
     ],
 )
 def test_an_unreachable_ray_address_fails_in_seconds(address, message):
-    from shardwise.ray_cluster import check_ray_address
+    from shardwise.common.ray_cluster import check_ray_address
 
     port = closed_port()
     started = time.monotonic()
@@ -438,7 +439,7 @@ def test_cli_unreachable_ray_address_is_one_line(tmp_path):
 
 @pytest.mark.usefixtures("loopback_ray_imported")
 def test_a_head_still_starting_is_waited_for():
-    from shardwise.ray_cluster import check_ray_address
+    from shardwise.common.ray_cluster import check_ray_address
 
     port = closed_port()
     with socket.socket() as head:

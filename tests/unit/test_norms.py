@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from helpers import digits_job
-from shardwise.config import ConfigError, derive
+from shardwise.common.errors import ConfigError
+from shardwise.config import derive
 from shardwise.parallel.checks import check_layout
 from shardwise.parallel.norms import statistics_apart
 

@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from shardwise.redact import RedactingStream, redact, redacted
+from shardwise.common.redact import RedactingStream, redact, redacted
 
 
 @pytest.mark.parametrize(

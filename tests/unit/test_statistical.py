@@ -8,7 +8,8 @@ import polars as pl
 import pytest
 from statsforecast.models import ADIDA, TSB, AutoETS, AutoTheta, CrostonOptimized
 
-from shardwise.config import ConfigError, validate_as
+from shardwise.common.errors import ConfigError
+from shardwise.config import validate_as
 from shardwise.manymodel.backtest import run_chunk
 from shardwise.manymodel.config import ManyModelsConfig, check
 from shardwise.manymodel.data import load_series

@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from
 
 from shardwise.checkpoint import safe
 from shardwise.checkpoint.layout import is_complete, problem, read_manifest
-from shardwise.config import ConfigError
-from shardwise.redact import redact
+from shardwise.common.errors import ConfigError
+from shardwise.common.redact import redact
 
 
 def export_safetensors(checkpoint: str | Path, output: Path) -> dict[str, Any]:

@@ -20,8 +20,9 @@ from shardwise.checkpoint.layout import (
     read_manifest,
 )
 from shardwise.checkpoint.safe import check_metadata
-from shardwise.config import ConfigError, JobConfig, shown
-from shardwise.console import warn
+from shardwise.common.console import warn
+from shardwise.common.errors import ConfigError
+from shardwise.config import JobConfig, shown
 
 
 def resume_point(config: JobConfig, resume: str) -> str | None:

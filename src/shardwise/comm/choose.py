@@ -15,7 +15,8 @@ from shardwise.comm.hierarchical import Topology, topology
 from shardwise.comm.local_sgd import DiLoCo, LocalSGD
 from shardwise.comm.param_server import AsyncSync
 from shardwise.comm.powersgd import PowerSGDSync
-from shardwise.config import ConfigError, JobConfig
+from shardwise.common.errors import ConfigError
+from shardwise.config import JobConfig
 
 
 def build(

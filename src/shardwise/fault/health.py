@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.comm.collectives import all_gather_single
-from shardwise.host_reads import host_side
+from shardwise.common.host_reads import host_side
 
 _PATIENCE_STEPS, _PATIENCE_FLOOR_S = 4, 10.0
 """After SIGTERM, a rank idle for 4 × the slowest rank's step time (at least 10 s) is stuck."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardwise.config import ConfigError
+from shardwise.common.errors import ConfigError
 
 ENV = "SHARDWISE_FAULT"
 KINDS = ("kill", "nan", "stall", "sigterm", "save_error", "slow")

@@ -9,7 +9,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from shardwise.config import ConfigError, load_config
+from shardwise.common.errors import ConfigError
+from shardwise.config import load_config
 from shardwise.launch.targets import Target, check_storage, check_target, unshared
 
 TARGETS = ("slurm", "k8s", "ray", "spark")

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -126,19 +125,3 @@ def first_host(nodelist: str) -> str:
 def visible_cpus() -> int:
     """CPU cores this process may run on (affinity-aware, unlike os.cpu_count)."""
     return len(os.sched_getaffinity(0))
-
-
-@contextmanager
-def environment(values: Mapping[str, str]) -> Iterator[None]:
-    """`os.environ` with `values` set while inside (for the processes started there, and the
-    libraries that read it then), and as it was before afterwards."""
-    before = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value

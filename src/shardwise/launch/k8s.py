@@ -25,7 +25,7 @@ from typing import Any
 
 import tomli_w
 
-from shardwise.config import ConfigError
+from shardwise.common.errors import ConfigError
 from shardwise.launch.targets import Target
 
 RUNTIME = "shardwise"

@@ -32,10 +32,12 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from shardwise import builders
 from shardwise.checkpoint.export import check_weights
 from shardwise.checkpoint.resume import resume_point
-from shardwise.config import ConfigError, JobConfig, apply_override, derive, load_config, validate
-from shardwise.console import warn
+from shardwise.common.console import warn
+from shardwise.common.environment import environment
+from shardwise.common.errors import ConfigError
+from shardwise.config import JobConfig, apply_override, derive, load_config, validate
 from shardwise.fault.watchdog import describe as describe_hang
-from shardwise.launch.env import detect, environment
+from shardwise.launch.env import detect
 from shardwise.launch.stores import LOOPBACK, RENDEZVOUS, loopback_collectives, register_rendezvous
 from shardwise.launch.worker import PREEMPTED_EXIT, check_devices, run_worker
 from shardwise.parallel.checks import check_layout

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardwise.config import ConfigError
+from shardwise.common.errors import ConfigError
 from shardwise.launch.targets import Target, absolute_paths, forwarded_env, run_with_restarts
 
 if TYPE_CHECKING:
@@ -122,7 +122,7 @@ def train_on_ray(target: Target, options: RayOptions, resume: str | None) -> Tra
 
 
 def _connect(options: RayOptions, run_dir: Path) -> Any:
-    from shardwise.ray_cluster import check_ray_address, loopback_ray, ray_logs_to
+    from shardwise.common.ray_cluster import check_ray_address, loopback_ray, ray_logs_to
 
     address = options.address
     if address:

@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardwise.config import ConfigError
+from shardwise.common.errors import ConfigError
 from shardwise.launch.targets import Target
 
 SCRIPT = "slurm.sbatch"

@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from shardwise.config import ConfigError
+from shardwise.common.errors import ConfigError
 from shardwise.launch.targets import Target, absolute_paths, forwarded_env, run_with_restarts
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ def train_on_spark(target: Target, options: SparkOptions, resume: str) -> TrainS
     """Run the job; rank 0's summary. `resume`: `auto`, or a checkpoint's path."""
     from pyspark.ml.torch.distributor import TorchDistributor
 
-    from shardwise.manymodel.spark import session
+    from shardwise.common.spark import session
 
     master = options.master or f"local-cluster[{target.nodes},{target.per_node},2048]"
     if target.gpus_per_node and master.startswith("local"):

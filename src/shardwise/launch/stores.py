@@ -31,7 +31,7 @@ from torch.distributed.elastic.rendezvous.utils import (
     parse_rendezvous_endpoint,
 )
 
-from shardwise.launch.env import environment
+from shardwise.common.environment import environment
 
 RENDEZVOUS = "shardwise-c10d"
 """torch elastic's c10d rendezvous, with its store bound to the endpoint's address."""

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from shardwise.checkpoint.layout import is_local
-from shardwise.config import ConfigError, JobConfig
+from shardwise.common.errors import ConfigError
+from shardwise.config import JobConfig
 
 NETWORK_FILESYSTEMS = frozenset(
     {

@@ -15,11 +15,12 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 
 from shardwise.checkpoint.resume import start_point
-from shardwise.config import ConfigError, JobConfig
-from shardwise.console import one_line_warnings
+from shardwise.common.console import one_line_warnings
+from shardwise.common.errors import ConfigError
+from shardwise.common.redact import redacting_output
+from shardwise.config import JobConfig
 from shardwise.launch.env import WorkerEnv, detect, visible_cpus
 from shardwise.launch.stores import worker_store
-from shardwise.redact import redacting_output
 
 if TYPE_CHECKING:
     from shardwise.trainer.loop import TrainSummary

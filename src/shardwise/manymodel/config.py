@@ -15,7 +15,8 @@ from typing import Literal, get_args
 
 from pydantic import Field, field_validator, model_validator
 
-from shardwise.config import ConfigError, RunName, Section, load_job_file
+from shardwise.common.errors import ConfigError
+from shardwise.config import RunName, Section, load_job_file
 
 BUILTIN_SOURCES = ("us_employment", "retail_synthetic")
 STATISTICAL_MODELS = ("auto_ets", "auto_arima", "auto_theta", "mstl", "croston", "tsb", "adida")

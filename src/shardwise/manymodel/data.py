@@ -17,7 +17,7 @@ from typing import Any
 
 import polars as pl
 
-from shardwise.config import ConfigError
+from shardwise.common.errors import ConfigError
 from shardwise.manymodel.columns import FUTURE, SERIES, Columns, run_numbers
 from shardwise.manymodel.config import BUILTIN_SOURCES, ManyModelsConfig
 

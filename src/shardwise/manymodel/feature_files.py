@@ -20,7 +20,7 @@ from pathlib import Path
 
 import polars as pl
 
-from shardwise.config import ConfigError
+from shardwise.common.errors import ConfigError
 from shardwise.manymodel.columns import CHUNK_KEY, FUTURE, SERIES, Columns
 from shardwise.manymodel.features import (
     FeatureSpec,

@@ -22,7 +22,7 @@ from typing import Any
 
 import polars as pl
 
-from shardwise.config import ConfigError
+from shardwise.common.errors import ConfigError
 from shardwise.manymodel.columns import FUTURE, SERIES, Columns
 
 TOTAL = "total"

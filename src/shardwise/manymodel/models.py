@@ -20,8 +20,8 @@ from typing import Any, Protocol
 import numpy as np
 import polars as pl
 
-from shardwise.config import ConfigError
-from shardwise.imports import import_object
+from shardwise.common.errors import ConfigError
+from shardwise.common.imports import import_object
 from shardwise.manymodel.config import BUILTIN_MODELS
 from shardwise.manymodel.context import ModelContext
 from shardwise.manymodel.group import Group

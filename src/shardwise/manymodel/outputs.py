@@ -13,7 +13,7 @@ from pathlib import Path
 import polars as pl
 import pyarrow.parquet as pq
 
-from shardwise.config import ConfigError
+from shardwise.common.errors import ConfigError
 from shardwise.manymodel.columns import FUTURE, SERIES
 from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.manymodel.data import SeriesTable

@@ -28,8 +28,10 @@ import tomli_w
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from shardwise.config import ConfigError, flatten, shown
-from shardwise.console import warn
+from shardwise.common.console import warn
+from shardwise.common.errors import ConfigError
+from shardwise.common.ray_cluster import check_ray_address, loopback_ray, ray_logs_to
+from shardwise.config import flatten, shown
 from shardwise.manymodel.backtest import ChunkResult, Plan, run_chunk
 from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import (
@@ -49,7 +51,6 @@ from shardwise.manymodel.features import FeatureSpec
 from shardwise.manymodel.outputs import TABLES, assemble, chosen_forecasts
 from shardwise.manymodel.report import Summary, print_summary, start_tracking, summarise, track
 from shardwise.manymodel.transforms import TARGET, TargetTransform
-from shardwise.ray_cluster import check_ray_address, loopback_ray, ray_logs_to
 
 GLOBAL_FILE = "global.parquet"
 _MAX_CHUNK = 100

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from shardwise.config import ConfigError
+from shardwise.common.errors import ConfigError
 from shardwise.manymodel.context import ModelContext
 
 _SEASONALITIES = {"1h": (24, 168), "1d": (7, 365), "1w": (52,), "7d": (52,)}

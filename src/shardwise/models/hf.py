@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from shardwise.config import ConfigError
+from shardwise.common.errors import ConfigError
 
 
 def is_hf(model: nn.Module) -> bool:

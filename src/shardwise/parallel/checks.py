@@ -14,7 +14,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
-from shardwise.config import ConfigError, Derived, JobConfig
+from shardwise.common.errors import ConfigError
+from shardwise.config import Derived, JobConfig
 from shardwise.parallel.norms import statistics_apart
 from shardwise.parallel.pipeline import (
     example_batch,

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _PipelineSchedule, get_schedule_class
 
-from shardwise.config import ConfigError
+from shardwise.common.errors import ConfigError
 from shardwise.parallel.ties import StageTies
 
 SINGLE_STAGE = ("GPipe", "1F1B")

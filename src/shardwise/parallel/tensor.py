@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from shardwise.config import ConfigError
+from shardwise.common.errors import ConfigError
 from shardwise.models import hf
 
 PlanFn = Callable[..., dict[str, ParallelStyle]]

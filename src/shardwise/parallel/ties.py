@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardwise.config import ConfigError
+from shardwise.common.errors import ConfigError
 
 TieGroup = tuple[str, ...]
 """The names of one parameter, in the model's own order: the first is the canonical one, whose

@@ -40,7 +40,7 @@ from torch import fx, nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 from torch.export.unflatten import InterpreterModule
 
-from shardwise.config import ConfigError
+from shardwise.common.errors import ConfigError
 from shardwise.parallel.pipeline import balance, has_submodule, repeated_layers
 
 README = "see README, 'Pipeline parallelism'"

@@ -16,7 +16,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shardwise.config import ConfigError
+from shardwise.common.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ import torch
 import torch.multiprocessing as mp
 
 from shardwise.comm.collectives import all_gather_single, reduce_scatter_single
-from shardwise.devices import best_seconds, matmul_peak
+from shardwise.common.devices import best_seconds, matmul_peak
 from shardwise.plan.hardware import POWERSGD_RANK, THIS_MACHINE, Hardware
 from shardwise.plan.timing import Link, all_reduce
 

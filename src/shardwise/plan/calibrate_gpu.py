@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from shardwise.devices import best_seconds, device_name, matmul_peak
+from shardwise.common.devices import best_seconds, device_name, matmul_peak
 from shardwise.plan.calibrate import LayerShape, layer_curve, line, memory_bandwidth
 from shardwise.plan.hardware import PRESETS, THIS_MACHINE, Hardware
 from shardwise.plan.kernels import dispatch_seconds

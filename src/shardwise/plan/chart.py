@@ -6,7 +6,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from shardwise.config import ConfigError
+from shardwise.common.errors import ConfigError
 from shardwise.plan.search import HEADROOM, Plan
 
 FORMATS = (".png", ".svg", ".pdf", ".jpg", ".jpeg")

@@ -9,7 +9,7 @@ import sys
 from dataclasses import asdict, replace
 from typing import Any
 
-from shardwise.config import ConfigError
+from shardwise.common.errors import ConfigError
 from shardwise.plan import hardware as hw
 from shardwise.plan.bounds import Bound, one_of
 from shardwise.plan.chart import chart_path

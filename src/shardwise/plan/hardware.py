@@ -20,8 +20,8 @@ from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from shardwise.config import ConfigError
-from shardwise.devices import DATASHEET_TFLOPS, profile_path
+from shardwise.common.devices import DATASHEET_TFLOPS, profile_path
+from shardwise.common.errors import ConfigError
 from shardwise.plan.bounds import Bound
 
 GiB = 2**30

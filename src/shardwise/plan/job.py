@@ -15,7 +15,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from shardwise import builders
-from shardwise.config import ConfigError, JobConfig, derive
+from shardwise.common.errors import ConfigError
+from shardwise.config import JobConfig, derive
 from shardwise.parallel.pipeline import model_blocks
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import PRECISIONS, Layout, Precision

@@ -171,7 +171,7 @@ def dispatch_seconds(device: torch.device, *, autocast: bool = True) -> float:
     """Seconds the host takes per operator it dispatches, on `device`: a GPT block too small to
     keep a GPU busy (width 64, 16 tokens) run forward and backward 50 times without waiting, its
     time over its dispatches (counted apart: counting costs time too); the best of three."""
-    from shardwise.devices import best_seconds
+    from shardwise.common.devices import best_seconds
     from shardwise.models.gpt import build_gpt
 
     block = build_gpt(layers=1, heads=4, hidden=64, seq_len=16).layers["0"].to(device)

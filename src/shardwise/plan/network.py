@@ -66,7 +66,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from shardwise.config import ConfigError
+from shardwise.common.errors import ConfigError
 from shardwise.plan.bounds import Bound, shown
 from shardwise.plan.hardware import POWERSGD_RANK, Hardware
 from shardwise.plan.layout import Layout, Precision

@@ -29,8 +29,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from shardwise.console import warn
-from shardwise.redact import redacting_output
+from shardwise.common.console import warn
+from shardwise.common.redact import redacting_output
 
 _FLUSH_SECONDS = 1.0
 _BATCH_LIMIT = 1000  # MLflow's log_batch accepts at most 1000 metrics per call

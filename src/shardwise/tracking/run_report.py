@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardwise.config import ConfigError
+from shardwise.common.errors import ConfigError
 from shardwise.tracking.metrics import read_metrics
 
 MIB = 2**20

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from shardwise.config import ConfigError
+from shardwise.common.errors import ConfigError
 
 Batch = Any  # whatever the dataset's items collate to, usually (inputs, target)
 

@@ -31,7 +31,7 @@ from torch.utils.data import default_collate
 from torch.utils.flop_counter import FlopCounterMode
 
 from shardwise.builders import LossFn
-from shardwise.devices import calibrated_peak, datasheet, matmul_peak, profile_path
+from shardwise.common.devices import calibrated_peak, datasheet, matmul_peak, profile_path
 from shardwise.parallel.compile import eager
 from shardwise.trainer.precision import autocast
 

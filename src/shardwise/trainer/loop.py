@@ -33,8 +33,9 @@ from shardwise.checkpoint.manager import (
     asynchronous_by_default,
 )
 from shardwise.comm import choose as comm
-from shardwise.config import ConfigError, Derived, JobConfig, derive, resolved, shown
-from shardwise.console import warn
+from shardwise.common.console import warn
+from shardwise.common.errors import ConfigError
+from shardwise.config import Derived, JobConfig, derive, resolved, shown
 from shardwise.fault.health import RankHealth
 from shardwise.fault.inject import FaultPlan
 from shardwise.fault.watchdog import Watchdog

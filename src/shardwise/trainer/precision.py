@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from shardwise.devices import matmul_peak
+from shardwise.common.devices import matmul_peak
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 PROBE = (256,)

@@ -61,7 +61,7 @@ import torch
 from torch.autograd import DeviceType  # type: ignore[attr-defined]
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from shardwise.host_reads import HostReads
+from shardwise.common.host_reads import HostReads
 
 COMMUNICATION = ("c10d::", "nccl", "gloo", "record_param_comms")
 STEP, DATA = "shardwise.step", "shardwise.data"

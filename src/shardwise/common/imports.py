@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shardwise.config import ConfigError
+from shardwise.common.errors import ConfigError
 
 
 def import_object(path: str, key: str) -> Any:

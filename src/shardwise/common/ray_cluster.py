@@ -12,8 +12,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from shardwise.config import ConfigError
-from shardwise.launch.env import environment
+from shardwise.common.environment import environment
+from shardwise.common.errors import ConfigError
 
 RAY_CONNECT_TIMEOUT_S = 10.0
 """How long `--ray-address` may take to answer: ray.init retries an unreachable address for

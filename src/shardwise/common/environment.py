@@ -1,0 +1,24 @@
+"""Environment variables set for a while: for the processes started meanwhile (Ray's, Spark's,
+torch elastic's workers) and the libraries that read them then."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+
+@contextmanager
+def environment(values: Mapping[str, str]) -> Iterator[None]:
+    """`os.environ` with `values` set while inside (for the processes started there, and the
+    libraries that read it then), and as it was before afterwards."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
