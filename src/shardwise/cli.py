@@ -11,16 +11,12 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
 from shardwise import __version__
 from shardwise.common.console import one_line_warnings
 from shardwise.common.errors import ConfigError
 from shardwise.common.redact import redacting_output
-from shardwise.launch.env import kubeflow
-
-if TYPE_CHECKING:
-    from shardwise.launch.local import Nodes, WorkerFailed
 
 
 class Parser(argparse.ArgumentParser):
@@ -184,30 +180,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from shardwise.launch.local import Interrupted, WorkerFailed, print_summary, train
+    from shardwise.launch.train_command import run
 
-    if args.nproc is not None and args.nproc < 1:
-        raise ConfigError(f"--nproc {args.nproc}: need at least 1 process")
-    nodes, nproc = _nodes(args), args.nproc
-    if nproc is None and (pod := kubeflow()) is not None:
-        nproc = pod.nproc_per_node or _gpus_or_1()
-    try:
-        summary = train(
-            args.job,
-            nproc=nproc,
-            resume=args.resume,
-            overrides=args.overrides,
-            dry_run=args.dry_run,
-            nodes=nodes,
-        )
-    except Interrupted as stop:
-        print(f"shardwise: {stop}; checkpoints written so far are kept", file=sys.stderr)
-        return 128 + stop.signum
-    except WorkerFailed as failure:
-        return _worker_failed(failure)
-    if summary is not None:
-        print_summary(summary)
-    return 0
+    return run(args)
 
 
 def _many_models(args: argparse.Namespace) -> int:
@@ -263,58 +238,17 @@ def _launch(args: argparse.Namespace) -> int:
         return run(args)
     except RuntimeError as failure:  # Ray's or Spark's ranks, out of restarts
         from shardwise.launch.local import WorkerFailed
+        from shardwise.launch.train_command import worker_failed
 
         if isinstance(failure, WorkerFailed) and not args.debug:
-            return _worker_failed(failure)
+            return worker_failed(failure)
         raise
-
-
-def _worker_failed(failure: WorkerFailed) -> int:
-    """A run whose ranks failed (and had no restart left): what failed, one line, exit code 1;
-    the rank's traceback where the launcher has it."""
-    print(f"shardwise: {failure}", file=sys.stderr)
-    if failure.traceback:
-        print(f"--- rank {failure.rank} traceback ---\n{failure.traceback}", file=sys.stderr)
-    return 1
 
 
 def _plan(args: argparse.Namespace) -> int:
     from shardwise.plan.command import run
 
     return run(args)
-
-
-def _nodes(args: argparse.Namespace) -> Nodes | None:
-    """The --nnodes options, checked; in a Kubeflow pod without them, the operator's (PET_*)."""
-    from shardwise.launch.local import Nodes
-
-    if args.nnodes < 1:
-        raise ConfigError(f"--nnodes {args.nnodes}: need at least 1 node")
-    pod = kubeflow()
-    if args.nnodes == 1 and not args.rdzv_endpoint and pod is not None:
-        if pod.nnodes > 1:
-            return Nodes(pod.nnodes, pod.endpoint, run_id=args.rdzv_id, local_addr=args.local_addr)
-        return None  # a one-pod job is a one-machine job: the manifest's --local-addr is moot
-    if args.nnodes == 1:
-        extra = [f for f in ("rdzv_endpoint", "rdzv_id", "local_addr") if getattr(args, f)]
-        if extra:
-            flag = "--" + extra[0].replace("_", "-")
-            raise ConfigError(f"{flag} is for jobs across machines; add --nnodes N")
-        return None
-    endpoint = args.rdzv_endpoint or ""
-    host, _, port = endpoint.rpartition(":")
-    if not host or not port.isdigit():
-        raise ConfigError(
-            f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (one node's address and a "
-            "free port on it; every node passes the same)"
-        )
-    return Nodes(args.nnodes, endpoint, run_id=args.rdzv_id, local_addr=args.local_addr)
-
-
-def _gpus_or_1() -> int:
-    import torch
-
-    return torch.cuda.device_count() or 1
 
 
 def _export(args: argparse.Namespace) -> int:

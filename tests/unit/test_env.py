@@ -127,12 +127,13 @@ def test_a_kubeflow_pod_is_a_node_agent_not_a_rank():
 @pytest.mark.parametrize(("nnodes", "nodes"), [("1", None), ("3", 3)])
 def test_a_pods_own_address_is_taken_whatever_the_jobs_size(monkeypatch, nnodes, nodes):
     """The manifests pass --local-addr $(POD_IP) to every pod: a one-pod job must accept it."""
-    from shardwise.cli import _nodes, build_parser
+    from shardwise.cli import build_parser
+    from shardwise.launch.train_command import nodes_of
 
     for name, value in {**KUBEFLOW, "PET_NNODES": nnodes}.items():
         monkeypatch.setenv(name, value)
     args = build_parser().parse_args(["train", "job.toml", "--local-addr", "10.0.0.7"])
-    got = _nodes(args)
+    got = nodes_of(args)
     assert (got.count if got else None) == nodes
     if got:
         assert (got.endpoint, got.local_addr) == ("job-master-0:23456", "10.0.0.7")
