@@ -109,7 +109,7 @@ def test_mlflow_bad_uri_warns():
 
 
 def test_an_uneven_pipeline_is_told_how_to_balance():
-    from shardwise.trainer.report import bubble_advice
+    from shardwise.trainer.display import bubble_advice
 
     def ranks(*bubbles):
         return [{"rank": r, "bubble": b, "bubble_theory": 0.2} for r, b in enumerate(bubbles)]

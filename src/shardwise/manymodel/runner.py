@@ -49,7 +49,7 @@ from shardwise.manymodel.eta import Eta
 from shardwise.manymodel.feature_files import FeatureChunks, write_features
 from shardwise.manymodel.features import FeatureSpec
 from shardwise.manymodel.outputs import TABLES, assemble, chosen_forecasts
-from shardwise.manymodel.report import Summary, print_summary, start_tracking, summarise, track
+from shardwise.manymodel.summary import Summary, print_summary, start_tracking, summarise, track
 from shardwise.manymodel.transforms import TARGET, TargetTransform
 
 GLOBAL_FILE = "global.parquet"

@@ -44,7 +44,7 @@ from shardwise.parallel.apply import Layout, parallelize, unwrap
 from shardwise.parallel.init import initializer, materialize, supports_meta_init
 from shardwise.parallel.mesh import build_mesh, dp_group, dp_position, pp_group
 from shardwise.parallel.pipeline import example_batch, measure_block_costs
-from shardwise.trainer import flops, precision, report
+from shardwise.trainer import display, flops, precision
 from shardwise.trainer import state as train_state
 from shardwise.trainer.data import GlobalBatchSampler, StepLoader, eval_loader
 from shardwise.trainer.memory import current_bytes, state_bytes
@@ -125,7 +125,7 @@ class _Session:
     """What one rank's run holds while it trains, opened and closed by `_session`."""
 
     run: Run
-    reporter: report.Reporter
+    reporter: display.Reporter
     progress: Progress
     health: RankHealth
     watchdog: Watchdog
@@ -143,9 +143,9 @@ def _session(
     run.baseline_bytes = baseline
     run.faults = FaultPlan.from_env(rank=run.rank, attempt=restarts)
     start = restore(run, resume) if resume else 0
-    reporter = report.start(run, start, resumed=resume is not None)
+    reporter = display.start(run, start, resumed=resume is not None)
     if restarts:
-        report.restarted(reporter, restarts, start)
+        display.restarted(reporter, restarts, start)
     watchdog = Watchdog(config.run_dir / "hangs", rank=run.rank, timeout_s=config.fault.timeout_s)
     health = RankHealth(
         straggler_factor=config.fault.straggler_factor,
@@ -169,7 +169,7 @@ def _session(
             # the report reads the run's files, summary.json among them; it is written again
             # below once MLflow (closed with the report logged) has said its run id
             (config.run_dir / "summary.json").write_text(_json(asdict(summary)))
-            report.run_report(reporter, config.run_dir)
+            display.run_report(reporter, config.run_dir)
     finally:
         watchdog.close()
         health.close()
@@ -447,7 +447,7 @@ class Progress:
         self.untimed += 1
 
 
-def _begin(run: Run, reporter: report.Reporter, progress: Progress) -> None:
+def _begin(run: Run, reporter: display.Reporter, progress: Progress) -> None:
     if progress.start >= run.config.train.steps:
         _nothing_left(run, reporter, progress)
     for part in run.parts:
@@ -455,7 +455,7 @@ def _begin(run: Run, reporter: report.Reporter, progress: Progress) -> None:
     run.nonfinite.begin(progress.start)
 
 
-def _nothing_left(run: Run, reporter: report.Reporter, progress: Progress) -> None:
+def _nothing_left(run: Run, reporter: display.Reporter, progress: Progress) -> None:
     reporter.say(
         f"the checkpoint is at step {progress.start} of {run.config.train.steps}: nothing left "
         "to train (raise train.steps to train further)"
@@ -478,7 +478,7 @@ def _account(
     run: Run,
     step: int,
     progress: Progress,
-    reporter: report.Reporter,
+    reporter: display.Reporter,
     health: RankHealth,
     timing: tuple[float, float],
     stepped: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
@@ -510,11 +510,11 @@ def _account(
         progress.compiled.warmed_up()
         _compiled(reporter, step, progress, took)
     if step == min(progress.start + 2, run.config.train.steps):  # optimizer state in place
-        progress.memory = report.memory(run, reporter, step)
+        progress.memory = display.memory(run, reporter, step)
 
 
 def _after_step(
-    run: Run, step: int, progress: Progress, reporter: report.Reporter, session: _Session
+    run: Run, step: int, progress: Progress, reporter: display.Reporter, session: _Session
 ) -> bool:
     """Health, logging, checkpoint (then evaluation: a failing evaluation loses nothing that was
     trained); whether the run stops here (SIGTERM: saved, --resume auto continues)."""
@@ -540,17 +540,17 @@ def _after_step(
 
 
 def _end(
-    run: Run, progress: Progress, reporter: report.Reporter, preempted_at: int | None
+    run: Run, progress: Progress, reporter: display.Reporter, preempted_at: int | None
 ) -> TrainSummary:
     run.sync.close()
     _wait_for_saves(run)
     _recompiled(run, progress, reporter)
     if run.config.train.steps > progress.start and preempted_at is None:
-        progress.memory = report.memory(run, reporter, run.config.train.steps, final=True)
+        progress.memory = display.memory(run, reporter, run.config.train.steps, final=True)
     return _summary(run, progress, preempted_at)
 
 
-def _compiled(reporter: report.Reporter, step: int, progress: Progress, second: float) -> None:
+def _compiled(reporter: display.Reporter, step: int, progress: Progress, second: float) -> None:
     """The compile time (what the first step, which compiled, took beyond the second), the graphs
     and any graph breaks."""
     first, watch = progress.first_step_s, progress.compiled
@@ -580,7 +580,7 @@ def _plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
-def _recompiled(run: Run, progress: Progress, reporter: report.Reporter) -> None:
+def _recompiled(run: Run, progress: Progress, reporter: display.Reporter) -> None:
     """At the end: graphs torch.compile compiled after the second step, said once."""
     if not run.config.train.compile or run.config.train.steps < progress.start + 2:
         return
@@ -595,7 +595,7 @@ def _recompiled(run: Run, progress: Progress, reporter: report.Reporter) -> None
         )
 
 
-def _health(run: Run, step: int, reporter: report.Reporter, health: RankHealth) -> bool:
+def _health(run: Run, step: int, reporter: display.Reporter, health: RankHealth) -> bool:
     """Where due, the ranks compare notes (SIGTERM, stragglers); whether to stop after `step`."""
     if not health.due(step):
         return False
@@ -607,7 +607,7 @@ def _health(run: Run, step: int, reporter: report.Reporter, health: RankHealth) 
     return checked.stop and step < run.config.train.steps
 
 
-def _log(run: Run, step: int, progress: Progress, reporter: report.Reporter) -> None:
+def _log(run: Run, step: int, progress: Progress, reporter: display.Reporter) -> None:
     """At the end of a reporting window: its throughput, loss and the sync's metrics."""
     if step % run.config.tracking.log_every != 0 and step != run.config.train.steps:
         return
@@ -624,7 +624,7 @@ def _log(run: Run, step: int, progress: Progress, reporter: report.Reporter) -> 
 
 
 def _impossible_mfu(
-    run: Run, step: int, progress: Progress, reporter: report.Reporter, stats: dict[str, float]
+    run: Run, step: int, progress: Progress, reporter: display.Reporter, stats: dict[str, float]
 ) -> None:
     """An MFU above 100% is not reported: the peak it is measured against is wrong. Said once."""
     achieved = stats["tflops"]
@@ -644,7 +644,7 @@ def _impossible_mfu(
 
 
 def _checkpoint(
-    run: Run, step: int, progress: Progress, reporter: report.Reporter, watchdog: Watchdog
+    run: Run, step: int, progress: Progress, reporter: display.Reporter, watchdog: Watchdog
 ) -> None:
     """Save the step; a failed save stops the run only under checkpoint.fail_on_save_error."""
     watchdog.beat()
@@ -666,7 +666,7 @@ def _checkpoint(
 
 
 def _evaluate(
-    run: Run, step: int, progress: Progress, reporter: report.Reporter, watchdog: Watchdog
+    run: Run, step: int, progress: Progress, reporter: display.Reporter, watchdog: Watchdog
 ) -> None:
     watchdog.beat()
     began = time.perf_counter()
@@ -707,7 +707,7 @@ def _reporting(config: JobConfig, step: int) -> bool:
     return any(_due(step, n, config.train.steps) for n in every)
 
 
-def _skipped(run: Run, step: int, progress: Progress, reporter: report.Reporter) -> None:
+def _skipped(run: Run, step: int, progress: Progress, reporter: display.Reporter) -> None:
     """At a reporting step, the updates skipped since the last one for a NaN or infinite
     gradient norm (trainer/nonfinite.py): counted under `skip`; under `stop`, the state before
     the first of them (no later update was applied either) is saved and the run ends."""
@@ -844,13 +844,13 @@ def dry_run(config: JobConfig, device: torch.device) -> None:
         "coordinates": " ".join(
             f"{a}={mesh.get_local_rank(a)}" for a in mesh.mesh_dim_names or () if mesh[a].size() > 1
         ),
-        "holds": report.holds(layout),
+        "holds": display.holds(layout),
         **state_bytes(layout.parts, optimizer_states_per_param=per_param),
     }
     ranks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
     if dist.get_rank() == 0:
-        report.dry_run_table(ranks, derived, layout, _tokens_per_sample(train_set[0]))
+        display.dry_run_table(ranks, derived, layout, _tokens_per_sample(train_set[0]))
 
 
 def _train_stats(run: Run, progress: Progress, elapsed: float, steps: int) -> dict[str, float]:
