@@ -41,8 +41,9 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# every tier; plain `pytest` runs the fast one only (pyproject.toml)
 test: lint typecheck
-	$(BIN)/pytest
+	$(BIN)/pytest -m "slow or not slow"
 
 bench: $(STAMP)
 	$(BIN)/python bench/ddp_overhead.py
