@@ -38,10 +38,16 @@ def check_layout(config: JobConfig, derived: Derived) -> None:
 
     degrees = derived.degrees
     recompute = config.parallel.activation_checkpoint
+    split = degrees["pp"] > 1 or degrees["tp"] > 1 or recompute != "none"
+    cpus = config.job.device == "cpu" or not torch.cuda.is_available()
+    synced_on_cpus = cpus and derived.world_size > 1  # what _check_sync_batch_norm refuses
+    if not (split or synced_on_cpus):
+        return
     with torch.device("meta"):
         model = builders.build_model(config)
-    _check_sync_batch_norm(config, derived, model)
-    if degrees["pp"] == 1 and degrees["tp"] == 1 and recompute == "none":
+    if synced_on_cpus:
+        _check_sync_batch_norm(model)
+    if not split:
         return
     if recompute != "none" and not model_blocks(model):
         raise ConfigError(
@@ -68,11 +74,11 @@ def check_layout(config: JobConfig, derived: Derived) -> None:
         _check_tp_plan(model, plan, tp)
 
 
-def _check_sync_batch_norm(config: JobConfig, derived: Derived, model: nn.Module) -> None:
-    """torch runs SyncBatchNorm across ranks on GPUs only: on CPUs it raises in the first step."""
+def _check_sync_batch_norm(model: nn.Module) -> None:
+    """torch runs SyncBatchNorm across ranks on GPUs only: on CPUs, with more than one rank, it
+    raises in the first step."""
     synced = [n for n, m in model.named_modules() if isinstance(m, nn.SyncBatchNorm)]
-    cpu = config.job.device == "cpu" or not torch.cuda.is_available()
-    if synced and cpu and derived.world_size > 1:
+    if synced:
         raise ConfigError(
             f"{synced[0]} is an nn.SyncBatchNorm, which torch synchronises across ranks on GPUs "
             "only: use nn.BatchNorm (each rank's own statistics; DDP keeps rank 0's) or train "
