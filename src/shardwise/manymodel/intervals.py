@@ -65,8 +65,6 @@ class Level:
     chosen_on: list[int]
     """The windows the method was chosen on (empty: not chosen, as configured or too few)."""
     reported_on: list[int]
-    candidates: dict[str, float] = field(default_factory=dict)
-    """Mean MSIS per method on the choice windows (those eligible)."""
     scores: dict[str, float] = field(default_factory=dict)
     """Coverage, Winkler score and MSIS of the forecasts' intervals on `reported_on`."""
     missing: int = 0
@@ -90,7 +88,8 @@ class Calibration:
     """model, window (the window the interval is for; n_windows: the forecast), step, and
     `q_<level>`: the pooled scale-free half-width."""
     series: pl.DataFrame
-    """series, model, window, step, and `w_<level>`: the series' own half-width."""
+    """series, model, window, step, and `w_<level>`: the series' own half-width (no rows
+    where no level's method uses them)."""
     n_windows: int
     """The backtest's windows: the forecast's intervals are those of window n_windows."""
 
@@ -138,31 +137,34 @@ def calibrate(
     frame = rows.collect()
     targets = range(1, n_windows + 1)  # the windows an interval can be made for
     pooled = _widths(frame, ["model", "step"], "_scaled", "q", levels, targets)
-    series = _widths(frame, [SERIES, "model", "step"], "_error", "w", levels, targets)
+    # each series' own: as many rows as the backtest, so only where a method may use them
+    series = _widths(
+        frame if method in ("auto", "series") else frame.clear(),
+        [SERIES, "model", "step"], "_error", "w", levels, targets,
+    )  # fmt: skip
     scored = list(range(1, n_windows))
     half = len(scored) // 2 if len(scored) >= 2 else 0
     choose_on, report_on = scored[:half], scored[half:]
     chosen: dict[int, Level] = {}
+    if method != "auto":
+        choose_on = []
     for level in levels:
-        candidates: dict[str, float] = {}
         picked = "pooled" if method == "auto" else method
-        if method == "auto" and choose_on:
+        if choose_on:
             window = pl.col("window").is_in(choose_on)
             counts, msis = {}, {}
             for name in AUTO:
                 got = _scored(frame.lazy().filter(window), pooled, series, level, name)
                 counts[name], msis[name] = got["_n"], got[score_names(level)[2]]
-            candidates = {n: msis[n] for n in AUTO if counts[n] >= counts["pooled"] > 0}
-            finite = {n: v for n, v in candidates.items() if math.isfinite(v)}
+            # those that give an interval wherever pooled does, by their MSIS
+            eligible = {n: msis[n] for n in AUTO if counts[n] >= counts["pooled"] > 0}
+            finite = {n: v for n, v in eligible.items() if math.isfinite(v)}
             picked = min(finite, key=lambda n: finite[n]) if finite else "pooled"
         source = sources(frame.lazy().filter(pl.col("window").is_in(report_on)))
         got = _scored(source, pooled, series, level, picked) if report_on else {}
         scores = {k: v for k, v in got.items() if not k.startswith("_")}
         missing, total, needs = _honoured(frame, pooled, series, level, picked, n_windows)
-        chosen[level] = Level(
-            level, picked, choose_on if method == "auto" and choose_on else [], report_on,
-            candidates, scores, missing, total, needs,
-        )  # fmt: skip
+        chosen[level] = Level(level, picked, choose_on, report_on, scores, missing, total, needs)
     return Calibration(chosen, pooled, series, n_windows)
 
 
@@ -193,10 +195,7 @@ def _widths(
                 for level in levels
             ).drop("_sorted")
         )
-    schema = {**dict.fromkeys(keys), "window": None}
-    if not parts:
-        return pl.DataFrame(schema=[*schema, *(f"{prefix}_{lv}" for lv in levels)])
-    return pl.concat(parts).collect().cast({"window": pl.Int64})
+    return pl.concat(parts).collect().cast({"window": pl.Int64})  # targets: never empty
 
 
 def with_bounds(
