@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import polars as pl
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from shardwise.common.errors import ConfigError
@@ -178,9 +179,7 @@ class _Appended:
         return self
 
     def write(self, name: str, frame: pl.DataFrame) -> None:
-        part = frame.to_arrow()
-        if self._metadata:
-            part = part.replace_schema_metadata({**(part.schema.metadata or {}), **self._metadata})
+        part = with_metadata(frame, self._metadata)
         if name not in self._writers:
             self._writers[name] = pq.ParquetWriter(
                 self._partial[name], part.schema, compression="zstd"
@@ -195,6 +194,14 @@ class _Appended:
                 os.replace(partial, self._paths[name])
             else:
                 partial.unlink(missing_ok=True)
+
+
+def with_metadata(frame: pl.DataFrame, metadata: dict[str, str]) -> pa.Table:
+    """`frame` as Arrow, with `metadata` added to its schema's (what Parquet files keep)."""
+    table = frame.to_arrow()
+    if not metadata:
+        return table
+    return table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
 
 
 def chunk_files(run_dir: Path, name: str, n_chunks: int) -> list[Path]:

@@ -28,6 +28,7 @@ from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.manymodel.data import SeriesTable
 from shardwise.manymodel.hierarchy import FROM_ERRORS, incoherence, reconcile, unique_ids
 from shardwise.manymodel.intervals import Calibration, calibrate, describe
+from shardwise.manymodel.outputs import with_metadata
 
 
 def reconcile_run(
@@ -144,8 +145,7 @@ def _reconcile(
         scale = _seasonal_naive_mae(history, table.columns, table.season_length)
         reconciled = _with_intervals(reconciled, scale, calibration, table.columns)
         metadata = calibration.metadata()
-    written = reconciled.drop(SERIES).to_arrow()
-    written = written.replace_schema_metadata({**(written.schema.metadata or {}), **metadata})
+    written = with_metadata(reconciled.drop(SERIES), metadata)
     pq.write_table(written, config.run_dir / "forecasts_reconciled.parquet")
     gaps = {m: incoherence(reconciled, m, table.columns, levels) for m in methods}
     shown = ", ".join(f"{m} {gap:.0e}" for m, gap in gaps.items())
@@ -176,13 +176,14 @@ def _with_intervals(
 
 
 def _long(reconciled: pl.DataFrame, scale: pl.DataFrame, columns: Columns) -> pl.DataFrame:
-    """A row per series, method (as `model`) and timestamp, with its step (the timestamp's
-    rank in the series) and the series' `scale`, as the backtest's rows are (intervals.py)."""
+    """A row per series, method (as `model`) and timestamp, with the series' ids, its step (the
+    timestamp's rank in the series) and the series' `scale`, as the backtest's rows are
+    (intervals.py)."""
     methods = reconciled.columns[reconciled.columns.index("base") :]
     ts = columns.timestamp
     return (
         reconciled.unpivot(
-            methods, index=[SERIES, ts], variable_name="model", value_name="forecast"
+            methods, index=[SERIES, *columns.ids, ts], variable_name="model", value_name="forecast"
         )
         .join(scale.rename({"_scale": "scale"}), on=SERIES, how="left")
         .with_columns(pl.col(ts).rank("dense").over(SERIES, "model").cast(pl.Int64).alias("step"))
@@ -217,14 +218,13 @@ def _score(
         )
         failed.update(failures)
         if reconciled is not None:
-            actual = these.select(SERIES, ts, pl.col(y).alias("_actual"))
+            actual = these.select(SERIES, ts, pl.col(y).alias("actual"))
             scale = _seasonal_naive_mae(history, columns, table.season_length)
-            scored.append(_errors(reconciled, actual, scale, columns).with_columns(window=window))
+            long = _long(reconciled, scale, columns).join(actual, on=[SERIES, ts], how="left")
+            scored.append(_errors(long, columns).with_columns(window=window))
             windows.append(
-                _long(reconciled, scale, columns)
-                .join(actual.rename({"_actual": "actual"}), on=[SERIES, ts], how="left")
-                .select(SERIES, "model", pl.lit(window, pl.Int64).alias("window"), "step",
-                        "forecast", "actual", "scale")
+                long.select(SERIES, "model", pl.lit(window, pl.Int64).alias("window"), "step",
+                            "forecast", "actual", "scale")
             )  # fmt: skip
     for method, why in failed.items():
         console.print(f"hierarchy.methods: {method} not scored on the backtest: {why}")
@@ -286,18 +286,13 @@ def _seasonal_naive_mae(history: pl.DataFrame, columns: Columns, season: int) ->
     )
 
 
-def _errors(
-    reconciled: pl.DataFrame, actual: pl.DataFrame, scale: pl.DataFrame, columns: Columns
-) -> pl.DataFrame:
-    """Per series and method (`base` included), MAE and MASE against the `actual` values
-    (`_actual`)."""
-    methods = reconciled.columns[reconciled.columns.index("base") :]
-    both = reconciled.join(actual, on=[SERIES, columns.timestamp]).join(scale, on=SERIES)
-    long = both.unpivot(methods, index=[SERIES, *columns.ids, "_actual", "_scale"])
-    mae = (pl.col("value") - pl.col("_actual")).abs().mean()
-    naive = pl.col("_scale").first()
+def _errors(long: pl.DataFrame, columns: Columns) -> pl.DataFrame:
+    """Per series and method (`base` included), MAE and MASE of the reconciled forecasts in
+    `long` (`_long`'s rows, with their `actual` values)."""
+    mae = (pl.col("forecast") - pl.col("actual")).abs().mean()
+    naive = pl.col("scale").first()
     mase = pl.when(naive > 0).then(mae / naive)  # a constant history has no MASE (NaN there)
-    return long.group_by(SERIES, *columns.ids, pl.col("variable").alias("method")).agg(
+    return long.group_by(SERIES, *columns.ids, pl.col("model").alias("method")).agg(
         mae.alias("mae"), mase.alias("mase")
     )
 
