@@ -12,7 +12,7 @@ import contextlib
 import sys
 import warnings
 from collections.abc import Iterator
-from typing import Any, TextIO
+from typing import TextIO
 
 
 class ShardwiseWarning(UserWarning):
@@ -45,6 +45,6 @@ def one_line_warnings() -> Iterator[None]:
         warnings.showwarning = previous
 
 
-def warn(message: str, **kwargs: Any) -> None:
-    """Issue a `ShardwiseWarning`."""
-    warnings.warn(message, ShardwiseWarning, stacklevel=kwargs.pop("stacklevel", 2) + 1)
+def warn(message: str, *, stacklevel: int = 2) -> None:
+    """Issue a `ShardwiseWarning` (`stacklevel` as `warnings.warn`'s, counted from the caller)."""
+    warnings.warn(message, ShardwiseWarning, stacklevel=stacklevel + 1)

@@ -84,8 +84,9 @@ def ray_logs_to(path: Path) -> Iterator[None]:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     for name in ("ray._private", "ray"):
         logger = logging.getLogger(name)
-        for old in list(logger.handlers):
+        for old in list(logger.handlers):  # Ray's, or an earlier run's file (its descriptor)
             logger.removeHandler(old)
+            old.close()
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         logger.propagate = False
