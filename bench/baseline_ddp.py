@@ -17,8 +17,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from shardwise import builders
-from shardwise.config import derive, load_config
 from shardwise.trainer.optim import build_optimizer, lr_factor
+from shardwise.training.config.derive import derive
+from shardwise.training.config.load import load_config
 
 
 def main() -> None:

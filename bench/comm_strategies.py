@@ -233,7 +233,7 @@ def predict(job: Path, modes: dict[str, list[str]], link: dict[str, Any]) -> dic
     import tomli_w
 
     from shardwise.common.errors import ConfigError
-    from shardwise.config import load_config
+    from shardwise.training.config.load import load_config
 
     try:
         hardware = shared_profile()

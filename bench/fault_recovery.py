@@ -68,8 +68,8 @@ def recovery(records: list[dict], kill_step: int) -> tuple[float, int]:
 
 def plain_torch_save(directory: Path) -> float:
     """torch.save of the same GPT's model and AdamW state (after one step) to the same disk."""
-    from shardwise.config import load_config
     from shardwise.models.gpt import build_gpt
+    from shardwise.training.config.load import load_config
 
     config = load_config(REPO / "examples" / "text-gpt.toml")
     model = build_gpt(**config.model.args)

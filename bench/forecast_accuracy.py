@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from shardwise.config import validate_as
+from shardwise.common.job_files import validate_as
 from shardwise.manymodel.backtest import refits
 from shardwise.manymodel.columns import FUTURE
 from shardwise.manymodel.config import ManyModelsConfig

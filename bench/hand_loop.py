@@ -59,9 +59,9 @@ def hand_loop(
     from torch.utils.data import DataLoader, RandomSampler
 
     from shardwise import builders
-    from shardwise.config import load_config
     from shardwise.trainer.optim import build_optimizer, lr_factor
     from shardwise.trainer.profile import STEP, step_counts
+    from shardwise.training.config.load import load_config
 
     config = load_config(str(JOB), sets)
     cuda = torch.cuda.is_available()

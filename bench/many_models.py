@@ -36,7 +36,7 @@ from pathlib import Path
 
 import polars as pl
 
-from shardwise.config import validate_as
+from shardwise.common.job_files import validate_as
 from shardwise.manymodel.backtest import Plan, run_chunk
 from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig

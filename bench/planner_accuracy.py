@@ -104,8 +104,8 @@ def train(
 
 def planned(nproc: int, sets: list[str]) -> Any:
     """The layout's job as the planner sees it (its model built and traced on the meta device)."""
-    from shardwise.config import load_config
     from shardwise.plan.job import plan_job
+    from shardwise.training.config.load import load_config
 
     config = load_config(REPO / "examples/text-gpt.toml", [*COMMON, *sets, "train.steps=1"])
     return plan_job(config, nproc)

@@ -20,8 +20,10 @@ import polars as pl
 import tomli_w
 import torch
 
-from shardwise.config import JobConfig, validate, validate_as
+from shardwise.common.job_files import validate_as
 from shardwise.manymodel.config import ManyModelsConfig
+from shardwise.training.config.load import validate
+from shardwise.training.config.schema import JobConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -295,8 +297,8 @@ def train_in_workers(
 
 def _train_each(jobs: list[tuple[str, dict[str, Any], str | None]]) -> dict[str, str]:
     """In every rank: train each job in turn; a failure is recorded and the next job runs."""
-    from shardwise.config import JobConfig
     from shardwise.trainer.loop import train
+    from shardwise.training.config.schema import JobConfig
 
     failures = {}
     for name, config, resume in jobs:

@@ -19,8 +19,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "ConfigError": "shardwise.common.errors",
-    "JobConfig": "shardwise.config",
-    "load_config": "shardwise.config",
+    "JobConfig": "shardwise.training.config.schema",
+    "load_config": "shardwise.training.config.load",
     "train": "shardwise.launch.local",
     "Nodes": "shardwise.launch.local",
     "WorkerFailed": "shardwise.launch.local",
@@ -32,11 +32,12 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from shardwise.common.errors import ConfigError
-    from shardwise.config import JobConfig, load_config
     from shardwise.launch.local import Nodes, WorkerFailed, train
     from shardwise.manymodel.config import ManyModelsConfig, load_many_models
     from shardwise.manymodel.runner import many_models
     from shardwise.trainer.loop import TrainSummary
+    from shardwise.training.config.load import load_config
+    from shardwise.training.config.schema import JobConfig
 
 __all__ = [
     "ConfigError",

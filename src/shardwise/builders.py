@@ -29,12 +29,13 @@ from torch.utils.data import Dataset
 
 from shardwise.common.errors import ConfigError
 from shardwise.common.imports import import_object
-from shardwise.config import JobConfig, accepts_bool, accepts_str, kind_of
+from shardwise.common.job_files import accepts_bool, accepts_str, kind_of
 from shardwise.datasets.digits import build_digits
 from shardwise.datasets.text import build_text
 from shardwise.models import hf
 from shardwise.models.gpt import build_gpt
 from shardwise.models.vision import build_cnn, build_mlp, build_resnet
+from shardwise.training.config.schema import JobConfig
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 

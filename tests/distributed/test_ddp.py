@@ -64,9 +64,9 @@ def _count_all_reduces(config_data: dict) -> list[int]:
     """On each rank: build the run and count DDP's bucket all-reduces over three steps."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    from shardwise.config import JobConfig
     from shardwise.trainer.loop import build_run
     from shardwise.trainer.step import train_step
+    from shardwise.training.config.schema import JobConfig
 
     run = build_run(JobConfig.model_validate(config_data), torch.device("cpu"))
     calls = []

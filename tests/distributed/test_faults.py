@@ -31,8 +31,8 @@ from helpers import (
 )
 from shardwise.checkpoint.export import export_safetensors, load_exported
 from shardwise.checkpoint.layout import problem
-from shardwise.config import JobConfig
 from shardwise.tracking.metrics import read_metrics
+from shardwise.training.config.schema import JobConfig
 
 pytestmark = pytest.mark.slow
 SECTIONS = {

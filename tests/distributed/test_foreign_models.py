@@ -20,7 +20,7 @@ import torch
 
 from helpers import assert_same_training, gpt_job, outcome, train_in_workers
 from shardwise.checkpoint.export import export_safetensors, load_exported
-from shardwise.config import Schedule
+from shardwise.training.config.schema import Schedule
 
 pytestmark = pytest.mark.slow
 LOSS_RTOL, PARAM_ATOL = 1e-5, 2e-5

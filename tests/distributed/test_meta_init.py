@@ -21,10 +21,11 @@ def _peak_growth(config_data: dict) -> tuple[int, int]:
     import torch
     import torch.distributed as dist
 
-    from shardwise.config import JobConfig, derive
     from shardwise.parallel.mesh import build_mesh
     from shardwise.trainer.loop import build_layout
     from shardwise.trainer.memory import state_bytes
+    from shardwise.training.config.derive import derive
+    from shardwise.training.config.schema import JobConfig
 
     config = JobConfig.model_validate(config_data)
     derived = derive(config, dist.get_world_size())

@@ -21,12 +21,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import REPO, digits_job, gpt_job
-from shardwise.config import load_config
 from shardwise.fault.inject import FaultPlan, parse
 from shardwise.trainer import loop
 from shardwise.trainer.loop import build_run
 from shardwise.trainer.profile import summarise
 from shardwise.trainer.step import train_step
+from shardwise.training.config.load import load_config
 
 READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}
 

@@ -35,9 +35,9 @@ import shardwise
 from helpers import digits_job
 from shardwise.checkpoint.layout import MANIFEST
 from shardwise.cli import build_parser, main
-from shardwise.config import JobConfig
 from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.plan.command import NUMBERS
+from shardwise.training.config.schema import JobConfig
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

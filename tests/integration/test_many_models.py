@@ -6,7 +6,7 @@ from __future__ import annotations
 import polars as pl
 import pytest
 
-from shardwise.config import validate_as
+from shardwise.common.job_files import validate_as
 from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.manymodel.runner import run
 

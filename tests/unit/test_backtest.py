@@ -9,7 +9,7 @@ import polars as pl
 import pytest
 
 from shardwise.common.errors import ConfigError
-from shardwise.config import validate_as
+from shardwise.common.job_files import validate_as
 from shardwise.manymodel.backtest import _metrics, run_chunk
 from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig

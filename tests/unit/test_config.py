@@ -4,15 +4,10 @@ from pathlib import Path
 import pytest
 
 from shardwise.common.errors import ConfigError
-from shardwise.config import (
-    ParallelSection,
-    apply_override,
-    derive,
-    flatten,
-    load_config,
-    resolved,
-    validate,
-)
+from shardwise.common.job_files import apply_override, flatten
+from shardwise.training.config.derive import derive, resolved
+from shardwise.training.config.load import load_config, validate
+from shardwise.training.config.schema import ParallelSection
 
 MINIMAL = """
 [model]
@@ -232,8 +227,8 @@ def test_every_example_job_file_loads_and_passes_its_checks(path):
     """The README runs these as written: each is a valid training or many-models job."""
     import tomllib
 
-    from shardwise.config import load_config
     from shardwise.manymodel.config import load_many_models
+    from shardwise.training.config.load import load_config
 
     raw = tomllib.loads(path.read_text())
     if "models" in raw:

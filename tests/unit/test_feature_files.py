@@ -8,7 +8,7 @@ from datetime import datetime
 import polars as pl
 import pytest
 
-from shardwise.config import validate_as
+from shardwise.common.job_files import validate_as
 from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.manymodel.data import load_series

@@ -18,7 +18,7 @@ LAYERS = (
     {"parallel", "comm"},
     {"models", "datasets", "builders"},
     {"config"},
-    {"common"},
+    {"common", "training"},
 )
 """DESIGN.md's import direction, top to bottom: a module may import its own layer's (without a
 cycle) and the layers below."""
@@ -63,7 +63,8 @@ def _graph() -> dict[str, set[str]]:
 
 
 def _layer(module: str) -> int:
-    top = module.split(".")[1] if "." in module else module
+    parts = module.split(".")[1:] or [module]
+    top = parts[1] if parts[0] == "training" and len(parts) > 1 else parts[0]
     for index, names in enumerate(LAYERS):
         if top in names:
             return index

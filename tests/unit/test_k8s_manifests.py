@@ -18,7 +18,7 @@ import yaml
 
 from helpers import digits_job
 from shardwise.cli import main
-from shardwise.config import validate
+from shardwise.training.config.load import validate
 
 IMAGE = "ghcr.io/example/shardwise:1.0"
 

@@ -13,7 +13,6 @@ from torch import nn
 
 from helpers import gpt_job
 from shardwise.common.errors import ConfigError
-from shardwise.config import derive
 from shardwise.models.gpt import build_gpt
 from shardwise.parallel.checks import check_layout
 from shardwise.parallel.init import materialize, supports_meta_init
@@ -24,6 +23,7 @@ from shardwise.parallel.pipeline import (
     stage_indices,
     stage_module,
 )
+from shardwise.training.config.derive import derive
 
 
 def test_balance_minimises_the_most_expensive_stage():

@@ -15,7 +15,7 @@ import polars as pl
 import pytest
 
 from shardwise.common.errors import ConfigError
-from shardwise.config import validate_as
+from shardwise.common.job_files import validate_as
 from shardwise.manymodel.columns import FUTURE, SERIES
 from shardwise.manymodel.config import ManyModelsConfig, check
 from shardwise.manymodel.data import load_series

@@ -8,7 +8,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from shardwise.config import validate_as
+from shardwise.common.job_files import validate_as
 from shardwise.manymodel import outputs
 from shardwise.manymodel.backtest import run_chunk
 from shardwise.manymodel.columns import FUTURE, SERIES

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from shardwise.cli import main
-from shardwise.config import load_config
 from shardwise.plan.command import CHOICES, NUMBERS
 from shardwise.plan.job import plan_job
+from shardwise.training.config.load import load_config
 
 SHAPE = ["--model", "gpt", "--layers", "32", "--hidden", "4096", "--heads", "32"]
 RUN = ["--vocab", "32000", "--seq", "4096", "--gpus", "64", "--gpus-per-node", "8"]

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from shardwise.cli import build_parser, main
-from shardwise.config import load_config
 from shardwise.manymodel.config import load_many_models
+from shardwise.training.config.load import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SHELL = {">", ">>", "|", "&&", ";", "&", "2>&1"}

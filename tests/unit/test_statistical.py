@@ -9,7 +9,7 @@ import pytest
 from statsforecast.models import ADIDA, TSB, AutoETS, AutoTheta, CrostonOptimized
 
 from shardwise.common.errors import ConfigError
-from shardwise.config import validate_as
+from shardwise.common.job_files import validate_as
 from shardwise.manymodel.backtest import run_chunk
 from shardwise.manymodel.config import ManyModelsConfig, check
 from shardwise.manymodel.data import load_series

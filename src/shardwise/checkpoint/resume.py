@@ -22,7 +22,8 @@ from shardwise.checkpoint.layout import (
 from shardwise.checkpoint.safe import check_metadata
 from shardwise.common.console import warn
 from shardwise.common.errors import ConfigError
-from shardwise.config import JobConfig, shown
+from shardwise.common.job_files import shown
+from shardwise.training.config.schema import JobConfig
 
 
 def resume_point(config: JobConfig, resume: str) -> str | None:

@@ -16,7 +16,7 @@ from shardwise.comm.local_sgd import DiLoCo, LocalSGD
 from shardwise.comm.param_server import AsyncSync
 from shardwise.comm.powersgd import PowerSGDSync
 from shardwise.common.errors import ConfigError
-from shardwise.config import JobConfig
+from shardwise.training.config.schema import JobConfig
 
 
 def build(

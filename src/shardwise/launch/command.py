@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 from shardwise.common.errors import ConfigError
-from shardwise.config import load_config
 from shardwise.launch.targets import Target, check_storage, check_target, unshared
+from shardwise.training.config.load import load_config
 
 TARGETS = ("slurm", "k8s", "ray", "spark")
 

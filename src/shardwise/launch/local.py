@@ -35,12 +35,15 @@ from shardwise.checkpoint.resume import resume_point
 from shardwise.common.console import warn
 from shardwise.common.environment import environment
 from shardwise.common.errors import ConfigError
-from shardwise.config import JobConfig, apply_override, derive, load_config, validate
+from shardwise.common.job_files import apply_override
 from shardwise.fault.watchdog import describe as describe_hang
 from shardwise.launch.env import detect
 from shardwise.launch.stores import LOOPBACK, RENDEZVOUS, loopback_collectives, register_rendezvous
 from shardwise.launch.worker import PREEMPTED_EXIT, check_devices, run_worker
 from shardwise.parallel.checks import check_layout
+from shardwise.training.config.derive import derive
+from shardwise.training.config.load import load_config, validate
+from shardwise.training.config.schema import JobConfig
 
 if TYPE_CHECKING:
     from shardwise.trainer.loop import TrainSummary

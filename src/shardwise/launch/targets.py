@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from shardwise.checkpoint.layout import is_local
 from shardwise.common.errors import ConfigError
-from shardwise.config import JobConfig
+from shardwise.training.config.schema import JobConfig
 
 NETWORK_FILESYSTEMS = frozenset(
     {

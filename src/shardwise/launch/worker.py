@@ -18,9 +18,9 @@ from shardwise.checkpoint.resume import start_point
 from shardwise.common.console import one_line_warnings
 from shardwise.common.errors import ConfigError
 from shardwise.common.redact import redacting_output
-from shardwise.config import JobConfig
 from shardwise.launch.env import WorkerEnv, detect, visible_cpus
 from shardwise.launch.stores import worker_store
+from shardwise.training.config.schema import JobConfig
 
 if TYPE_CHECKING:
     from shardwise.trainer.loop import TrainSummary

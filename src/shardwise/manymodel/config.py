@@ -1,7 +1,7 @@
 """The many-models job file: data, features, models, backtest, runner, tracking.
 
 Like the training job file it is TOML validated by pydantic, with `--set a.b=value` overrides and
-one-line errors (`shardwise.config` does the loading). Checks that need only the config, such as
+one-line errors (`common/job_files.py` does the loading). Checks that need only the config, such as
 a lag shorter than the forecast horizon, happen here; checks that need the data (missing columns,
 duplicate rows, short series) happen when the data is read.
 """
@@ -16,7 +16,7 @@ from typing import Literal, get_args
 from pydantic import Field, field_validator, model_validator
 
 from shardwise.common.errors import ConfigError
-from shardwise.config import RunName, Section, load_job_file
+from shardwise.common.job_files import RunName, Section, load_job_file
 
 BUILTIN_SOURCES = ("us_employment", "retail_synthetic")
 STATISTICAL_MODELS = ("auto_ets", "auto_arima", "auto_theta", "mstl", "croston", "tsb", "adida")

@@ -30,8 +30,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from shardwise.common.console import warn
 from shardwise.common.errors import ConfigError
+from shardwise.common.job_files import flatten, shown
 from shardwise.common.ray_cluster import check_ray_address, loopback_ray, ray_logs_to
-from shardwise.config import flatten, shown
 from shardwise.manymodel.backtest import ChunkResult, Plan, run_chunk
 from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import (
@@ -231,7 +231,7 @@ def _finished_chunks(run_dir: Path, config: ManyModelsConfig, resume: bool) -> s
     done = {int(name.removeprefix("chunk-")) for name in marked if _complete(chunk_dir / name)}
     saved = run_dir / "job.toml"
     if done and saved.exists():
-        from shardwise.config import load_job_file
+        from shardwise.common.job_files import load_job_file
 
         try:
             before = flatten(load_job_file(saved, (), ManyModelsConfig))

@@ -12,7 +12,7 @@ import polars as pl
 from rich.console import Console
 from rich.table import Table
 
-from shardwise.config import flatten
+from shardwise.common.job_files import flatten
 from shardwise.manymodel.backtest import ENSEMBLE, SELECTED
 from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig

@@ -36,7 +36,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from shardwise.config import Derived, ParallelSection
 from shardwise.parallel.compile import apply_compile, whole_model
 from shardwise.parallel.norms import statistics_apart
 from shardwise.parallel.pipeline import (
@@ -57,6 +56,8 @@ from shardwise.parallel.tensor import (
 )
 from shardwise.parallel.ties import connect, retie, spanning_ties, tied_groups
 from shardwise.parallel.traced import trace_split
+from shardwise.training.config.derive import Derived
+from shardwise.training.config.schema import ParallelSection
 
 REDUCE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 """FSDP2's reduce-scatter precision for `parallel.grad_compression` (its one compression)."""

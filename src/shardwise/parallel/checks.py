@@ -15,7 +15,6 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
 from shardwise.common.errors import ConfigError
-from shardwise.config import Derived, JobConfig
 from shardwise.parallel.norms import statistics_apart
 from shardwise.parallel.pipeline import (
     example_batch,
@@ -28,6 +27,8 @@ from shardwise.parallel.pipeline import (
 )
 from shardwise.parallel.tensor import tensor_parallel_plan
 from shardwise.parallel.traced import trace_split
+from shardwise.training.config.derive import Derived
+from shardwise.training.config.schema import JobConfig
 
 
 def check_layout(config: JobConfig, derived: Derived) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from shardwise.config import MESH_AXES
+from shardwise.training.config.schema import MESH_AXES
 
 DP_AXES = ("dp_replicate", "dp_shard")
 

@@ -211,8 +211,8 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, Candidate | None]:
     dropout, fused = not args.no_dropout, args.attention != "unfused"
     traced, planned = None, None
     if args.job:
-        from shardwise.config import load_config
         from shardwise.plan.job import plan_job
+        from shardwise.training.config.load import load_config
 
         planned = plan_job(load_config(args.job, []), args.nproc or 1, hardware)
         model = planned.model
@@ -289,8 +289,8 @@ def _calibrate(args: argparse.Namespace) -> hw.Hardware:
 
     shape = None
     if args.job:
-        from shardwise.config import load_config
         from shardwise.plan.job import plan_job
+        from shardwise.training.config.load import load_config
 
         planned = plan_job(load_config(args.job, []), args.nproc or 1)
         model = planned.model

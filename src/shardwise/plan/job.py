@@ -16,13 +16,14 @@ from torch.overrides import TorchFunctionMode
 
 from shardwise import builders
 from shardwise.common.errors import ConfigError
-from shardwise.config import JobConfig, derive
 from shardwise.parallel.pipeline import model_blocks
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import PRECISIONS, Layout, Precision
 from shardwise.plan.memory import Traced
 from shardwise.plan.model import Transformer
 from shardwise.plan.network import Mode, Tensors
+from shardwise.training.config.derive import derive
+from shardwise.training.config.schema import JobConfig
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from shardwise.config import Derived, JobConfig, flatten, shown
+from shardwise.common.job_files import flatten, shown
 from shardwise.parallel.apply import Layout, span
 from shardwise.tracking.metrics import JsonlTracker, Tracker, Trackers
 from shardwise.tracking.mlflow import MlflowTracker
@@ -23,6 +23,8 @@ from shardwise.tracking.progress import ProgressDisplay
 from shardwise.trainer.flops import Utilisation
 from shardwise.trainer.memory import peak_bytes, state_bytes
 from shardwise.trainer.step import Run
+from shardwise.training.config.derive import Derived
+from shardwise.training.config.schema import JobConfig
 
 
 def memory(run: Run, reporter: Reporter, step: int, *, final: bool = False) -> list[dict[str, Any]]:

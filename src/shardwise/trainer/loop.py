@@ -35,7 +35,7 @@ from shardwise.checkpoint.manager import (
 from shardwise.comm import choose as comm
 from shardwise.common.console import warn
 from shardwise.common.errors import ConfigError
-from shardwise.config import Derived, JobConfig, derive, resolved, shown
+from shardwise.common.job_files import shown
 from shardwise.fault.health import RankHealth
 from shardwise.fault.inject import FaultPlan
 from shardwise.fault.watchdog import Watchdog
@@ -53,6 +53,8 @@ from shardwise.trainer.optim import build_optimizer, build_scheduler
 from shardwise.trainer.precision import DTYPES, grad_scaler
 from shardwise.trainer.profile import StepProfiler, data_range, phase
 from shardwise.trainer.step import Run, evaluate, mean_loss, train_step
+from shardwise.training.config.derive import Derived, derive, resolved
+from shardwise.training.config.schema import JobConfig
 
 
 @dataclass

@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from shardwise.config import TrainSection
+from shardwise.training.config.schema import TrainSection
 
 
 def build_optimizer(model: nn.Module, train: TrainSection, *, lr: float) -> torch.optim.Optimizer:

@@ -24,7 +24,6 @@ from torch.utils.data import DataLoader
 from shardwise import builders
 from shardwise.checkpoint.manager import CheckpointManager
 from shardwise.comm.base import Sync
-from shardwise.config import Derived, JobConfig
 from shardwise.fault.inject import FaultPlan
 from shardwise.parallel.apply import Layout
 from shardwise.parallel.compile import ForwardLoss, eager
@@ -34,6 +33,8 @@ from shardwise.trainer.flops import Utilisation
 from shardwise.trainer.nonfinite import NonFiniteGuard
 from shardwise.trainer.precision import autocast
 from shardwise.trainer.profile import phase
+from shardwise.training.config.derive import Derived
+from shardwise.training.config.schema import JobConfig
 
 
 @dataclass
