@@ -16,10 +16,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from shardwise import builders
-from shardwise.trainer.optim import build_optimizer, lr_factor
+from shardwise.training import builders
 from shardwise.training.config.derive import derive
 from shardwise.training.config.load import load_config
+from shardwise.training.trainer.optim import build_optimizer, lr_factor
 
 
 def main() -> None:

@@ -33,8 +33,8 @@ sys.path.insert(0, str(REPO / "tests"))  # the small-job helpers
 def build(layers: int, hidden: int, root: Path, asynchronous: bool, device: torch.device):
     """A one-rank run of the GPT whose optimizer has taken a step (its moments exist)."""
     from helpers import gpt_job
-    from shardwise.trainer.loop import build_run
-    from shardwise.trainer.step import train_step
+    from shardwise.training.trainer.loop import build_run
+    from shardwise.training.trainer.step import train_step
 
     config = gpt_job(
         root / f"run-{'async' if asynchronous else 'sync'}",
@@ -49,7 +49,7 @@ def build(layers: int, hidden: int, root: Path, asynchronous: bool, device: torc
 
 def state_tensors(run) -> dict[str, torch.Tensor]:
     """The tensors a save writes, by name (what the baseline torch.save's)."""
-    from shardwise.trainer.loop import capture
+    from shardwise.training.trainer.loop import capture
 
     state = capture(run, 1)
     flat = {f"model.{k}": v for k, v in state["model"].items()}
@@ -72,7 +72,7 @@ def baseline(tensors: dict[str, torch.Tensor], directory: Path) -> float:
 
 def shardwise_save(run, step: int) -> tuple[float, float, dict[str, float]]:
     """(seconds until save returned: the loop's stall, seconds until committed, phases)."""
-    from shardwise.trainer.loop import save
+    from shardwise.training.trainer.loop import save
 
     began = time.perf_counter()
     save(run, step)

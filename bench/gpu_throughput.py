@@ -37,7 +37,7 @@ import torch
 from ddp_overhead import timed  # the same step-line clock (bench/ is on the path)
 from hand_loop import JOB, TINY, job_sets
 
-from shardwise.trainer.flops import Peak
+from shardwise.training.trainer.flops import Peak
 
 BIN = Path(sys.executable).parent
 SIZES = {
@@ -79,9 +79,9 @@ def hand_cmd(sets: list[str], compiled: bool, counts: Path, threads: int) -> lis
 
 
 def flops_per_token(size: tuple[int, int, int, int, int]) -> float:
-    from shardwise.builders import LOSSES
     from shardwise.models.gpt import build_gpt
-    from shardwise.trainer.flops import count_flops, meta_batch
+    from shardwise.training.builders import LOSSES
+    from shardwise.training.trainer.flops import count_flops, meta_batch
 
     layers, heads, hidden, seq, micro = size
     with torch.device("meta"):
@@ -127,7 +127,7 @@ def measure(
 
 def counted(profiles: list[dict]) -> dict[str, float]:
     """Medians over the repeats of a contender's per-step counts (steps between log steps)."""
-    from shardwise.trainer.profile import summarise
+    from shardwise.training.trainer.profile import summarise
 
     if not profiles:
         return {}
@@ -231,7 +231,7 @@ def main() -> None:
         help="also time shardwise with tracking.profile_step = 0 (what its profile window costs)",
     )
     args = parser.parse_args()
-    from shardwise.trainer.flops import measure_peak
+    from shardwise.training.trainer.flops import measure_peak
 
     kind = "cuda" if torch.cuda.is_available() else "cpu"
     args.repeats = args.repeats or (3 if kind == "cuda" else 5)

@@ -5,7 +5,7 @@ It is what a careful user writes: the same model, data, micro-batch, AdamW (fuse
 parameter groups), schedule and clipping; bf16 autocast where asked; pinned memory and
 non-blocking copies on a GPU; `loss.item()` only at log steps; compiled, `torch.compile(model)`
 on the whole model. Its step and shardwise's can be profiled over the same steps and counted by
-the same function (shardwise.trainer.profile.step_counts).
+the same function (shardwise.training.trainer.profile.step_counts).
 
     python bench/hand_loop.py --set train.steps=100 [--compiled]
 """
@@ -58,10 +58,10 @@ def hand_loop(
     from torch.profiler import ProfilerActivity, profile, record_function
     from torch.utils.data import DataLoader, RandomSampler
 
-    from shardwise import builders
-    from shardwise.trainer.optim import build_optimizer, lr_factor
-    from shardwise.trainer.profile import STEP, step_counts
+    from shardwise.training import builders
     from shardwise.training.config.load import load_config
+    from shardwise.training.trainer.optim import build_optimizer, lr_factor
+    from shardwise.training.trainer.profile import STEP, step_counts
 
     config = load_config(str(JOB), sets)
     cuda = torch.cuda.is_available()

@@ -283,9 +283,9 @@ import sys
 from pathlib import Path
 sys.path.insert(0, {bench!r})
 from many_models import job
-from shardwise.datasets import series
+from shardwise.manymodel import datasets
 config = job("retail_synthetic", {series}, Path("unused"))
-data = series.retail_synthetic(
+data = datasets.retail_synthetic(
     {series}, config.data.periods, future=config.backtest.horizon, seed=config.job.seed
 )
 data.frame.write_parquet({source!r})

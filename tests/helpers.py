@@ -158,7 +158,7 @@ def load_params(checkpoint: str | Path) -> dict[str, torch.Tensor]:
 
 
 def losses(run_dir: Path) -> dict[int, float]:
-    from shardwise.tracking.metrics import read_metrics
+    from shardwise.training.tracking.metrics import read_metrics
 
     return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
 
@@ -297,8 +297,8 @@ def train_in_workers(
 
 def _train_each(jobs: list[tuple[str, dict[str, Any], str | None]]) -> dict[str, str]:
     """In every rank: train each job in turn; a failure is recorded and the next job runs."""
-    from shardwise.trainer.loop import train
     from shardwise.training.config.schema import JobConfig
+    from shardwise.training.trainer.loop import train
 
     failures = {}
     for name, config, resume in jobs:

@@ -21,10 +21,10 @@ _EXPORTS = {
     "ConfigError": "shardwise.common.errors",
     "JobConfig": "shardwise.training.config.schema",
     "load_config": "shardwise.training.config.load",
-    "train": "shardwise.launch.local",
-    "Nodes": "shardwise.launch.local",
-    "WorkerFailed": "shardwise.launch.local",
-    "TrainSummary": "shardwise.trainer.loop",
+    "train": "shardwise.training.launch.local",
+    "Nodes": "shardwise.training.launch.local",
+    "WorkerFailed": "shardwise.training.launch.local",
+    "TrainSummary": "shardwise.training.trainer.loop",
     "ManyModelsConfig": "shardwise.manymodel.config",
     "load_many_models": "shardwise.manymodel.config",
     "many_models": "shardwise.manymodel.runner",
@@ -32,12 +32,12 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from shardwise.common.errors import ConfigError
-    from shardwise.launch.local import Nodes, WorkerFailed, train
     from shardwise.manymodel.config import ManyModelsConfig, load_many_models
     from shardwise.manymodel.runner import many_models
-    from shardwise.trainer.loop import TrainSummary
     from shardwise.training.config.load import load_config
     from shardwise.training.config.schema import JobConfig
+    from shardwise.training.launch.local import Nodes, WorkerFailed, train
+    from shardwise.training.trainer.loop import TrainSummary
 
 __all__ = [
     "ConfigError",

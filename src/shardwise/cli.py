@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(--apply creates them); ray and spark run the job's ranks as Ray actors or Spark "
         "barrier tasks from this process. --dry-run prints what would be submitted.",
     )
-    from shardwise.launch.command import add_arguments as launch_arguments
+    from shardwise.training.launch.command import add_arguments as launch_arguments
 
     launch_arguments(launch)
     report = commands.add_parser(
@@ -180,7 +180,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from shardwise.launch.train_command import run
+    from shardwise.training.launch.train_command import run
 
     return run(args)
 
@@ -217,7 +217,7 @@ class _Terminated(KeyboardInterrupt):
 
 
 def _report(args: argparse.Namespace) -> int:
-    from shardwise.tracking.run_report import write_report
+    from shardwise.training.tracking.run_report import write_report
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
@@ -232,13 +232,13 @@ def _terminated(signum: int, frame: object) -> None:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from shardwise.launch.command import run
+    from shardwise.training.launch.command import run
 
     try:
         return run(args)
     except RuntimeError as failure:  # Ray's or Spark's ranks, out of restarts
-        from shardwise.launch.local import WorkerFailed
-        from shardwise.launch.train_command import worker_failed
+        from shardwise.training.launch.local import WorkerFailed
+        from shardwise.training.launch.train_command import worker_failed
 
         if isinstance(failure, WorkerFailed) and not args.debug:
             return worker_failed(failure)
@@ -254,7 +254,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from shardwise.checkpoint.export import export_safetensors
+    from shardwise.training.checkpoint.export import export_safetensors
 
     written = export_safetensors(args.checkpoint, Path(args.output))
     print(

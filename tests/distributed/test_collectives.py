@@ -9,7 +9,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from shardwise.comm.collectives import all_gather_single, reduce_scatter_single
+from shardwise.training.comm.collectives import all_gather_single, reduce_scatter_single
 
 
 def run_both() -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,7 +37,7 @@ def test_a_torch_without_the_new_names_gets_the_old_ones(one_rank, monkeypatch):
 
 def test_the_health_check_runs_on_a_torch_without_the_new_names(one_rank, monkeypatch):
     """What crashed on torch 2.11 (calibration's `reduce_scatter_single`), for a caller here."""
-    from shardwise.fault.health import RankHealth
+    from shardwise.training.fault.health import RankHealth
 
     monkeypatch.delattr(dist, "all_gather_single", raising=False)
     checks = RankHealth(straggler_factor=0, straggler_windows=3, every=4, interval_s=0.0)

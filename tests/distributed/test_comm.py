@@ -26,8 +26,8 @@ import torch
 
 import shardwise
 from helpers import digits_job, load_params, losses, run_distributed
-from shardwise.comm.powersgd import factor_bytes
-from shardwise.tracking.metrics import read_metrics
+from shardwise.training.comm.powersgd import factor_bytes
+from shardwise.training.tracking.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 RTOL, ATOL = 1e-5, 1e-5
@@ -87,7 +87,7 @@ def test_bf16_sends_half_of_ddps_bytes_and_powersgd_its_factors(tmp_path, ddp):
     train(tmp_path / "powersgd", parallel=powersgd)
     got = comm_metrics(tmp_path / "powersgd")
     # the digits MLP (hidden 32): 64→32 and 32→10 matrices in factors, the biases as they are
-    model = shardwise.builders.build_model(digits_job(tmp_path))
+    model = shardwise.training.builders.build_model(digits_job(tmp_path))
     payload = sum(
         factor_bytes(p.shape, 2) or p.numel() * 4 for p in model.parameters() if p.requires_grad
     )
@@ -102,7 +102,7 @@ def test_bytes_per_step_are_the_logging_windows_not_a_mean_since_the_start(tmp_p
     train(tmp_path, parallel=powersgd, train={"steps": 20}, tracking={"log_every": 5})
     records = read_metrics(tmp_path / "metrics.jsonl")
     at = {r["step"]: r for r in records if "comm/bytes_per_step" in r}
-    model = shardwise.builders.build_model(digits_job(tmp_path))
+    model = shardwise.training.builders.build_model(digits_job(tmp_path))
     factors = sum(
         factor_bytes(p.shape, 2) or p.numel() * 4 for p in model.parameters() if p.requires_grad
     )
@@ -118,8 +118,8 @@ def _full_rank_powersgd() -> list[float]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from shardwise.comm.hierarchical import topology
-    from shardwise.comm.powersgd import PowerSGDSync
+    from shardwise.training.comm.hierarchical import topology
+    from shardwise.training.comm.powersgd import PowerSGDSync
 
     rank = dist.get_rank()
     torch.manual_seed(0)

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from helpers import assert_same_training, digits_job, gpt_job, outcome, train_in_workers
-from shardwise.tracking.metrics import read_metrics
+from shardwise.training.tracking.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 STEPS = 8
@@ -161,7 +161,7 @@ def _hand_loop_breaks(steps: int) -> tuple[int, int]:
     import torch
     from torch._dynamo.utils import counters
 
-    from shardwise import builders
+    from shardwise.training import builders
 
     torch._dynamo.reset()
     counters.clear()
@@ -187,7 +187,7 @@ def test_a_hugging_face_gpt2_breaks_no_more_than_under_torch_compile_in_a_hand_l
     import torch
     import torch.distributed as dist
 
-    from shardwise.trainer.loop import train
+    from shardwise.training.trainer.loop import train
 
     hand_breaks, hand_graphs = _hand_loop_breaks(steps=3)
     torch._dynamo.reset()

@@ -29,10 +29,10 @@ from helpers import (
     losses,
     write_job,
 )
-from shardwise.checkpoint.export import export_safetensors, load_exported
-from shardwise.checkpoint.layout import problem
-from shardwise.tracking.metrics import read_metrics
+from shardwise.training.checkpoint.export import export_safetensors, load_exported
+from shardwise.training.checkpoint.layout import problem
 from shardwise.training.config.schema import JobConfig
+from shardwise.training.tracking.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 SECTIONS = {

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from helpers import assert_same_training, gpt_job, outcome, train_in_workers
-from shardwise.checkpoint.export import export_safetensors, load_exported
+from shardwise.training.checkpoint.export import export_safetensors, load_exported
 from shardwise.training.config.schema import Schedule
 
 pytestmark = pytest.mark.slow

@@ -3,7 +3,7 @@ ranks meet every step anyway, the reporting interval where they do not (async)."
 
 from __future__ import annotations
 
-from shardwise.fault.health import RankHealth
+from shardwise.training.fault.health import RankHealth
 
 
 def health(*, adaptive: bool) -> RankHealth:

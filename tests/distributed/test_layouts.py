@@ -178,8 +178,8 @@ def test_pipeline_reports_measured_and_theoretical_bubble(runs):
 def _dry_run_each(jobs: list[tuple[str, dict[str, Any]]]) -> dict[str, str]:
     import traceback
 
-    from shardwise.trainer.loop import dry_run
     from shardwise.training.config.schema import JobConfig
+    from shardwise.training.trainer.loop import dry_run
 
     failures = {}
     for name, config in jobs:

@@ -21,11 +21,11 @@ def _peak_growth(config_data: dict) -> tuple[int, int]:
     import torch
     import torch.distributed as dist
 
-    from shardwise.parallel.mesh import build_mesh
-    from shardwise.trainer.loop import build_layout
-    from shardwise.trainer.memory import state_bytes
     from shardwise.training.config.derive import derive
     from shardwise.training.config.schema import JobConfig
+    from shardwise.training.parallel.mesh import build_mesh
+    from shardwise.training.trainer.loop import build_layout
+    from shardwise.training.trainer.memory import state_bytes
 
     config = JobConfig.model_validate(config_data)
     derived = derive(config, dist.get_world_size())

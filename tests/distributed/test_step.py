@@ -21,12 +21,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import REPO, digits_job, gpt_job
-from shardwise.fault.inject import FaultPlan, parse
-from shardwise.trainer import loop
-from shardwise.trainer.loop import build_run
-from shardwise.trainer.profile import summarise
-from shardwise.trainer.step import train_step
 from shardwise.training.config.load import load_config
+from shardwise.training.fault.inject import FaultPlan, parse
+from shardwise.training.trainer import loop
+from shardwise.training.trainer.loop import build_run
+from shardwise.training.trainer.profile import summarise
+from shardwise.training.trainer.step import train_step
 
 READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}
 
@@ -91,7 +91,7 @@ def test_the_loop_calls_train_step_and_train_step_calls_backward(tmp_path, one_r
     """Issue 18's short path: in a rank, `loop.train` → `step.train_step` → `loss.backward()`,
     with no other shardwise function between them (the launcher side is `cli._train` →
     `launch.local.train` → `launch.worker.run_worker` → `loop.train`)."""
-    from shardwise.trainer import loop
+    from shardwise.training.trainer import loop
 
     seen: list[list[str]] = []
 

@@ -21,7 +21,7 @@ def _block_collectives(sequence_parallel: bool) -> dict[str, dict[str, int]]:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from shardwise.models.gpt import build_gpt
-    from shardwise.parallel.tensor import apply_tensor_parallel
+    from shardwise.training.parallel.tensor import apply_tensor_parallel
 
     torch.manual_seed(0)
     model = build_gpt(layers=2, heads=4, hidden=64, seq_len=16)

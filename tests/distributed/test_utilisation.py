@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from helpers import digits_job, gpt_job
-from shardwise.tracking.metrics import read_metrics
-from shardwise.trainer.loop import build_run, train
-from shardwise.trainer.precision import decide
+from shardwise.training.tracking.metrics import read_metrics
+from shardwise.training.trainer.loop import build_run, train
+from shardwise.training.trainer.precision import decide
 
 
 @pytest.fixture

@@ -43,10 +43,10 @@ def many_models(
 
 def test_us_employment_with_spark_features(tmp_path):
     """From the user's own Parquet file, which Spark's executors read themselves (issue 19)."""
-    from shardwise.datasets import series
+    from shardwise.manymodel import datasets
 
     source = tmp_path / "employment.parquet"
-    series.us_employment().frame.write_parquet(source)
+    datasets.us_employment().frame.write_parquet(source)
     run_dir = tmp_path / "emp"
     done = many_models(
         "examples/us-employment.toml",

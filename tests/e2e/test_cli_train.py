@@ -16,7 +16,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from helpers import free_port, session_processes
-from shardwise.tracking.metrics import read_metrics
+from shardwise.training.tracking.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent

@@ -33,10 +33,10 @@ from pydantic import BaseModel
 
 import shardwise
 from helpers import digits_job
-from shardwise.checkpoint.layout import MANIFEST
 from shardwise.cli import build_parser, main
 from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.plan.command import NUMBERS
+from shardwise.training.checkpoint.layout import MANIFEST
 from shardwise.training.config.schema import JobConfig
 
 pytestmark = pytest.mark.slow

@@ -2,8 +2,14 @@ import pytest
 import torch
 
 from helpers import digits_job
-from shardwise.builders import build_datasets, build_loss, build_model, check, cross_entropy
 from shardwise.common.errors import ConfigError
+from shardwise.training.builders import (
+    build_datasets,
+    build_loss,
+    build_model,
+    check,
+    cross_entropy,
+)
 
 
 def test_builtins_build(tmp_path):
@@ -114,7 +120,7 @@ def test_cross_entropy_handles_sequences():
 def test_digits_table_is_scikit_learns():
     from sklearn.datasets import load_digits
 
-    from shardwise.datasets.digits import _digits_table
+    from shardwise.training.data.digits import _digits_table
 
     table, reference = _digits_table(), load_digits()
     assert torch.equal(

@@ -10,7 +10,7 @@ import uuid
 import fsspec
 import pytest
 
-from shardwise.checkpoint.layout import (
+from shardwise.training.checkpoint.layout import (
     MANIFEST,
     file_digest,
     join,
@@ -170,7 +170,7 @@ def test_a_malformed_manifest_is_named_never_a_crash(root, change, reason):
 def test_checkpoints_are_asynchronous_on_gpus_where_each_host_has_memory_for_the_copies(
     asked, cuda, hosts, chosen, said
 ):
-    from shardwise.checkpoint.manager import asynchronous_by_default
+    from shardwise.training.checkpoint.manager import asynchronous_by_default
 
     asynchronous, note = asynchronous_by_default(asked, cuda=cuda, hosts=hosts)
     assert asynchronous is chosen
@@ -187,7 +187,7 @@ def test_a_save_hashes_its_files_as_it_writes_them(tmp_path, where):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from shardwise.checkpoint.writer import digests, hashing_writer
+    from shardwise.training.checkpoint.writer import digests, hashing_writer
 
     target = str(tmp_path / "ckpt") if where == "local" else f"memory://hash-{uuid.uuid4().hex}"
     state = {"w": torch.randn(1000, 100), "b": torch.arange(7), "step": 3, "rng": {"x": 1.5}}

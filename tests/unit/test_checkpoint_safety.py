@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from shardwise.checkpoint import safe
 from shardwise.common.errors import ConfigError
-from shardwise.trainer import state
+from shardwise.training.checkpoint import safe
+from shardwise.training.trainer import state
 
 
 class Touches:

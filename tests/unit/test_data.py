@@ -1,7 +1,7 @@
 import torch
 from torch.utils.data import TensorDataset
 
-from shardwise.trainer.data import GlobalBatchSampler, StepLoader, eval_loader
+from shardwise.training.data.sampling import GlobalBatchSampler, StepLoader, eval_loader
 
 
 def sampler(rank=0, size=1, n=100, batch=16, seed=0):

@@ -1,6 +1,6 @@
 import pytest
 
-from shardwise.launch.env import detect, first_host
+from shardwise.training.launch.env import detect, first_host
 
 
 def test_plain_process_is_not_a_worker():
@@ -73,7 +73,7 @@ def test_a_gpu_job_needs_a_gpu_for_each_rank_of_a_node(choice, ranks, gpus, mess
     """Refused before launch, in one line (a GPU for rank 1 of a one-GPU machine ended in a
     CUDA 'invalid device ordinal' traceback from the worker)."""
     from shardwise.common.errors import ConfigError
-    from shardwise.launch.worker import check_devices
+    from shardwise.training.launch.worker import check_devices
 
     with pytest.raises(ConfigError, match=message) as error:
         check_devices(choice, ranks, gpus=gpus)
@@ -87,7 +87,7 @@ def test_a_gpu_job_needs_a_gpu_for_each_rank_of_a_node(choice, ranks, gpus, mess
     ("choice", "ranks", "gpus"), [("auto", 4, 0), ("cpu", 4, 1), ("auto", 2, 2), ("cuda", 1, 8)]
 )
 def test_a_job_with_a_gpu_per_rank_or_on_the_cpu_is_let_through(choice, ranks, gpus):
-    from shardwise.launch.worker import check_devices
+    from shardwise.training.launch.worker import check_devices
 
     check_devices(choice, ranks, gpus=gpus)
 
@@ -106,7 +106,7 @@ KUBEFLOW = {  # what Kubeflow's training operator injects with nprocPerNode (PyT
 
 
 def test_a_kubeflow_pod_is_a_node_agent_not_a_rank():
-    from shardwise.launch.env import kubeflow
+    from shardwise.training.launch.env import kubeflow
 
     assert detect(KUBEFLOW) is None  # RANK/WORLD_SIZE there count pods, not ranks
     pod = kubeflow(KUBEFLOW)
@@ -128,7 +128,7 @@ def test_a_kubeflow_pod_is_a_node_agent_not_a_rank():
 def test_a_pods_own_address_is_taken_whatever_the_jobs_size(monkeypatch, nnodes, nodes):
     """The manifests pass --local-addr $(POD_IP) to every pod: a one-pod job must accept it."""
     from shardwise.cli import build_parser
-    from shardwise.launch.train_command import nodes_of
+    from shardwise.training.launch.train_command import nodes_of
 
     for name, value in {**KUBEFLOW, "PET_NNODES": nnodes}.items():
         monkeypatch.setenv(name, value)

@@ -7,7 +7,7 @@ import json
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from shardwise.launch.local import WorkerFailed, _first_failure
+from shardwise.training.launch.local import WorkerFailed, _first_failure
 
 GLOO_ECHO = (
     "[../third_party/gloo/gloo/transport/tcp/pair.cc:538] Connection closed by peer "

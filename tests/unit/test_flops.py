@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from shardwise.builders import LOSSES
 from shardwise.models.gpt import build_gpt
-from shardwise.trainer.flops import (
+from shardwise.training.builders import LOSSES
+from shardwise.training.trainer.flops import (
     Peak,
     Utilisation,
     count_flops,

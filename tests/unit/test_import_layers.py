@@ -16,7 +16,7 @@ LAYERS = (
     {"trainer"},
     {"checkpoint", "tracking", "fault"},
     {"parallel", "comm"},
-    {"models", "datasets", "builders"},
+    {"models", "data", "builders"},
     {"config"},
     {"common", "training"},
 )
@@ -93,7 +93,7 @@ def test_the_planner_never_imports_the_training_loop():
     the step's modules for the memory baseline a worker has), never the loop."""
     graph = _graph()
     reached = {t for name, ts in graph.items() if name.startswith("shardwise.plan") for t in ts}
-    assert "shardwise.trainer.loop" not in reached
+    assert "shardwise.training.trainer.loop" not in reached
 
 
 def test_the_graph_is_read_whole():

@@ -12,7 +12,7 @@ import tomli_w
 from helpers import digits_job
 from shardwise.cli import main
 from shardwise.common.errors import ConfigError
-from shardwise.launch.targets import filesystem_type, unshared
+from shardwise.training.launch.targets import filesystem_type, unshared
 
 
 @pytest.fixture
@@ -127,7 +127,7 @@ def test_ray_and_spark_dry_runs_say_what_would_run_and_start_nothing(
 def test_restarts_number_the_attempts_and_a_config_error_is_not_retried(capsys):
     """Ray and Spark run their ranks again through one loop: attempts are numbered from 0, each
     failure but the last says what runs again, and a ConfigError (a bad job) stops at once."""
-    from shardwise.launch.targets import run_with_restarts
+    from shardwise.training.launch.targets import run_with_restarts
 
     seen: list[int] = []
 
@@ -164,8 +164,8 @@ def test_restarts_number_the_attempts_and_a_config_error_is_not_retried(capsys):
 def test_a_failed_spark_stage_names_the_rank_whose_task_failed():
     """Spark's error (py4j's, as a real local-cluster run raised it) names the failed barrier
     task as ResultTask(stage, partition); the partition is the rank."""
-    from shardwise.launch.local import WorkerFailed
-    from shardwise.launch.spark_tasks import _stage_failed
+    from shardwise.training.launch.local import WorkerFailed
+    from shardwise.training.launch.spark_tasks import _stage_failed
 
     spark = (
         "An error occurred while calling o58.collectToPython.\n: org.apache.spark.SparkException: "

@@ -14,16 +14,16 @@ from torch import nn
 from helpers import gpt_job
 from shardwise.common.errors import ConfigError
 from shardwise.models.gpt import build_gpt
-from shardwise.parallel.checks import check_layout
-from shardwise.parallel.init import materialize, supports_meta_init
-from shardwise.parallel.pipeline import (
+from shardwise.training.config.derive import derive
+from shardwise.training.parallel.checks import check_layout
+from shardwise.training.parallel.init import materialize, supports_meta_init
+from shardwise.training.parallel.pipeline import (
     balance,
     explicit_split,
     pipeline_blocks,
     stage_indices,
     stage_module,
 )
-from shardwise.training.config.derive import derive
 
 
 def test_balance_minimises_the_most_expensive_stage():
@@ -310,9 +310,9 @@ def test_models_that_can_take_a_layout_pass_the_checks(tmp_path, repo_cwd, model
 def test_the_layout_says_what_it_applied_to_what(tmp_path, repo_cwd, model, parallel, line):
     """FSDP and recomputation without blocks are not silent no-ops: the start of every run
     says what each was applied to (repeated layers are found without the blocks contract)."""
-    from shardwise import builders
-    from shardwise.parallel.apply import data_parallel_wrapper, describe
-    from shardwise.parallel.pipeline import model_blocks
+    from shardwise.training import builders
+    from shardwise.training.parallel.apply import data_parallel_wrapper, describe
+    from shardwise.training.parallel.pipeline import model_blocks
 
     config = zoo_job(tmp_path, model, **parallel)
     degrees = derive(config, 2).degrees
@@ -334,8 +334,8 @@ def test_a_hugging_face_model_initialises_on_the_meta_device_with_its_own_scheme
     """`model.init = "auto"` picks meta initialisation for a Hugging Face model (it crashed
     calling init_weights(module)): every module by Hugging Face's `_init_weights`, then its
     parents' (GPT-2's scaled residual projections), tied embeddings tied."""
-    from shardwise import builders
-    from shardwise.parallel.init import initializer
+    from shardwise.training import builders
+    from shardwise.training.parallel.init import initializer
 
     args = {"n_layer": 4, "n_embd": 256, "n_head": 4}
     config = gpt_job(
@@ -382,10 +382,10 @@ def test_train_compile_says_whether_it_compiles_the_model_whole_or_block_by_bloc
 ):
     """Whole where nothing wraps the blocks (one process, DDP), per block where a wrapper needs
     them; the start-up line says which."""
-    from shardwise import builders
-    from shardwise.parallel.apply import data_parallel_wrapper, describe
-    from shardwise.parallel.compile import whole_model
-    from shardwise.parallel.pipeline import model_blocks
+    from shardwise.training import builders
+    from shardwise.training.parallel.apply import data_parallel_wrapper, describe
+    from shardwise.training.parallel.compile import whole_model
+    from shardwise.training.parallel.pipeline import model_blocks
 
     config = gpt_job(tmp_path, parallel=parallel, train={"compile": True})
     degrees = derive(config, world).degrees
@@ -405,7 +405,7 @@ def test_train_compile_says_whether_it_compiles_the_model_whole_or_block_by_bloc
 
 
 def test_a_users_loss_is_said_to_run_outside_the_compiled_graphs():
-    from shardwise.parallel.compile import describe_loss
+    from shardwise.training.parallel.compile import describe_loss
 
     mine = describe_loss("mine:loss", compiled="whole", one_graph=True, builtin=False)
     assert (

@@ -14,9 +14,9 @@ from torch import nn
 
 from helpers import digits_job
 from shardwise.common.errors import ConfigError
-from shardwise.parallel.checks import check_layout
-from shardwise.parallel.norms import statistics_apart
 from shardwise.training.config.derive import derive
+from shardwise.training.parallel.checks import check_layout
+from shardwise.training.parallel.norms import statistics_apart
 
 
 @pytest.mark.parametrize(

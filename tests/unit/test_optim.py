@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from shardwise.trainer.optim import build_optimizer, lr_factor
 from shardwise.training.config.schema import TrainSection
+from shardwise.training.trainer.optim import build_optimizer, lr_factor
 
 
 def train(**kw):

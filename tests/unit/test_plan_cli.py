@@ -63,7 +63,7 @@ def test_a_job_file_plans_its_own_model_and_layout(repo_cwd, capsys):
     assert "job. dp2 mb" in out  # the job's own layout, evaluated, above the ranking
     config = load_config("examples/text-gpt.toml", [])
     job = plan_job(config, 2)
-    from shardwise import builders
+    from shardwise.training import builders
 
     built = builders.build_model(config)
     assert job.model.params == sum(p.numel() for p in built.parameters())
@@ -123,8 +123,8 @@ def test_the_meta_trace_saves_what_a_real_forward_on_cpu_does(tmp_path, dropout)
     import torch
 
     from helpers import gpt_job
-    from shardwise import builders
     from shardwise.plan.job import trace_activations
+    from shardwise.training import builders
 
     args = {"layers": 3, "heads": 4, "hidden": 64, "seq_len": 32, "dropout": dropout}
     config = gpt_job(tmp_path, model={"args": args})
@@ -173,8 +173,8 @@ def traced_gpt(tmp_path, layers: int, *, wrap: bool, traced_layers: int):
     import torch
 
     from helpers import gpt_job
-    from shardwise import builders
     from shardwise.plan.job import trace_activations
+    from shardwise.training import builders
 
     config = gpt_job(tmp_path, model={"args": {"layers": layers, "heads": 4, "hidden": 64}})
     with torch.device("meta"):

@@ -17,7 +17,7 @@ EXIT_INSIDE = textwrap.dedent(
     if {bare}:
         profile(activities=[ProfilerActivity.CPU]).__enter__()  # torch's, left recording
     else:
-        from shardwise.trainer.profile import StepProfiler
+        from shardwise.training.trainer.profile import StepProfiler
         StepProfiler(Path({run_dir!r}), 0, first=1, count=3).step(1).__enter__()
     torch.randn(50, 50) @ torch.randn(50, 50)
     """

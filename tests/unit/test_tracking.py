@@ -4,8 +4,8 @@ import warnings
 from mlflow.tracking import MlflowClient
 
 from helpers import free_port
-from shardwise.tracking.metrics import JsonlTracker, read_metrics
-from shardwise.tracking.mlflow import MlflowTracker
+from shardwise.common.mlflow import MlflowTracker
+from shardwise.training.tracking.metrics import JsonlTracker, read_metrics
 
 
 def test_jsonl_appends_and_marks_resume(tmp_path):
@@ -109,7 +109,7 @@ def test_mlflow_bad_uri_warns():
 
 
 def test_an_uneven_pipeline_is_told_how_to_balance():
-    from shardwise.trainer.display import bubble_advice
+    from shardwise.training.trainer.display import bubble_advice
 
     def ranks(*bubbles):
         return [{"rank": r, "bubble": b, "bubble_theory": 0.2} for r, b in enumerate(bubbles)]

@@ -49,12 +49,12 @@ def read_table(config: ManyModelsConfig) -> tuple[pl.DataFrame, Columns]:
     """The raw long table and its column roles, from a built-in source or a file/URL."""
     data = config.data
     if data.source in BUILTIN_SOURCES:
-        from shardwise.datasets import series
+        from shardwise.manymodel import datasets
 
         if data.source == "us_employment":
-            builtin = series.us_employment()
+            builtin = datasets.us_employment()
         else:
-            builtin = series.retail_synthetic(
+            builtin = datasets.retail_synthetic(
                 data.num_series or 1000,
                 data.periods,
                 future=config.backtest.horizon,

@@ -114,7 +114,7 @@ def start_tracking(config: ManyModelsConfig, run_dir: Path) -> Any:
     """Start the MLflow process early, so its start-up overlaps the work."""
     if not config.tracking.mlflow:
         return None
-    from shardwise.tracking.mlflow import MlflowTracker
+    from shardwise.common.mlflow import MlflowTracker
 
     return MlflowTracker(
         uri=config.tracking_uri,

@@ -47,10 +47,10 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from shardwise.comm.collectives import all_gather_single, reduce_scatter_single
 from shardwise.common.devices import best_seconds, matmul_peak
 from shardwise.plan.hardware import POWERSGD_RANK, THIS_MACHINE, Hardware
 from shardwise.plan.timing import Link, all_reduce
+from shardwise.training.comm.collectives import all_gather_single, reduce_scatter_single
 
 SIZES = [4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20, 32 << 20]
 LAYER = {"hidden": 512, "heads": 8, "seq": 128, "batch": 2}
@@ -133,7 +133,7 @@ def _layer_seconds(
     if tp:
         from torch.distributed.device_mesh import init_device_mesh
 
-        from shardwise.parallel.tensor import apply_tensor_parallel
+        from shardwise.training.parallel.tensor import apply_tensor_parallel
 
         apply_tensor_parallel(model, init_device_mesh("cpu", (2,)), None, sequence_parallel=False)
     if torch.distributed.is_initialized():
@@ -165,9 +165,9 @@ def codec_rates() -> tuple[float, float, float, float]:
     (`powersgd_costs`). Their collectives run on a process group of this one rank."""
     import torch.distributed as dist
 
-    from shardwise.comm.base import Sync
-    from shardwise.comm.compression import Codec, Half, Int8
     from shardwise.models.gpt import build_gpt
+    from shardwise.training.comm.base import Sync
+    from shardwise.training.comm.compression import Codec, Half, Int8
 
     block = build_gpt(layers=1, heads=LAYER["heads"], hidden=LAYER["hidden"], seq_len=LAYER["seq"])
     sizes = [p.numel() for p in block.parameters()]
@@ -203,9 +203,9 @@ def powersgd_costs(group: Any) -> tuple[float, float]:
     t = m·a + bytes / rate, solved for the rate (bytes/s) and a (seconds per matrix)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from shardwise.comm.hierarchical import Topology
-    from shardwise.comm.powersgd import PowerSGDSync
     from shardwise.models.gpt import build_gpt
+    from shardwise.training.comm.hierarchical import Topology
+    from shardwise.training.comm.powersgd import PowerSGDSync
 
     points = []
     for width in POWERSGD_WIDTHS:
@@ -265,9 +265,9 @@ def _collectives_worker(rank: int, store_path: str, results: dict[Any, float]) -
     import torch.distributed as dist
 
     # imported before the baseline, as the trainer's worker has them
-    import shardwise.parallel.apply
-    import shardwise.trainer.step  # noqa: F401
-    from shardwise.trainer.memory import current_bytes
+    import shardwise.training.parallel.apply
+    import shardwise.training.trainer.step  # noqa: F401
+    from shardwise.training.trainer.memory import current_bytes
 
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, 2)  # type: ignore[attr-defined]

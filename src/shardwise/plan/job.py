@@ -14,16 +14,16 @@ import torch.nn.functional as F  # noqa: N812 (the conventional name)
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from shardwise import builders
 from shardwise.common.errors import ConfigError
-from shardwise.parallel.pipeline import model_blocks
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import PRECISIONS, Layout, Precision
 from shardwise.plan.memory import Traced
 from shardwise.plan.model import Transformer
 from shardwise.plan.network import Mode, Tensors
+from shardwise.training import builders
 from shardwise.training.config.derive import derive
 from shardwise.training.config.schema import JobConfig
+from shardwise.training.parallel.pipeline import model_blocks
 
 
 @dataclass(frozen=True)

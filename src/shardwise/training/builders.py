@@ -1,0 +1,195 @@
+"""Turn the names in a job file (`model.name`, `data.name`, `train.loss`) into callables: a
+built-in by its short name, or a user's function by `package.module:function`.
+
+User contracts (also in the README):
+- model builder: `build_model(**model.args) -> torch.nn.Module`; `forward(inputs) -> outputs`.
+- data builder: `build_datasets(**data.args) -> (train, held_out)`, map-style datasets whose items
+  are `(inputs, target)`; `held_out` may be None.
+- loss: `loss(outputs, target) -> scalar tensor`, the mean over the batch's target elements;
+  `outputs` is what the model's forward returned (a Hugging Face `ModelOutput`, say), which the
+  built-in losses read with `model_output`.
+
+`check` validates names and arguments before any process starts, so a typo fails in a second with
+one line instead of N tracebacks. This module must not build anything at import time.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import typing
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812 (the conventional name)
+from pydantic import TypeAdapter, ValidationError
+from torch import nn
+from torch.utils.data import Dataset
+
+from shardwise.common.errors import ConfigError
+from shardwise.common.imports import import_object
+from shardwise.common.job_files import accepts_bool, accepts_str, kind_of
+from shardwise.models import hf
+from shardwise.models.gpt import build_gpt
+from shardwise.models.vision import build_cnn, build_mlp, build_resnet
+from shardwise.training.config.schema import JobConfig
+from shardwise.training.data.digits import build_digits
+from shardwise.training.data.text import build_text
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+def model_output(outputs: Any) -> torch.Tensor:
+    """The tensor a model's forward returned: itself; the `logits` of a Hugging Face
+    `ModelOutput` (or of a dict); or the first tensor of a tuple (or of a dict)."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    logits = getattr(outputs, "logits", None)
+    if isinstance(outputs, dict):
+        logits = outputs.get("logits", logits)
+        outputs = list(outputs.values())
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(outputs, tuple | list):
+        first = next((o for o in outputs if isinstance(o, torch.Tensor)), None)
+        if first is not None:
+            return first
+    raise TypeError(
+        f"the model's forward returned {type(outputs).__name__}, which holds no tensor to "
+        "compute a loss on; return a tensor, a tuple of tensors or a ModelOutput with logits"
+    )
+
+
+def cross_entropy(outputs: Any, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over the last dimension; works for (batch, classes) and (batch, seq, vocab)."""
+    return F.cross_entropy(model_output(outputs).flatten(0, -2).float(), target.flatten())
+
+
+def mse(outputs: Any, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(model_output(outputs).float().reshape(target.shape), target.float())
+
+
+MODELS: dict[str, Callable[..., nn.Module]] = {
+    "mlp": build_mlp,
+    "cnn": build_cnn,
+    "gpt": build_gpt,
+    "resnet": build_resnet,
+}
+DATASETS: dict[str, Callable[..., Any]] = {"digits": build_digits, "text": build_text}
+LOSSES: dict[str, LossFn] = {"cross_entropy": cross_entropy, "mse": mse}
+
+
+def check(config: JobConfig) -> None:
+    """Resolve every name in the config and check builder arguments, without building anything."""
+    model_builder = resolve(config.model.name, MODELS, "model.name")
+    model = _check_args("model", model_builder, config.model.args)
+    data = _check_args("data", resolve(config.data.name, DATASETS, "data.name"), config.data.args)
+    resolve(config.train.loss, LOSSES, "train.loss")
+    if config.parallel.tp_plan:
+        resolve(config.parallel.tp_plan, {}, "parallel.tp_plan")
+    if config.model.name == "gpt" and config.data.name == "text":
+        model_len = model.get("seq_len", 128)
+        data_len = data.get("seq_len", 128)
+        if data_len > model_len:
+            raise ConfigError(
+                f"data.args.seq_len ({data_len}) is longer than model.args.seq_len ({model_len}); "
+                "the GPT cannot see past its position table, so make them equal"
+            )
+
+
+def build_model(config: JobConfig) -> nn.Module:
+    model = _call("model", resolve(config.model.name, MODELS, "model.name"), config.model.args)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"model builder {config.model.name} returned {type(model).__name__}; "
+            "it must return a torch.nn.Module"
+        )
+    hf.prepare(model)
+    return model
+
+
+def build_datasets(config: JobConfig) -> tuple[Dataset, Dataset | None]:
+    built = _call("data", resolve(config.data.name, DATASETS, "data.name"), config.data.args)
+    if not (isinstance(built, tuple) and len(built) == 2):
+        raise ConfigError(
+            f"data builder {config.data.name} returned {type(built).__name__}; "
+            "it must return a tuple (train_dataset, held_out_dataset_or_None)"
+        )
+    return built[0], built[1]
+
+
+def build_loss(config: JobConfig) -> LossFn:
+    loss: LossFn = resolve(config.train.loss, LOSSES, "train.loss")
+    return loss
+
+
+def resolve(name: str, builtins: dict[str, Any], key: str) -> Any:
+    """A built-in by name, or `package.module:attr` imported relative to the working directory."""
+    if name in builtins:
+        return builtins[name]
+    if ":" not in name:
+        close = difflib.get_close_matches(name, list(builtins), n=1)
+        if close:
+            hint = f"; did you mean '{close[0]}'?"
+        else:
+            hint = f"; built-ins: {', '.join(builtins)}" if builtins else ""
+        kind = "neither a built-in nor an import path" if builtins else "not an import path"
+        raise ConfigError(f"{key} = '{name}' is {kind} like 'package.module:function'{hint}")
+    return import_object(name, key)
+
+
+def _check_args(section: str, builder: Callable[..., Any], args: dict[str, Any]) -> dict[str, Any]:
+    """The builder's arguments, checked against its signature and annotations (constraints
+    such as `PositiveInt` included) and converted to the annotated types."""
+    signature = inspect.signature(builder)
+    params = signature.parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    for key in args:
+        if key not in params and not takes_any:
+            close = difflib.get_close_matches(key, list(params), n=1)
+            hint = (
+                f"did you mean '{section}.args.{close[0]}'?"
+                if close
+                else (f"it takes: {', '.join(params) or 'no arguments'}")
+            )
+            raise ConfigError(f"unknown key '{section}.args.{key}'; {hint}")
+    missing = [
+        n
+        for n, p in params.items()
+        if p.default is inspect.Parameter.empty
+        and n not in args
+        and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if missing:
+        raise ConfigError(f"missing key '{section}.args.{missing[0]}' (the builder requires it)")
+    try:
+        hints = typing.get_type_hints(builder, include_extras=True)
+    except (NameError, TypeError):
+        return args  # annotations we cannot resolve: the builder checks its own arguments
+    checked = dict(args)
+    for key, value in args.items():
+        if key in hints:
+            if isinstance(value, bool) and not accepts_bool(hints[key]):
+                raise ConfigError(
+                    f"{section}.args.{key}: expected a number, not {str(value).lower()}"
+                )
+            if isinstance(value, str) and not accepts_str(hints[key]):
+                raise ConfigError(
+                    f"{section}.args.{key}: expected {kind_of(hints[key])}, not the string "
+                    f"{value!r}: write it without quotes"
+                )
+            try:  # the builder gets the value as annotated (12.0 for an int: 12)
+                checked[key] = TypeAdapter(hints[key]).validate_python(value, strict=False)
+            except ValidationError as e:
+                reason = e.errors()[0]["msg"].lower()
+                raise ConfigError(f"{section}.args.{key}: {reason} (got {value!r})") from None
+    return checked
+
+
+def _call(section: str, builder: Callable[..., Any], args: dict[str, Any]) -> Any:
+    args = _check_args(section, builder, args)
+    try:
+        return builder(**args)
+    except ValueError as e:  # builders raise ValueError for bad arguments (see the style guide)
+        raise ConfigError(f"{section}: {e}") from e

@@ -1,0 +1,113 @@
+"""Where a run starts: the resume policy every launcher shares. `resume_point` turns the user's
+`--resume` (never, auto, or a path) into the checkpoint to start from, refusing to overwrite an
+earlier run and refusing a checkpoint of another model in one line; `start_point` is what the
+workers use after a restart (the newest good checkpoint)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from shardwise.common.console import warn
+from shardwise.common.errors import ConfigError
+from shardwise.common.job_files import shown
+from shardwise.training import builders
+from shardwise.training.checkpoint.layout import (
+    MANIFEST,
+    complete_checkpoints,
+    is_complete,
+    name_of,
+    newest_good,
+    probe_writable,
+    problem,
+    read_manifest,
+)
+from shardwise.training.checkpoint.safe import check_metadata
+from shardwise.training.config.schema import JobConfig
+
+
+def resume_point(config: JobConfig, resume: str) -> str | None:
+    """The checkpoint to start from, or None for a fresh start; refuses to overwrite a run. The
+    checkpoint directory must take a write (checked now, not at the first save an hour in)."""
+    wrong = probe_writable(config.checkpoint_dir)
+    if wrong is not None:
+        raise ConfigError(
+            f"checkpoint.dir = {config.checkpoint_dir!r}: {wrong}; check the path or URL, and "
+            "for object stores the credentials and endpoint (AWS_ACCESS_KEY_ID, "
+            "AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL)"
+        )
+    found = complete_checkpoints(config.checkpoint_dir)
+    if resume == "never":
+        if found:
+            raise ConfigError(
+                f"{config.checkpoint_dir} already holds checkpoints of an earlier run (newest: "
+                f"{name_of(found[-1])}); pass --resume auto to continue it, or set job.run_dir "
+                "to start a new run"
+            )
+        return None
+    if resume == "auto":
+        newest = _newest_good(config)
+        if newest is not None:
+            check_model(newest, config)
+        return newest
+    path = resume
+    if not is_complete(path):
+        raise ConfigError(
+            f"--resume {resume}: not a complete checkpoint (expected a step_NNNNNNNN directory "
+            f"with {MANIFEST}); use --resume auto to pick the newest one"
+        )
+    wrong = problem(path)
+    if wrong is not None:
+        raise ConfigError(
+            f"--resume {resume}: {wrong}; use --resume auto to pick the newest good checkpoint"
+        )
+    check_metadata(path)
+    check_model(path, config)
+    return path
+
+
+def check_model(path: str, config: JobConfig) -> None:
+    """Refuse a checkpoint of another model (another builder, or other arguments) in one line,
+    before DCP fails in every rank on the first name it cannot find."""
+    saved = read_manifest(path).get("model")
+    if not saved:
+        return  # an older manifest: DCP's own check remains
+    theirs, ours = _model_label(saved), _model_label(shown(config.model))
+    if theirs != ours:
+        raise ConfigError(
+            f"{name_of(path)}: checkpoint is for model {theirs}, this job builds {ours}; resume "
+            "with the job that wrote it, or start the new model from its weights "
+            "(shardwise export, then model.init_from)"
+        )
+
+
+def _model_label(model: dict[str, Any]) -> str:
+    """`cnn(channels=16)`: the builder and its arguments, defaults filled in where the builder
+    can be found, so a default written out and one left out are the same model."""
+    name, args = str(model.get("name")), dict(model.get("args") or {})
+    try:
+        builder = builders.resolve(name, builders.MODELS, "model.name")
+        bound = inspect.signature(builder).bind_partial(**args)
+        bound.apply_defaults()
+        args = {k: v for k, v in bound.arguments.items() if not k.startswith("_")}
+    except (ConfigError, TypeError, ValueError):
+        pass  # compare as written
+    return f"{name}({', '.join(f'{k}={v!r}' for k, v in sorted(args.items()))})"
+
+
+def _newest_good(config: JobConfig) -> str | None:
+    """The newest checkpoint whose files match its manifest; a warning names each one skipped."""
+    path, skipped = newest_good(config.checkpoint_dir)
+    for message in skipped:
+        warn(f"{message}; resuming from {name_of(path) if path else 'the start'}", stacklevel=3)
+    if path is not None:
+        check_metadata(path)
+    return path
+
+
+def start_point(config: JobConfig, resume: str | None, restarts: int, decided: bool) -> str | None:
+    """The checkpoint to start from: after a restart the newest good one (the warnings name any
+    skipped), else what the launcher chose or what the `--resume` request resolves to."""
+    if restarts and (newest := _newest_good(config)):
+        return newest
+    return resume if decided else resume_point(config, resume or "never")

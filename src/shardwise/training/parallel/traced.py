@@ -1,0 +1,260 @@
+"""Pipelines for models that are not a sequence of blocks: torch's tracer
+(`torch.distributed.pipelining.pipeline`, built on `torch.export`) records the model's forward
+as a graph and cuts it into stages, so a `forward` that calls its parts with code in between (a
+reshape, a mask, a residual) pipelines as written.
+
+Where the cuts go, first match wins:
+1. `parallel.pipeline_split`: module names; each stage after the first starts where that module
+   is called;
+2. `pipe_split()` markers (from `torch.distributed.pipelining`) in the model's forward;
+3. otherwise the model's repeated layers (the largest list of modules of one type, such as a
+   transformer's decoder layers), split into stages of about equal parameter count.
+
+What tracing fixes at trace time, and what shardwise does about it:
+- shapes: the graph is recorded for one micro-batch and runs only at that size (a reshape such as
+  `x.view(x.size(0), -1)` is recorded with the number). Training always runs micro-batches of
+  that size; evaluation pads its last batch to it.
+- the training mode: dropout, BatchNorm and attention dropout are recorded as they run in
+  training. `follow_training_mode` rewrites them to follow the stage module's `training` flag,
+  so evaluation runs them as `model.eval()` would. Other Python branches on `self.training`
+  keep the branch they took while tracing.
+- tied weights: the tracer gives each stage that uses one a copy of its own (ties.py keeps the
+  copies equal).
+- layer types: the stages are graphs, not the model's own layers, so tensor parallelism (whose
+  styles apply to layer types) cannot follow; that combination is refused before launch.
+
+This module must not choose the layout: it splits what `parallelize` asks it to.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.distributed.pipelining import SplitPoint, pipeline
+from torch.export.unflatten import InterpreterModule
+
+from shardwise.common.errors import ConfigError
+from shardwise.training.parallel.pipeline import balance, has_submodule, repeated_layers
+
+README = "see README, 'Pipeline parallelism'"
+
+
+@dataclass
+class TracedSplit:
+    """Every stage of a traced pipeline (each rank builds them all, from the meta model, and
+    keeps its own)."""
+
+    modules: dict[int, nn.Module]
+    held: dict[int, set[str]]
+    """The parameter names each stage holds."""
+    blocks: dict[int, list[str]]
+    """What each stage runs, for display: its repeated layers, or its top-level modules."""
+    split: list[str]
+    """Where the stages after the first begin (empty for `pipe_split()` markers)."""
+
+
+def trace_split(
+    model: nn.Module,
+    example: Any,
+    *,
+    num_stages: int,
+    split: list[str],
+    device: torch.device | None = None,
+) -> TracedSplit:
+    """Trace `model` on `example` (one micro-batch of inputs, on the model's device: meta is
+    fine) and cut it into `num_stages` stages, to run on `device`."""
+    model = copy.deepcopy(model)  # split points patch the modules' forward
+    model.train()
+    if not split:
+        marked = _pipeline(model, example, None)
+        if marked.num_stages > 1:
+            if marked.num_stages != num_stages:
+                raise ConfigError(
+                    f"the model's forward has {marked.num_stages - 1} pipe_split() markers, "
+                    f"which make {marked.num_stages} stages, but parallel.pp × stages_per_rank "
+                    f"= {num_stages}; change one to match the other"
+                )
+            return _stages(marked, model, [], device)
+        split = auto_split(model, num_stages)
+    _check_split(model, split, num_stages)
+    return _stages(_pipeline(model, example, split), model, split, device)
+
+
+def auto_split(model: nn.Module, num_stages: int) -> list[str]:
+    """The first layer of every stage after the first, the repeated layers balanced by
+    parameter count."""
+    layers = repeated_layers(model)
+    if len(layers) < num_stages:
+        found = f"only {len(layers)} repeated layers" if layers else "no repeated layers"
+        raise ConfigError(
+            f"{type(model).__name__} is not a sequence of blocks (no pipeline_blocks(), not an "
+            f"nn.Sequential) and has {found} to split into {num_stages} pipeline stages; name "
+            "where stages begin with parallel.pipeline_split = ['module.name', …], put "
+            f"pipe_split() markers in its forward, or give it pipeline_blocks() ({README})"
+        )
+    costs = [float(sum(p.numel() for p in model.get_submodule(n).parameters())) for n in layers]
+    return [layers[i] for i in balance(costs, num_stages)[1:]]
+
+
+def _check_split(model: nn.Module, split: list[str], num_stages: int) -> None:
+    if len(split) != num_stages - 1:
+        raise ConfigError(
+            f"parallel.pipeline_split names {len(split)} modules but {num_stages} stages need "
+            f"{num_stages - 1}: the module each stage after the first begins with"
+        )
+    names = [n for n, _ in model.named_modules() if n]
+    for name in split:
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"parallel.pipeline_split: the model has no module '{name}'{hint}")
+
+
+def _pipeline(model: nn.Module, example: Any, split: list[str] | None) -> Any:
+    spec = {name: SplitPoint.BEGINNING for name in split} if split else None
+    try:
+        with warnings.catch_warnings():  # torch.export's notes on pytree and deprecations
+            warnings.simplefilter("ignore")
+            return pipeline(model, (example,), split_spec=spec)
+    except Exception as e:  # what torch.export raises varies: every failure is a refusal
+        cause = e.__cause__ or e
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        raise ConfigError(
+            f"pipeline parallelism could not trace {type(model).__name__}'s forward with "
+            f"torch.export ({type(cause).__name__}: {first[:200]}); make the forward "
+            f"traceable, or give the model pipeline_blocks() ({README})"
+        ) from e
+
+
+def _stages(
+    pipe: Any, model: nn.Module, split: list[str], device: torch.device | None
+) -> TracedSplit:
+    layers = repeated_layers(model)
+    modules, held, blocks = {}, {}, {}
+    for index in range(pipe.num_stages):
+        module = pipe.get_stage_module(index)
+        follow_training_mode(module)
+        if device is not None:
+            retarget(module, device)
+        modules[index] = module
+        held[index] = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+        present = [n for n in layers if has_submodule(module, n)]
+        blocks[index] = present or [n for n, _ in module.named_children()]
+    return TracedSplit(modules=modules, held=held, blocks=blocks, split=split)
+
+
+# Ops whose training behaviour the trace records as constants: (op, index of the argument).
+_TRAIN_FLAG = {
+    torch.ops.aten.dropout.default: 2,
+    torch.ops.aten.feature_dropout.default: 2,
+    torch.ops.aten.alpha_dropout.default: 2,
+    torch.ops.aten.feature_alpha_dropout.default: 2,
+    torch.ops.aten.batch_norm.default: 5,
+}
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
+def _count_if_training(counter: torch.Tensor, step: Any, training: bool) -> torch.Tensor:
+    """BatchNorm's `num_batches_tracked += 1`, only in training."""
+    return counter.add_(step) if training else counter
+
+
+def _dropout_p_if_training(p: float, training: bool) -> float:
+    return p if training else 0.0
+
+
+def follow_training_mode(stage: nn.Module) -> None:
+    """Make every graph in `stage` run dropout, BatchNorm and attention dropout as its module's
+    `training` flag says, not as they ran while tracing."""
+    _each_graph(stage, _rewrite)
+
+
+def retarget(stage: nn.Module, device: torch.device) -> None:
+    """Make every graph in `stage` run on `device`: tracing (on the meta device) recorded the
+    device of the tensors it creates and checks of each tensor's device and dtype. The checks
+    go (mixed precision changes dtypes, and they only check), created tensors move."""
+
+    def rewrite(graph: fx.Graph) -> bool:
+        changed = False
+        for node in list(graph.nodes):
+            if node.op != "call_function":
+                continue
+            if node.target is torch.ops.aten._assert_tensor_metadata.default and not node.users:
+                graph.erase_node(node)
+                changed = True
+            elif "device" in node.kwargs and node.kwargs["device"] != device:
+                node.update_kwarg("device", device)
+                changed = True
+        return changed
+
+    _each_graph(stage, rewrite)
+
+
+def _each_graph(stage: nn.Module, rewrite: Callable[[fx.Graph], bool]) -> None:
+    """Apply `rewrite` to the graph of `stage` and of every module in it, and regenerate the
+    code of those it changed."""
+    for module in stage.modules():
+        if isinstance(module, InterpreterModule) and rewrite(module.graph):
+            module.graph.lint()
+            module.finalize()
+        elif isinstance(module, fx.GraphModule) and rewrite(module.graph):
+            module.graph.lint()
+            module.recompile()
+
+
+def _rewrite(graph: fx.Graph) -> bool:
+    first = next((n for n in graph.nodes if n.op != "placeholder"), None)
+    if first is None:
+        return False
+    with graph.inserting_before(first), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no underlying reference": a flag, not a tensor
+        training = graph.get_attr("training")
+    changed = False
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target in _TRAIN_FLAG:
+            index = _TRAIN_FLAG[node.target]
+            if len(node.args) > index and node.args[index] is True:
+                node.update_arg(index, training)
+                changed = True
+        elif node.target is torch.ops.aten.add_.Tensor and _is_batch_counter(node.args[0]):
+            node.target = _count_if_training
+            node.args = (*node.args[:2], training)
+            changed = True
+        elif node.target is _SDPA:
+            changed |= _rewrite_attention_dropout(graph, node, training)
+    if not changed:
+        graph.erase_node(training)
+    return changed
+
+
+def _rewrite_attention_dropout(graph: fx.Graph, node: fx.Node, training: fx.Node) -> bool:
+    if len(node.args) > 4:
+        p = node.args[4]
+        if not p:
+            return False
+        with graph.inserting_before(node):
+            node.update_arg(4, graph.call_function(_dropout_p_if_training, (p, training)))
+        return True
+    p = node.kwargs.get("dropout_p", 0.0)
+    if not p:
+        return False
+    with graph.inserting_before(node):
+        node.update_kwarg("dropout_p", graph.call_function(_dropout_p_if_training, (p, training)))
+    return True
+
+
+def _is_batch_counter(node: Any) -> bool:
+    return (
+        isinstance(node, fx.Node)
+        and node.op == "get_attr"
+        and str(node.target).endswith("num_batches_tracked")
+    )
