@@ -96,6 +96,26 @@ def test_the_planner_never_imports_the_training_loop():
     assert "shardwise.training.trainer.loop" not in reached
 
 
+def test_many_models_and_training_use_only_the_floor_of_each_other():
+    """The products share only `common/`: many-models imports nothing of training, the planner or
+    the model zoo, and training imports nothing of many-models or the planner."""
+    graph = _graph()
+    crossing = [
+        f"{name} -> {target}"
+        for name, targets in sorted(graph.items())
+        for target in sorted(targets)
+        if (
+            name.startswith("shardwise.manymodel")
+            and target.startswith(("shardwise.training", "shardwise.plan", "shardwise.models"))
+        )
+        or (
+            name.startswith(("shardwise.training", "shardwise.models"))
+            and target.startswith(("shardwise.manymodel", "shardwise.plan"))
+        )
+    ]
+    assert not crossing, crossing
+
+
 def test_the_graph_is_read_whole():
     """A lazy import and a TYPE_CHECKING import are edges like any other (a cycle hidden by
     either is still a cycle)."""
