@@ -2,7 +2,7 @@
 tensors to the same directory followed by `os.fsync` (the baseline: what a user writes).
 
 The state is a real run's: a GPT (default 12 × 768, 86M parameters) with its AdamW moments after
-one step, about 1 GB, saved by the trainer's own `save` (trainer/loop.py) on one rank: the
+one step, about 1 GB, saved by the trainer's own `save` (training/trainer/persist.py) on one rank: the
 state captured as DCP state dicts, written by DCP (serialise, write, fsync), hashed for the
 manifest, committed. Synchronous and asynchronous saves (the stall: what the training loop
 waits for) are interleaved with the baseline and repeated; medians and spreads are printed, with
@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO / "tests"))  # the small-job helpers
 def build(layers: int, hidden: int, root: Path, asynchronous: bool, device: torch.device):
     """A one-rank run of the GPT whose optimizer has taken a step (its moments exist)."""
     from helpers import gpt_job
-    from shardwise.training.trainer.loop import build_run
+    from shardwise.training.trainer.build import build_run
     from shardwise.training.trainer.step import train_step
 
     config = gpt_job(
@@ -49,7 +49,7 @@ def build(layers: int, hidden: int, root: Path, asynchronous: bool, device: torc
 
 def state_tensors(run) -> dict[str, torch.Tensor]:
     """The tensors a save writes, by name (what the baseline torch.save's)."""
-    from shardwise.training.trainer.loop import capture
+    from shardwise.training.trainer.persist import capture
 
     state = capture(run, 1)
     flat = {f"model.{k}": v for k, v in state["model"].items()}
@@ -72,7 +72,7 @@ def baseline(tensors: dict[str, torch.Tensor], directory: Path) -> float:
 
 def shardwise_save(run, step: int) -> tuple[float, float, dict[str, float]]:
     """(seconds until save returned: the loop's stall, seconds until committed, phases)."""
-    from shardwise.training.trainer.loop import save
+    from shardwise.training.trainer.persist import save
 
     began = time.perf_counter()
     save(run, step)

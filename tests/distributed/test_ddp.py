@@ -65,7 +65,7 @@ def _count_all_reduces(config_data: dict) -> list[int]:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     from shardwise.training.config.schema import JobConfig
-    from shardwise.training.trainer.loop import build_run
+    from shardwise.training.trainer.build import build_run
     from shardwise.training.trainer.step import train_step
 
     run = build_run(JobConfig.model_validate(config_data), torch.device("cpu"))

@@ -179,7 +179,7 @@ def _dry_run_each(jobs: list[tuple[str, dict[str, Any]]]) -> dict[str, str]:
     import traceback
 
     from shardwise.training.config.schema import JobConfig
-    from shardwise.training.trainer.loop import dry_run
+    from shardwise.training.trainer.dry_run import dry_run
 
     failures = {}
     for name, config in jobs:

@@ -24,7 +24,7 @@ def _peak_growth(config_data: dict) -> tuple[int, int]:
     from shardwise.training.config.derive import derive
     from shardwise.training.config.schema import JobConfig
     from shardwise.training.parallel.mesh import build_mesh
-    from shardwise.training.trainer.loop import build_layout
+    from shardwise.training.trainer.build import build_layout
     from shardwise.training.trainer.memory import state_bytes
 
     config = JobConfig.model_validate(config_data)

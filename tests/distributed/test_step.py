@@ -24,7 +24,7 @@ from helpers import REPO, digits_job, gpt_job
 from shardwise.training.config.load import load_config
 from shardwise.training.fault.inject import FaultPlan, parse
 from shardwise.training.trainer import loop
-from shardwise.training.trainer.loop import build_run
+from shardwise.training.trainer.build import build_run
 from shardwise.training.trainer.profile import summarise
 from shardwise.training.trainer.step import train_step
 
@@ -107,7 +107,7 @@ def test_the_loop_calls_train_step_and_train_step_calls_backward(tmp_path, one_r
         )
     finally:
         handle.remove()
-    training = [path for path in seen if "loop.build_run" not in path]  # not the FLOP count's
+    training = [path for path in seen if "build.build_run" not in path]  # not the FLOP count's
     assert len(training) >= 2
     assert all(path == ["loop.train", "step.train_step"] for path in training), training[:3]
 

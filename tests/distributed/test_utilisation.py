@@ -13,7 +13,8 @@ import torch
 
 from helpers import digits_job, gpt_job
 from shardwise.training.tracking.metrics import read_metrics
-from shardwise.training.trainer.loop import build_run, train
+from shardwise.training.trainer.build import build_run
+from shardwise.training.trainer.loop import train
 from shardwise.training.trainer.precision import decide
 
 

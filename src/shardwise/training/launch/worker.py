@@ -51,13 +51,13 @@ def run_worker(
         # A backstop: the watchdog names a hang after fault.timeout_s, before gloo/NCCL give up.
         timeout = timedelta(seconds=config.fault.timeout_s + 60)
         _join(env, device, timeout, store_host=store_host)
-        from shardwise.training.trainer import (
-            loop,  # here: the launching process never needs the trainer
-        )
+        # here: the launching process never needs the trainer
+        from shardwise.training.trainer import dry_run as layout_only
+        from shardwise.training.trainer import loop
 
         try:
             if dry_run:
-                loop.dry_run(config, device)
+                layout_only.dry_run(config, device)
                 return None
             restarts = _agreed_restarts(env.restart_count)
             if restarts or not decided:

@@ -2,7 +2,7 @@
 backward. A run's model is a list of parts (one, or one per local pipeline stage), each with its
 own optimizer; everything else is the same whatever the layout.
 
-This module must not build anything: `loop.build_run` assembles the `Run` it works on.
+This module must not build anything: `build.build_run` assembles the `Run` it works on.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from shardwise.training.trainer.profile import phase
 
 @dataclass
 class Run:
-    """The parts of a training run, built once by `loop.build_run`."""
+    """The parts of a training run, built once by `build.build_run`."""
 
     config: JobConfig
     derived: Derived
