@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 APT := DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends
 
-.PHONY: demo test lint typecheck install bench clean
+.PHONY: demo test lint typecheck install bench docs clean
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,8 +35,8 @@ demo: $(STAMP)
 	$(BIN)/shardwise train examples/digits.toml --nproc 2 --set job.run_dir=runs/demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests examples bench
-	$(BIN)/ruff format --check src tests examples bench
+	$(BIN)/ruff check src tests examples bench docs
+	$(BIN)/ruff format --check src tests examples bench docs
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
@@ -47,6 +47,10 @@ test: lint typecheck
 
 bench: $(STAMP)
 	$(BIN)/python bench/ddp_overhead.py
+
+# docs/configuration.md from the schema's docstrings (a fast test fails when it is out of date)
+docs: $(STAMP)
+	$(BIN)/python docs/generate_configuration.py
 
 clean:
 	rm -rf $(VENV) runs .mypy_cache .ruff_cache .pytest_cache

@@ -2,9 +2,9 @@
 tensors to the same directory followed by `os.fsync` (the baseline: what a user writes).
 
 The state is a real run's: a GPT (default 12 × 768, 86M parameters) with its AdamW moments after
-one step, about 1 GB, saved by the trainer's own `save` (training/trainer/persist.py) on one rank: the
-state captured as DCP state dicts, written by DCP (serialise, write, fsync), hashed for the
-manifest, committed. Synchronous and asynchronous saves (the stall: what the training loop
+one step, about 1 GB, saved by the trainer's own `save` (training/trainer/persist.py) on one
+rank: the state captured as DCP state dicts, written by DCP (serialise, write, fsync), hashed for
+the manifest, committed. Synchronous and asynchronous saves (the stall: what the training loop
 waits for) are interleaved with the baseline and repeated; medians and spreads are printed, with
 each phase of the save.
 

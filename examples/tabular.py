@@ -6,7 +6,7 @@ import paths.
         --set parallel.tp_plan=examples.tabular:tp_plan
     shardwise train examples/tabular.toml --nproc 2 --set parallel.pp=2
 
-The contracts (see README, "Bring your own model and data"):
+The contracts (see docs/training.md, "Bring your own model and data"):
 - build_model(**model.args) -> torch.nn.Module, called with the same seed on every rank;
 - build_datasets(**data.args) -> (train, held_out): map-style datasets of (inputs, target) pairs,
   held_out may be None;

@@ -121,8 +121,9 @@ def test_a_spark_launch_on_a_local_cluster_listens_on_loopback_only(tmp_path):
     """Spark's master, workers and executors (their RPC servers and block managers) bound to
     the host's network address, some to every address; TorchDistributor then checked the free
     port for the ranks' store on loopback alone, so that store could collide with them. Two
-    servers pyspark and torchrun start still listen on every address (README: `launch spark`):
-    TorchDistributor's log server in the driver and torchrun's rendezvous store."""
+    servers pyspark and torchrun start still listen on every address (docs/launchers.md:
+    `launch spark`): TorchDistributor's log server in the driver and torchrun's rendezvous
+    store."""
     commands: dict[int, str] = {}
     found = sockets_while_running(
         [str(BIN / "shardwise"), "launch", "spark", "examples/digits.toml", "--nodes", "2",

@@ -224,7 +224,7 @@ def test_communication_options_that_do_not_fit_the_layout(job_file, overrides, m
 
 @pytest.mark.parametrize("path", sorted(Path("examples").glob("*.toml")), ids=str)
 def test_every_example_job_file_loads_and_passes_its_checks(path):
-    """The README runs these as written: each is a valid training or many-models job."""
+    """The docs run these as written: each is a valid training or many-models job."""
     import tomllib
 
     from shardwise.manymodel.config import load_many_models

@@ -197,7 +197,7 @@ def zoo_job(tmp_path, model: str, **parallel):
             {"pp": 2},
             r"HalfContract\.forward calls a block this stage does not hold "
             r"\(TypeError: 'NoneType' object is not callable\).*skip blocks that are None.*"
-            r"README, 'Pipeline parallelism'",
+            r"docs/training.md, 'Pipeline parallelism'",
         ),
         (
             "names_a_missing_block",

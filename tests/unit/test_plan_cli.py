@@ -1,4 +1,4 @@
-"""`shardwise plan` as a user meets it: the examples of the README, a job file, the chart and
+"""`shardwise plan` as a user meets it: the examples of docs/planner.md, a job file, the chart and
 JSON outputs, and bad input (one line, exit 2)."""
 
 from __future__ import annotations

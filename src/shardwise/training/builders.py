@@ -1,7 +1,7 @@
 """Turn the names in a job file (`model.name`, `data.name`, `train.loss`) into callables: a
 built-in by its short name, or a user's function by `package.module:function`.
 
-User contracts (also in the README):
+User contracts (also in docs/training.md):
 - model builder: `build_model(**model.args) -> torch.nn.Module`; `forward(inputs) -> outputs`.
 - data builder: `build_datasets(**data.args) -> (train, held_out)`, map-style datasets whose items
   are `(inputs, target)`; `held_out` may be None.

@@ -76,7 +76,8 @@ def read_metadata(data: bytes, where: str) -> Metadata:
     except _Refused as e:
         raise ConfigError(
             f"{where}: its .metadata holds {e}, so it is not a checkpoint's metadata: refusing "
-            "to load it, as unpickling it could run code (see README, 'Checkpoints are data')"
+            "to load it, as unpickling it could run code (see docs/fault-tolerance.md, "
+            "'Checkpoints are data')"
         ) from None
     except Exception as e:  # truncated, garbage: pickle raises many kinds
         raise ConfigError(

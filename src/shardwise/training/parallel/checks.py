@@ -54,8 +54,8 @@ def check_layout(config: JobConfig, derived: Derived) -> None:
         raise ConfigError(
             f"parallel.activation_checkpoint = '{recompute}' recomputes blocks, but "
             f"{type(model).__name__} has none (no pipeline_blocks(), not an nn.Sequential, no "
-            "list of repeated layers); give it pipeline_blocks() (see README, 'Bring your own "
-            "model and data') or set parallel.activation_checkpoint = 'none'"
+            "list of repeated layers); give it pipeline_blocks() (see docs/training.md, "
+            "'Bring your own model and data') or set parallel.activation_checkpoint = 'none'"
         )
     if degrees["pp"] > 1:
         train_set, _ = builders.build_datasets(config)
@@ -126,7 +126,7 @@ def _check_pipeline(config: JobConfig, derived: Derived, model: nn.Module, examp
                 f"tensor parallelism cannot split a traced pipeline stage: {name} is not a "
                 "sequence of blocks, so the pipeline traces its forward into graphs, where the "
                 "plan's layers are no longer layers; give the model pipeline_blocks() (see "
-                "README, 'Pipeline parallelism') or set parallel.tp = 1"
+                "docs/training.md, 'Pipeline parallelism') or set parallel.tp = 1"
             )
         if parallel.pipeline_balance == "cost":
             raise ConfigError(
@@ -141,8 +141,8 @@ def _check_pipeline(config: JobConfig, derived: Derived, model: nn.Module, examp
         if not has_submodule(model, block):
             raise ConfigError(
                 f"pipeline_blocks() names '{block}', which {name} does not have; it must name "
-                "the model's own modules in the order data flows through them (see README, "
-                "'Pipeline parallelism')"
+                "the model's own modules in the order data flows through them (see "
+                "docs/training.md, 'Pipeline parallelism')"
             )
     if num_stages > len(blocks):
         raise ConfigError(
@@ -188,7 +188,7 @@ def _check_stages_run(
                 f"({type(e).__name__}: {e}): a pipeline stage is a copy of the model with the "
                 "other stages' blocks set to None, so forward must skip blocks that are None "
                 "(if self.embed is not None: h = self.embed(h)); or remove pipeline_blocks() "
-                "and the pipeline traces the forward instead (see README, 'Pipeline "
+                "and the pipeline traces the forward instead (see docs/training.md, 'Pipeline "
                 "parallelism')"
             ) from None
 

@@ -45,7 +45,7 @@ def pipeline_blocks(model: nn.Module) -> list[str]:
     raise ConfigError(
         f"pipeline parallelism needs a model that is a sequence of blocks; "
         f"{type(model).__name__} is neither an nn.Sequential nor has pipeline_blocks() "
-        "(see README, 'Pipeline parallelism'); set parallel.pp = 1"
+        "(see docs/training.md, 'Pipeline parallelism'); set parallel.pp = 1"
     )
 
 

@@ -41,8 +41,8 @@ def tensor_parallel_plan(
     if not callable(own):
         raise ConfigError(
             f"parallel.tp = {tp} needs a tensor-parallel plan: {type(model).__name__} has no "
-            "tp_plan() method, so set parallel.tp_plan = 'package.module:function' (see README, "
-            "'Tensor parallelism')"
+            "tp_plan() method, so set parallel.tp_plan = 'package.module:function' (see "
+            "docs/training.md, 'Tensor parallelism')"
         )
     plan: dict[str, ParallelStyle] = own(sequence_parallel=sequence_parallel)
     return plan

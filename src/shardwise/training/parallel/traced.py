@@ -43,7 +43,7 @@ from torch.export.unflatten import InterpreterModule
 from shardwise.common.errors import ConfigError
 from shardwise.training.parallel.pipeline import balance, has_submodule, repeated_layers
 
-README = "see README, 'Pipeline parallelism'"
+GUIDE = "see docs/training.md, 'Pipeline parallelism'"
 
 
 @dataclass
@@ -97,7 +97,7 @@ def auto_split(model: nn.Module, num_stages: int) -> list[str]:
             f"{type(model).__name__} is not a sequence of blocks (no pipeline_blocks(), not an "
             f"nn.Sequential) and has {found} to split into {num_stages} pipeline stages; name "
             "where stages begin with parallel.pipeline_split = ['module.name', …], put "
-            f"pipe_split() markers in its forward, or give it pipeline_blocks() ({README})"
+            f"pipe_split() markers in its forward, or give it pipeline_blocks() ({GUIDE})"
         )
     costs = [float(sum(p.numel() for p in model.get_submodule(n).parameters())) for n in layers]
     return [layers[i] for i in balance(costs, num_stages)[1:]]
@@ -129,7 +129,7 @@ def _pipeline(model: nn.Module, example: Any, split: list[str] | None) -> Any:
         raise ConfigError(
             f"pipeline parallelism could not trace {type(model).__name__}'s forward with "
             f"torch.export ({type(cause).__name__}: {first[:200]}); make the forward "
-            f"traceable, or give the model pipeline_blocks() ({README})"
+            f"traceable, or give the model pipeline_blocks() ({GUIDE})"
         ) from e
 
 

@@ -1,0 +1,49 @@
+"""docs/configuration.md is what docs/generate_configuration.py writes from the schema: a key, a
+default or a docstring changed in the schema and not in the page fails here, so the reference
+never describes a job file that no longer exists."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+from shardwise.manymodel.config import ManyModelsConfig
+from shardwise.training.config.schema import JobConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def generator() -> ModuleType:
+    """docs/generate_configuration.py, imported as a module (docs/ is not a package)."""
+    path = ROOT / "docs" / "generate_configuration.py"
+    spec = importlib.util.spec_from_file_location("generate_configuration", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_configuration_page_is_generated_from_the_schema():
+    page = ROOT / "docs" / "configuration.md"
+    assert page.read_text() == generator().render(), (
+        "docs/configuration.md is out of date with the schema: run `make docs` "
+        "(.venv/bin/python docs/generate_configuration.py) and commit the page"
+    )
+
+
+def test_the_page_lists_every_section_and_key_of_both_job_files():
+    """The generator walks both schemas whole: each section has its heading, each key its row
+    with its default."""
+    text = generator().render()
+    for schema in (JobConfig, ManyModelsConfig):
+        for name, section in schema.model_fields.items():
+            assert f"### `[{section.alias or name}]`" in text
+            model = section.annotation
+            assert isinstance(model, type)
+            for key, field in model.model_fields.items():
+                assert f"| `{field.alias or key}` |" in text
+    assert '| `async` | `"auto" \\| bool` | `"auto"` |' in text  # an alias, a union
+    assert "| `steps` | `int`, > 0 | required |" in text
+    assert "| `micro_batch` | `int \\| None`, > 0 | not set |" in text
