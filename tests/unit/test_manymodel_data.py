@@ -332,7 +332,8 @@ def test_synthetic_data_is_bounded(data, message):
 
 
 def test_resume_ignores_entries_that_are_not_finished_chunks(tmp_path):
-    from shardwise.manymodel.runner import TABLES, _finished_chunks
+    from shardwise.manymodel.chunk_store import finished_chunks
+    from shardwise.manymodel.outputs import TABLES
 
     chunks = tmp_path / "chunks"
     for name in ("chunk-000002", "chunk-abc", "chunk-", "chunk-000001.partial-7", "chunk-1"):
@@ -344,13 +345,14 @@ def test_resume_ignores_entries_that_are_not_finished_chunks(tmp_path):
     (chunks / "chunk-000003").touch()
     (chunks / "chunk-000004").mkdir()  # finished, then a file of it removed: run it again
     (chunks / "chunk-000004" / "done").write_text("{}")
-    assert _finished_chunks(tmp_path, config(tmp_path / "x.csv"), resume=True) == {2}
+    assert finished_chunks(tmp_path, config(tmp_path / "x.csv"), resume=True) == {2}
 
 
 def test_resume_of_a_run_whose_job_no_longer_loads_is_one_line(tmp_path):
     """A run made before backtest.intervals = "conformal" was renamed: its saved job.toml is
     refused, and the message says what to do with the run directory."""
-    from shardwise.manymodel.runner import TABLES, _finished_chunks
+    from shardwise.manymodel.chunk_store import finished_chunks
+    from shardwise.manymodel.outputs import TABLES
 
     chunk = tmp_path / "chunks" / "chunk-000000"
     chunk.mkdir(parents=True)
@@ -359,7 +361,7 @@ def test_resume_of_a_run_whose_job_no_longer_loads_is_one_line(tmp_path):
         (chunk / f"{table}.parquet").write_bytes(b"")
     (tmp_path / "job.toml").write_text('[backtest]\nintervals = "conformal"\n')
     with pytest.raises(ConfigError, match=r"^--resume: .*job\.toml, the job its chunks were made"):
-        _finished_chunks(tmp_path, config(tmp_path / "x.csv"), resume=True)
+        finished_chunks(tmp_path, config(tmp_path / "x.csv"), resume=True)
 
 
 @pytest.mark.parametrize(
@@ -371,13 +373,13 @@ def test_resume_of_a_run_whose_job_no_longer_loads_is_one_line(tmp_path):
     ],
 )
 def test_resume_refuses_chunks_of_other_data(tmp_path, layout, done, message):
-    from shardwise.manymodel.runner import _saved_chunk_size
+    from shardwise.manymodel.chunk_store import saved_chunk_size
 
     (tmp_path / "chunks").mkdir()
     if layout:
         (tmp_path / "chunks" / "layout.json").write_text(layout)
     with pytest.raises(ConfigError, match=message):
-        _saved_chunk_size(tmp_path, 4, done)
+        saved_chunk_size(tmp_path, 4, done)
 
 
 def closed_port() -> int:

@@ -11,12 +11,13 @@ import pytest
 from shardwise.common.job_files import validate_as
 from shardwise.manymodel import outputs
 from shardwise.manymodel.backtest import run_chunk
+from shardwise.manymodel.chunk_store import write_chunk
 from shardwise.manymodel.columns import FUTURE, SERIES
 from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.manymodel.data import load_series
 from shardwise.manymodel.features import FeatureSpec, polars_features
 from shardwise.manymodel.outputs import _Appended, assemble
-from shardwise.manymodel.runner import _write_chunk, make_plan
+from shardwise.manymodel.runner import make_plan
 
 SHOPS = ("a", "b", "c", "d", "e", "f", "g")
 FORECAST_TABLES = ("forecasts_by_model", "forecasts", "backtest_forecasts")
@@ -55,7 +56,7 @@ def assembled(tmp_path, name: str, chunk_size: int) -> dict[str, pl.DataFrame]:
     n_chunks = -(-table.num_series // chunk_size)
     for i in range(n_chunks):
         rows = features.filter(pl.col(SERIES) // chunk_size == i)
-        _write_chunk(chunks, i, run_chunk(rows.to_arrow(), plan))
+        write_chunk(chunks, i, run_chunk(rows.to_arrow(), plan))
     assemble(config, table, n_chunks, chunk_size)
     return {name: pl.read_parquet(config.run_dir / f"{name}.parquet") for name in FORECAST_TABLES}
 

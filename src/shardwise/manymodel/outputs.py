@@ -22,7 +22,7 @@ from shardwise.manymodel.intervals import Calibration, bound_names, calibrate
 from shardwise.manymodel.selection import Selection, forecasts, select
 
 TABLES = ("metrics", "choices", "forecasts", "failures", "backtest")
-"""The tables every chunk writes (`runner._write_chunk`)."""
+"""The tables every chunk writes (`chunk_store.write_chunk`)."""
 _PART_SERIES = 2000
 """Series whose forecast tables are assembled and written together (whole chunks, at least
 one): few enough to bound the driver's memory, enough that the parts' overhead stays small."""
