@@ -37,7 +37,8 @@ from pathlib import Path
 import polars as pl
 
 from shardwise.common.job_files import validate_as
-from shardwise.manymodel.backtest import Plan, run_chunk
+from shardwise.manymodel.backtest import Plan
+from shardwise.manymodel.chunk import run_chunk
 from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.manymodel.data import SeriesTable, load_series
@@ -97,7 +98,7 @@ def sequential(features: pl.DataFrame, plan: Plan, scratch: Path) -> float:
     (scratch / "plan.pkl").write_bytes(pickle.dumps(plan))
     code = (
         "import pickle, sys, time, polars as pl\n"
-        "from shardwise.manymodel.backtest import run_chunk\n"
+        "from shardwise.manymodel.chunk import run_chunk\n"
         "d = sys.argv[1]\n"
         "features = pl.read_parquet(d + '/features.parquet')\n"
         "plan = pickle.loads(open(d + '/plan.pkl', 'rb').read())\n"

@@ -10,7 +10,8 @@ import pytest
 
 from shardwise.common.errors import ConfigError
 from shardwise.common.job_files import validate_as
-from shardwise.manymodel.backtest import _metrics, run_chunk
+from shardwise.manymodel.backtest import _metrics
+from shardwise.manymodel.chunk import run_chunk
 from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.manymodel.data import SeriesTable, load_series

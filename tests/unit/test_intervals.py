@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from shardwise.common.job_files import validate_as
-from shardwise.manymodel.backtest import run_chunk
+from shardwise.manymodel.chunk import run_chunk
 from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.manymodel.data import load_series

@@ -10,7 +10,7 @@ import pytest
 
 from shardwise.common.job_files import validate_as
 from shardwise.manymodel import outputs
-from shardwise.manymodel.backtest import run_chunk
+from shardwise.manymodel.chunk import run_chunk
 from shardwise.manymodel.chunk_store import write_chunk
 from shardwise.manymodel.columns import FUTURE, SERIES
 from shardwise.manymodel.config import ManyModelsConfig

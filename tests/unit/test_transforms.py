@@ -9,7 +9,7 @@ import pytest
 
 from shardwise.common.errors import ConfigError
 from shardwise.common.job_files import validate_as
-from shardwise.manymodel.backtest import run_chunk
+from shardwise.manymodel.chunk import run_chunk
 from shardwise.manymodel.config import ManyModelsConfig, check
 from shardwise.manymodel.data import load_series
 from shardwise.manymodel.features import FeatureSpec, polars_features

@@ -1,5 +1,5 @@
-"""Rolling-origin backtest, model selection and the final forecast for one series, and for a chunk
-of series (the unit of work a Ray task runs).
+"""Rolling-origin backtest, model selection and the final forecast for one series (chunk.py runs
+them for a chunk of series, the unit of work a Ray task runs).
 
 For each of `n_windows` forecast origins, `step` rows apart and ending `horizon` rows before the
 last observation, every model is fitted on the rows before the origin and forecasts the next
@@ -22,28 +22,25 @@ is recorded and left out for that series; the series fails only when no model su
 from __future__ import annotations
 
 import os
-import resource
-import sys
-import time
 import traceback
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 import polars as pl
 
+from shardwise.manymodel.chunk_result import (
+    ENSEMBLE,
+    METRICS,
+    SELECTED,
+    ChunkResult,
+    Window,
+    own_bounds,
+)
 from shardwise.manymodel.columns import FUTURE, SERIES, Columns
 from shardwise.manymodel.context import ModelContext
-from shardwise.manymodel.intervals import bound_names
-from shardwise.manymodel.models import Model, as_values, build
+from shardwise.manymodel.models import Model, as_values
 from shardwise.manymodel.transforms import TARGET, TargetTransform
-
-METRICS = ("mae", "rmse", "smape", "mase")
-SELECTED, ENSEMBLE = "selected", "ensemble"
-"""Labels of the backtest's held-out choices in the metrics table, and of the ensemble's
-forecasts: no model may be named so."""
 
 
 @dataclass(frozen=True)
@@ -100,141 +97,6 @@ named is fitted anew."""
 def refits(every: int, window: int) -> bool:
     """statsforecast's rule: a model is fitted on window 0 and every `every`-th (0: none more)."""
     return window == 0 or (every > 0 and window % every == 0)
-
-
-@dataclass
-class ChunkResult:
-    metrics: list[dict[str, Any]] = field(default_factory=list)
-    choices: list[dict[str, Any]] = field(default_factory=list)
-    forecasts: list[dict[str, Any]] = field(default_factory=list)
-    failures: list[dict[str, Any]] = field(default_factory=list)
-    backtest: list[_Window] = field(default_factory=list)
-    """Per backtest window: each model's forecast, which the metrics score, and the ensemble's
-    of the series' final top k (not the nested one the metrics score: the forecasts' ensemble
-    on past windows, for the intervals and the reconciliation), with the window's actual values
-    and scale (intervals.py)."""
-    series: int = 0
-    failed_series: int = 0
-    started: float = 0.0
-    finished: float = 0.0
-    pid: int = 0
-    levels: tuple[int, ...] = ()
-
-    def tables(self) -> dict[str, pl.DataFrame]:
-        bounds = dict.fromkeys(own_bounds(self.levels), pl.Float64)
-        return {
-            "metrics": pl.DataFrame(self.metrics, schema=_METRICS_SCHEMA),
-            "choices": pl.DataFrame(self.choices, schema=_CHOICE_SCHEMA),
-            "forecasts": pl.DataFrame(self.forecasts, schema={**_FORECAST_SCHEMA, **bounds}),
-            "failures": pl.DataFrame(self.failures, schema=_FAILURE_SCHEMA),
-            "backtest": self._backtest(),
-        }
-
-    def _backtest(self) -> pl.DataFrame:
-        """The windows' forecasts, a row per step: built from arrays, not a dict per row (there
-        are n_windows × horizon rows per model and series)."""
-        bounds = own_bounds(self.levels)
-        schema = {**_BACKTEST_SCHEMA, **dict.fromkeys(bounds, pl.Float64)}
-        if not self.backtest:
-            return pl.DataFrame(schema=schema)
-        lengths = [w.forecast.size for w in self.backtest]
-        columns: dict[str, Any] = {
-            SERIES: np.repeat([w.series for w in self.backtest], lengths),
-            "model": np.repeat([w.model for w in self.backtest], lengths),
-            "window": np.repeat([w.window for w in self.backtest], lengths),
-            "origin": np.repeat([w.origin for w in self.backtest], lengths),
-            "step": np.concatenate([np.arange(1, n + 1) for n in lengths]),
-            "forecast": np.concatenate([w.forecast for w in self.backtest]),
-            "actual": np.concatenate([w.actual for w in self.backtest]),
-            "scale": np.repeat([w.scale for w in self.backtest], lengths),
-        }
-        for level in self.levels:
-            for side, name in enumerate(own_bounds((level,))):
-                columns[name] = np.concatenate(
-                    [
-                        w.own[level][side] if level in w.own else np.full(n, np.nan)
-                        for w, n in zip(self.backtest, lengths, strict=True)
-                    ]
-                )
-        return pl.DataFrame(columns, schema=schema).fill_nan(None)
-
-
-@dataclass(frozen=True)
-class _Window:
-    """A model's forecast of one backtest window of a series, the window's actual values and
-    scale (the in-sample seasonal naive MAE before it), and the model's own intervals."""
-
-    series: int
-    model: str
-    window: int
-    origin: int
-    forecast: np.ndarray
-    actual: np.ndarray
-    scale: float
-    own: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
-
-
-def own_bounds(levels: Sequence[int]) -> list[str]:
-    """The columns of the models' own intervals in a chunk's tables: `own_lo_80`, `own_hi_80`
-    (null where a model has none, or `backtest.intervals` is not "model")."""
-    return [f"own_{name}" for level in levels for name in bound_names(level)]
-
-
-_METRICS_SCHEMA = {
-    SERIES: pl.Int64,
-    "model": pl.String,
-    "window": pl.Int64,
-    "origin": pl.Int64,
-    **dict.fromkeys(METRICS, pl.Float64),
-}
-_CHOICE_SCHEMA: dict[str, pl.DataType] = {
-    SERIES: pl.Int64(),
-    "model": pl.String(),
-    "score": pl.Float64(),
-    "top": pl.List(pl.String),
-}
-_FORECAST_SCHEMA = {
-    SERIES: pl.Int64,
-    "step": pl.Int64,
-    "model": pl.String,
-    "forecast": pl.Float64,
-    "scale": pl.Float64,
-}
-_BACKTEST_SCHEMA = {
-    SERIES: pl.Int64,
-    "model": pl.String,
-    "window": pl.Int64,
-    "origin": pl.Int64,
-    "step": pl.Int64,
-    "forecast": pl.Float64,
-    "actual": pl.Float64,
-    "scale": pl.Float64,
-}
-_FAILURE_SCHEMA = {SERIES: pl.Int64, "model": pl.String, "stage": pl.String, "error": pl.String}
-
-
-def run_chunk(rows: Any, plan: Plan, given: Any = None) -> ChunkResult:
-    """Backtest, select and forecast every series in `rows` (an Arrow table or polars frame of
-    whole series, features included), with the global models' forecasts of them `given`
-    (global_models.GIVEN_SCHEMA). Threads are pinned to one; `plan.memory_mb` caps the address
-    space while the chunk runs."""
-    result = ChunkResult(started=time.time(), pid=os.getpid(), levels=plan.levels)
-    frame = rows if isinstance(rows, pl.DataFrame) else pl.from_arrow(rows)
-    assert isinstance(frame, pl.DataFrame)
-    if plan.columns.target != TARGET:
-        frame = frame.rename({plan.columns.target: TARGET})
-    uses_torch = "torch" in sys.modules or any(name == "mlp" for _, name, _ in plan.models)
-    with _one_thread(torch_too=uses_torch), _memory_cap(plan.memory_mb):
-        models = {
-            label: build(name, args, plan.context)
-            if label not in plan.global_models
-            else Given(label, given)
-            for label, name, args in plan.models
-        }
-        for part in frame.partition_by(SERIES, maintain_order=True):
-            forecast_series(part, plan, models, result)
-    result.finished = time.time()
-    return result
 
 
 def forecast_series(
@@ -353,10 +215,10 @@ class _Truth:
         """The point metrics (the intervals are scored across series: intervals.py)."""
         return _metrics(self.actual, predicted.values, self.naive_mae)
 
-    def window(self, label: str, predicted: _Forecast) -> _Window:
+    def window(self, label: str, predicted: _Forecast) -> Window:
         """`label`'s forecast of this window, as the backtest table keeps it."""
         keys = self.keys
-        return _Window(
+        return Window(
             keys[SERIES], label, keys["window"], keys["origin"], predicted.values, self.actual,
             self.naive_mae, predicted.own,
         )  # fmt: skip
@@ -500,43 +362,3 @@ def failure_message(error: BaseException) -> str:
     where = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
     at = f" (at {os.path.basename(where.filename)}:{where.lineno})" if where else ""
     return f"{type(error).__name__}: {error}{at}"
-
-
-@contextmanager
-def _one_thread(*, torch_too: bool) -> Iterator[None]:
-    """Tasks share the cores: BLAS, OpenMP and (when a model uses it) torch get one thread each.
-    torch is imported only then: importing it costs a new worker process a second or two."""
-    from threadpoolctl import threadpool_limits
-
-    with threadpool_limits(limits=1):
-        if not torch_too:
-            yield
-            return
-        import torch
-
-        before = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)
-
-
-@contextmanager
-def _memory_cap(megabytes: int) -> Iterator[None]:
-    """Limit this process's address space to its current size + `megabytes` while the chunk runs:
-    an allocation beyond it raises MemoryError in the series that made it."""
-    if not megabytes:
-        yield
-        return
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    with open("/proc/self/statm") as statm:
-        current = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    limit = current + megabytes * 2**20
-    if hard != resource.RLIM_INFINITY:
-        limit = min(limit, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))

@@ -15,7 +15,7 @@ import tomli_w
 
 from shardwise.common.errors import ConfigError
 from shardwise.common.job_files import flatten, shown
-from shardwise.manymodel.backtest import ChunkResult
+from shardwise.manymodel.chunk_result import ChunkResult
 from shardwise.manymodel.config import (
     ManyModelsConfig,
 )

@@ -79,11 +79,11 @@ class Worker:
         every actor calls this at once, with fresh ports each time, as LightGBM binds its port
         anew for every fit), or on `gathered` rows (object refs of every actor's `rows`). The
         fitted model is kept for `predict`; a fit on gathered rows also returns it."""
-        from shardwise.manymodel.backtest import _one_thread
+        from shardwise.manymodel.limits import one_thread
 
         name, args = self._model(label)
         model = build(name, args, self.plan.context)
-        with _one_thread(torch_too=name == "mlp"):
+        with one_thread(torch_too=name == "mlp"):
             if gathered is not None:
                 import ray
 
@@ -102,14 +102,14 @@ class Worker:
     def predict(self, label: str, window: int, fitted: Any = None) -> pl.DataFrame:
         """Forecast this actor's series for `window` with `fitted` (or the model it fitted last:
         a window that `backtest.refit` does not refit forecasts with an earlier window's)."""
-        from shardwise.manymodel.backtest import _one_thread
+        from shardwise.manymodel.limits import one_thread
 
         name, args = self._model(label)
         model = build(name, args, self.plan.context)
         fitted = self.fitted if fitted is None else fitted
         parts = self._windows(label, window)
         frame = pl.concat([rows for _, rows, _ in parts], how="diagonal")
-        with _one_thread(torch_too=name == "mlp"):
+        with one_thread(torch_too=name == "mlp"):
             values = as_values(model.predict(fitted, frame), frame.height, label)
         out: list[tuple[Any, ...]] = []
         start = 0

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from shardwise.manymodel.backtest import ENSEMBLE, SELECTED
+from shardwise.manymodel.chunk_result import ENSEMBLE, SELECTED
 from shardwise.manymodel.columns import FUTURE, SERIES
 from shardwise.manymodel.data import SeriesTable
 

@@ -18,7 +18,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from shardwise.common.console import warn
 from shardwise.common.errors import ConfigError
 from shardwise.common.ray_cluster import loopback_ray, ray_logs_to
-from shardwise.manymodel.backtest import ChunkResult, Plan, run_chunk
+from shardwise.manymodel.backtest import Plan
+from shardwise.manymodel.chunk import run_chunk
+from shardwise.manymodel.chunk_result import ChunkResult
 from shardwise.manymodel.chunk_store import GLOBAL_FILE, write_chunk
 from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import (

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from shardwise.manymodel.backtest import ENSEMBLE, METRICS, SELECTED
+from shardwise.manymodel.chunk_result import ENSEMBLE, METRICS, SELECTED
 from shardwise.manymodel.columns import SERIES
 
 STRATEGIES = ("best_model", "per_series", "ensemble")

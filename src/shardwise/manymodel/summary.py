@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from shardwise.common.job_files import flatten
-from shardwise.manymodel.backtest import ENSEMBLE, SELECTED
+from shardwise.manymodel.chunk_result import ENSEMBLE, SELECTED
 from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.manymodel.data import SeriesTable
