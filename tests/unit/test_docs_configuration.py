@@ -47,3 +47,27 @@ def test_the_page_lists_every_section_and_key_of_both_job_files():
     assert '| `async` | `"auto" \\| bool` | `"auto"` |' in text  # an alias, a union
     assert "| `steps` | `int`, > 0 | required |" in text
     assert "| `micro_batch` | `int \\| None`, > 0 | not set |" in text
+
+
+def test_every_section_and_key_of_both_job_files_has_a_docstring():
+    """The reference has no empty cell: each job file, each section class and each key has its
+    own docstring (a section's, not one inherited from `Section`; a key's, the string literal
+    right after it), so a key added without saying what it does fails here."""
+    gen = generator()
+    missing = []
+    for schema in (JobConfig, ManyModelsConfig):
+        if not gen.docstring(schema):
+            missing.append(schema.__name__)
+        for name, section in schema.model_fields.items():
+            model = section.annotation
+            assert isinstance(model, type)
+            key = section.alias or name
+            if not gen.docstring(model):
+                missing.append(f"[{key}] ({model.__module__}.{model.__name__})")
+            docs = gen.field_docstrings(model)
+            missing += [
+                f"{key}.{field.alias or inner}"
+                for inner, field in model.model_fields.items()
+                if not docs.get(inner)
+            ]
+    assert missing == [], f"no docstring, so an empty place in docs/configuration.md: {missing}"

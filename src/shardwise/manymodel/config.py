@@ -34,20 +34,33 @@ cannot be multiplied into the k-step offsets of the future rows)."""
 
 
 class JobSection(Section):
+    """The run: its name, its seed and where its results go."""
+
     name: RunName = "many-models"
+    """Names the run (`runs/<name>`), its MLflow run and, by default, its MLflow experiment:
+    letters, digits, `.`, `_` and `-`, not only dots."""
     seed: int = 0
+    """Seeds the generated `retail_synthetic` data, lightgbm's and mlp's fits, and the sample of
+    series the plots draw."""
     run_dir: str = ""
     """Where the chunk results, output tables and tracking store go; "" means `runs/<name>`."""
 
 
 class DataSection(Section):
+    """The long table of series, one row per series and timestamp: where it comes from, which
+    columns name a series, hold its time, its target and its covariates, and its spacing."""
+
     source: str = "us_employment"
     """A built-in data set (`us_employment`: the 148 monthly US employment series of fpp3;
     `retail_synthetic`: generated store × item demand) or a CSV/Parquet path or fsspec URL."""
     id_columns: list[str] = Field(default_factory=list)
     """Columns that together name a series; built-in sources set them."""
     timestamp: str = ""
+    """The column of each row's date or time (text is parsed); built-in sources set it, a file
+    needs it."""
     target: str = ""
+    """The numeric column to forecast; rows after a series' last value with it empty are the
+    future (they carry its covariates). Built-in sources set it, a file needs it."""
     covariates: list[str] = Field(default_factory=list)
     """Numeric columns known in advance (prices, promotions). For the forecast, their future
     values come from rows after a series' last target that have the target empty."""
@@ -75,21 +88,38 @@ class DataSection(Section):
 
 
 class FeaturesSection(Section):
+    """The features computed from each series for the models that read features (ridge,
+    lightgbm, mlp, user models): lags, rolling and expanding statistics, calendar parts and
+    group statistics, what computes them, and how the target is scaled."""
+
     backend: Literal["polars", "spark"] = "polars"
+    """What computes the features: `polars` in this process, or `spark` (its own window
+    functions), with the same result bit for bit; `--features-backend` sets it."""
     spark_master: str = "local[*]"
+    """`backend = "spark"`: the Spark master, e.g. `local[*]` (Spark in this machine, on every
+    core) or `spark://host:7077`; `--spark-master` sets it."""
     lags: list[int] = Field(default_factory=list)
     """Target lags as features; default: horizon … horizon + season_length − 1."""
     window_shift: int = Field(0, ge=0)
     """Rolling, expanding and group features summarise the target shifted by this many steps;
     0 means the horizon, the smallest shift that is known for every forecast step."""
     rolling_windows: list[int] = Field(default_factory=list)
+    """Rolling windows, in steps: for each w, the `rolling_stats` of the last w values of the
+    shifted target (columns `roll<w>_<stat>`); empty: none."""
     rolling_stats: list[Stat] = Field(default_factory=lambda: ["mean"])  # type: ignore[arg-type]
+    """The statistics of each rolling window: mean, std, min, max."""
     expanding_stats: list[Stat] = Field(default_factory=list)
+    """Statistics of all of a series' shifted target up to each row (columns
+    `expanding_<stat>`): mean, std, min, max; empty: none."""
     calendar: list[CalendarPart] = Field(default_factory=list)
+    """Parts of each row's timestamp as features (`cal_<part>`; a zoned timestamp's in its
+    zone; day_of_week: Monday = 1): ridge and mlp one-hot encode them, lightgbm reads the
+    numbers."""
     group_by: list[list[str]] = Field(default_factory=list)
     """Group aggregations: for each list of columns (e.g. ["store"]), the `group_stats` over all
     series in the group at the same timestamp of their shifted target."""
     group_stats: list[Stat] = Field(default_factory=lambda: ["mean"])  # type: ignore[arg-type]
+    """The statistics of each `group_by` group: mean, std, min, max."""
     scale: Literal["none", "mean", "standard"] = "standard"
     """Per-series target scaling, fitted on each training window only: divide by the mean
     absolute value, or standardise. Target-derived features are transformed alike."""
@@ -104,6 +134,9 @@ class FeaturesSection(Section):
 
 
 class ModelsSection(Section):
+    """The models fitted to every series, and per model: its arguments, how its target is
+    scaled, whether it is differenced, and whether it is one global model."""
+
     names: list[str] = Field(default_factory=lambda: ["seasonal_naive", "ridge"])
     """Built-in models (`seasonal_naive`, `ridge`, `lightgbm`, `mlp`; statsforecast's
     `auto_ets`, `auto_arima`, `auto_theta`, `mstl`, and for intermittent demand `croston`, `tsb`,
@@ -125,8 +158,16 @@ class ModelsSection(Section):
 
 
 class BacktestSection(Section):
+    """The rolling-origin backtest that scores every model on every series, how the forecasts'
+    model is chosen from its scores, how often models are refitted, and prediction intervals."""
+
     horizon: int = Field(12, gt=0)
+    """Steps forecast, in each backtest window and into the future; no feature reads a value
+    less than this many steps old."""
     n_windows: int = Field(2, gt=0)
+    """Backtest windows (forecast origins) per series, `step` apart, the last one `horizon`
+    steps before the series' last value: every model forecasts each window, scored against the
+    actual values."""
     step: int = Field(0, ge=0)
     """Steps between successive forecast origins; 0 means the horizon."""
     metric: Literal["mase", "smape", "mae", "rmse"] = "mase"
@@ -196,6 +237,9 @@ DEFAULT_RECONCILERS: tuple[Reconciler, ...] = (
 
 
 class HierarchySection(Section):
+    """Hierarchical forecasting: the aggregation levels whose sums become series too, and the
+    reconcilers that make the forecasts add up; empty `levels`: none."""
+
     levels: list[list[str]] = Field(default_factory=list)
     """Aggregation levels from the top, each a list of id columns, e.g. [["state"], ["state",
     "region"]]: each level's sums of the bottom series (data.id_columns) become series too, as
@@ -208,11 +252,16 @@ class HierarchySection(Section):
 
 
 class RunnerSection(Section):
+    """The Ray tasks the series are forecast in: which cluster, the resources each task
+    reserves, how many series a task takes, the workers of global models, and retries."""
+
     ray_address: str = ""
     """"" starts a local Ray instance; `auto` or `ray://host:port` joins a cluster."""
     num_cpus: float = Field(1.0, gt=0)
     """CPUs reserved per task; fractions (0.25) let more tasks share a core."""
     num_gpus: float = Field(0.0, ge=0)
+    """GPUs reserved per task; fractions (0.25) let more tasks share a GPU. The built-in models
+    run on the CPU: this is for user models that use a GPU."""
     memory_mb: int = Field(0, ge=0)
     """Address-space cap per task in MiB, enforced in the worker; a series that exceeds it
     fails with MemoryError, the rest go on. 0: no cap."""
@@ -226,13 +275,19 @@ class RunnerSection(Section):
 
 
 class TrackingSection(Section):
+    """MLflow tracking and plots of the run; the output tables are written to the run directory
+    either way."""
+
     mlflow: bool = True
+    """Record the run in MLflow: the config, overall and per-model metrics, the output tables
+    (and the plots) as artifacts; false: the run directory only."""
     plots: bool = False
     """Draw `<run_dir>/plots/` (MASE per model; history, forecast and intervals of a sample of
     series and of the worst ones) and log them to MLflow; `--plot` sets it."""
     uri: str = ""
     """MLflow tracking URI; "" means an embedded SQLite store `<run_dir>/mlflow.db`."""
     experiment: str = ""
+    """MLflow experiment name; "" means the job name."""
 
 
 class ManyModelsConfig(Section):

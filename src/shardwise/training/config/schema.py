@@ -38,6 +38,9 @@ Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
 class JobSection(Section):
+    """The run as a whole: its name and directory, the random seed, and the device and CPU
+    threads each rank computes with."""
+
     name: RunName = "run"
     """Names the run (`runs/<name>`): letters, digits, `.`, `_` and `-`, not only dots."""
     seed: int = Field(0, ge=0, lt=2**32)
@@ -45,13 +48,20 @@ class JobSection(Section):
     run_dir: str = ""
     """Where config, metrics, tracking store and checkpoints go; "" means `runs/<name>`."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where each rank computes: `cuda`, one GPU per rank (refused before launch when a node
+    shows fewer GPUs than it runs ranks, or none); `cpu`, the CPU (with gloo) whatever the
+    machine has; `auto`: `cuda` where CUDA sees a GPU, else `cpu`."""
     threads_per_rank: int = Field(0, ge=0, le=4096)
     """torch intra-op threads per rank; 0 shares this machine's cores evenly between local ranks."""
 
 
 class ModelSection(Section):
+    """The model to train: a built-in one or your own builder, its arguments, how its weights
+    are initialised, and trained weights to start from."""
+
     name: str
-    """A built-in model (`mlp`, `cnn`, `gpt`) or a user builder as `package.module:function`."""
+    """A built-in model (`mlp`, `cnn`, `gpt`, `resnet`) or a user builder as
+    `package.module:function`."""
     args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments for the builder, checked against its signature before launch."""
     init: Literal["auto", "meta", "full"] = "auto"
@@ -67,31 +77,53 @@ class ModelSection(Section):
 
 
 class DataSection(Section):
+    """The training and held-out data: a built-in data set or your own builder, its arguments,
+    and the loader's worker processes."""
+
     name: str
     """A built-in dataset (`digits`, `text`) or a user builder as `package.module:function`."""
     args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the builder, checked against its signature before launch."""
     num_workers: int = Field(0, ge=0)
     """DataLoader worker processes per rank; 0 loads in the training process."""
 
 
 class TrainSection(Section):
+    """How to train: steps and batch sizes, the optimizer and its learning-rate schedule,
+    precision, compilation, the loss, and how data-parallel ranks keep in step."""
+
     steps: int = Field(gt=0)
+    """Optimizer steps to train, counted from the run's start: a resumed run goes on to this
+    step, and the learning-rate schedule ends here."""
     global_batch: int = Field(gt=0)
     """Samples per optimizer step, summed over all data-parallel ranks and micro-batches."""
     micro_batch: int | None = Field(None, gt=0)
     """Samples per forward pass on one rank; default: global_batch / data-parallel ranks."""
     lr: float = Field(1e-3, gt=0)
+    """Base learning rate: the peak the schedule warms up to and decays from (times
+    `lr_scaling`'s factor, when that is set)."""
     optimizer: Literal["adamw", "sgd"] = "adamw"
+    """`adamw` (torch's AdamW, with `betas`) or `sgd` (with `momentum`)."""
     weight_decay: float = Field(0.0, ge=0)
+    """Weight decay, on matrices and embeddings only (parameters of two or more dimensions), not
+    on biases and norm scales: AdamW's decoupled decay, SGD's L2 term; 0 turns it off."""
     betas: tuple[Beta, Beta] = (0.9, 0.999)
     """AdamW's decay rates of the gradient's mean and square, each in [0, 1)."""
     momentum: float = Field(0.9, ge=0)
+    """`sgd` only: the momentum factor; 0 is plain SGD. AdamW uses `betas` instead."""
     warmup_steps: int = Field(0, ge=0)
+    """Steps over which the learning rate rises linearly, from lr / warmup_steps at the first
+    step to lr; 0: no warmup, lr from the first step."""
     decay: Literal["cosine", "linear", "constant"] = "cosine"
+    """The learning rate after warmup: down to min_lr_ratio × lr at the last step along a half
+    cosine (`cosine`) or a straight line (`linear`), or held at lr (`constant`)."""
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """`cosine` and `linear` decay: the last step's learning rate as a fraction of lr; 0 decays
+    to zero."""
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"
     """Scale `lr` by global_batch / lr_base_batch (linear) or its square root (sqrt)."""
     lr_base_batch: int = Field(256, gt=0)
+    """`lr_scaling`: the global batch at which `lr` applies as written."""
     grad_clip: float = Field(1.0, ge=0)
     """Clip the global gradient norm to this value; 0 turns clipping off."""
     precision: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"
@@ -125,6 +157,9 @@ class TrainSection(Section):
 
 
 class EvalSection(Section):
+    """Evaluation on the held-out data set (the second one the data builder returns; none when
+    that is None): how often, in what batches, and on how many samples."""
+
     every_steps: int = Field(0, ge=0)
     """Evaluate on the held-out split every k steps; 0 evaluates only at the end."""
     batch: int | None = Field(None, gt=0)
@@ -134,10 +169,14 @@ class EvalSection(Section):
 
 
 class ParallelSection(Section):
+    """How the model and its training are laid out over the ranks: the device mesh's degrees
+    (pipeline, data and tensor parallel), each kind's options, and how gradients are reduced."""
+
     pp: int = 1
     """Pipeline-parallel degree: ranks that each hold a different part of the model's blocks."""
     dp_replicate: int = -1
-    """Data-parallel replicas (DDP, or the replicate axis of HSDP)."""
+    """Data-parallel replicas (DDP, or the replicate axis of HSDP); -1, the default, takes the
+    ranks the other degrees leave over."""
     dp_shard: int = 1
     """Data-parallel ranks that shard parameters, gradients and optimizer state (FSDP2)."""
     tp: int = 1
@@ -154,6 +193,9 @@ class ParallelSection(Section):
     """Recompute activations in backward instead of keeping them: all of each block's (`full`),
     or all but the matrix-multiply outputs (`selective`)."""
     pipeline_schedule: Schedule = "1F1B"
+    """With pp > 1, torch's pipeline schedule: `GPipe` and `1F1B` run one stage per rank;
+    `Interleaved1F1B`, `LoopedBFS` and `InterleavedZeroBubble` run `stages_per_rank` stages per
+    rank, round-robin; `ZBVZeroBubble` and `DualPipeV` run two per rank, in a V."""
     stages_per_rank: int | None = Field(None, gt=0)
     """Pipeline stages per rank; default 1, or 2 for the interleaved, looped and V schedules."""
     num_microbatches: int | None = Field(None, gt=0)
@@ -216,6 +258,9 @@ class ParallelSection(Section):
 
 
 class CheckpointSection(Section):
+    """Checkpoints, which `--resume` and restarts continue from: where and how often they are
+    saved, how many are kept, whether in the background, and what a failed save does."""
+
     dir: str = ""
     """Checkpoint directory or fsspec URL (`s3://bucket/prefix`, `gs://…`); "" means
     `<run_dir>/checkpoints`. Object-store credentials and endpoint come from the usual
@@ -224,6 +269,8 @@ class CheckpointSection(Section):
     every_steps: int = Field(0, ge=0)
     """Save every k steps; 0 saves only at the end. The last step always saves."""
     keep_last: int = Field(2, gt=0)
+    """Checkpoints kept: a save deletes every one older than the newest `keep_last` that verify
+    against their manifest (a damaged one newer than those is neither counted nor deleted)."""
     async_save: Literal["auto"] | bool = Field("auto", alias="async")
     """`checkpoint.async = true`: copy the state to memory and write it in the background, so
     training waits only for the copy; rank 0 commits the checkpoint as soon as every rank's part
@@ -236,7 +283,12 @@ class CheckpointSection(Section):
 
 
 class TrackingSection(Section):
+    """What the run records: metrics (always in `<run_dir>/metrics.jsonl`, and in MLflow), rank
+    0's machine's system metrics, a profiled window of steps on every rank, and the run report."""
+
     mlflow: bool = True
+    """Also record the run in MLflow: params, metrics, system metrics, and the config and report
+    as artifacts; false: the metrics go to `<run_dir>/metrics.jsonl` only."""
     uri: str = ""
     """MLflow tracking URI; "" means an embedded SQLite store `<run_dir>/mlflow.db`."""
     experiment: str = ""
@@ -253,12 +305,17 @@ class TrackingSection(Section):
     as many steps again (profile/rank<r>.json, trainer/profile.py). Those steps are left out of
     the throughput."""
     profile_steps: int = Field(2, gt=0)
+    """Steps the profiler window records, from profile_step on; as many steps again then count
+    the host's reads of tensor values (not under `train.compile`)."""
     report: bool = True
     """Write the run report (report/report.html and PNGs) at the end of the run, and log it to
     MLflow; `shardwise report RUN_DIR` writes it at any time."""
 
 
 class FaultSection(Section):
+    """What happens when something goes wrong: a hung rank, a dead worker, a straggler, a loss
+    or gradient that is NaN or infinite."""
+
     timeout_s: float = Field(600.0, gt=0, le=86_400)
     """A rank that makes no progress for this long (a hung collective, a stalled rank): every
     rank writes where it is, and the run ends naming the stuck ranks (or restarts, with
