@@ -51,7 +51,7 @@ def _steps(config, steps: int = 3):
     for step in range(1, steps + 1):
         batch = run.loader.next_step()
         with HostReads() as mode:
-            _, _, skipped = train_step(run, batch, step=step)
+            skipped = train_step(run, batch, step=step).skipped
         states.append((mode.reads, skipped, [p.detach().clone() for p in run.parameters()]))
     return run, states
 

@@ -27,15 +27,25 @@ from shardwise.training.trainer.memory import peak_bytes, state_bytes
 from shardwise.training.trainer.step import Run
 
 
-def memory(run: Run, reporter: Reporter, step: int, *, final: bool = False) -> list[dict[str, Any]]:
-    """Gather every rank's state bytes, peak memory and (under pipeline parallelism) measured
-    bubble to rank 0; print them once after the first step and at the end."""
+def memory(
+    run: Run,
+    reporter: Reporter,
+    step: int,
+    *,
+    baseline: int,
+    step_seconds: float,
+    final: bool = False,
+) -> list[dict[str, Any]]:
+    """Gather every rank's state bytes, peak memory (and the `baseline` the process held before
+    the run was built) and, under pipeline parallelism at the end, the measured bubble (the
+    stages' busy time over `step_seconds`, the steps' time after the first) to rank 0; print
+    them once after the first step and at the end."""
     mine: dict[str, Any] = {"rank": run.rank, **state_bytes(run.parts, run.optimizers)}
     mine["peak"] = peak_bytes(run.device)
-    mine["baseline"] = run.baseline_bytes
+    mine["baseline"] = baseline
     pipe = run.layout.pipeline
-    if pipe is not None and final and run.step_seconds > 0:
-        mine["bubble"] = max(0.0, 1.0 - pipe.busy_seconds() / run.step_seconds)
+    if pipe is not None and final and step_seconds > 0:
+        mine["bubble"] = max(0.0, 1.0 - pipe.busy_seconds() / step_seconds)
         mine["bubble_theory"] = pipe.theoretical_bubble()
     ranks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)

@@ -36,7 +36,7 @@ from shardwise.training.trainer.persist import (
     wait_for_saves,
 )
 from shardwise.training.trainer.profile import StepProfiler, data_range, phase
-from shardwise.training.trainer.step import Run, evaluate, mean_loss, train_step
+from shardwise.training.trainer.step import Run, Stepped, evaluate, mean_loss, train_step
 
 
 @dataclass
@@ -69,62 +69,102 @@ def train(
     the index of the machine this rank runs on. Returns this rank's summary (rank 0's is the
     run's: the one it writes). The loop calls `train_step` itself, so the path from the
     launcher to `loss.backward()` stays short."""
-    with _session(config, device, resume, restarts=restarts, node=node) as session:
-        run, progress, reporter = session.run, session.progress, session.reporter
-        _begin(run, reporter, progress)
+    with _session(config, device, resume, restarts=restarts, node=node) as loop:
+        _begin(loop)
         profiler = StepProfiler(
             config.run_dir,
-            run.rank,
+            loop.run.rank,
             first=config.tracking.profile_step,
             count=config.tracking.profile_steps,
             count_reads=not config.train.compile,
         )
         preempted_at = None
         try:
-            for step in range(progress.start + 1, config.train.steps + 1):
-                session.watchdog.started(step)
+            for step in range(loop.start + 1, config.train.steps + 1):
+                loop.watchdog.started(step)
                 began = time.perf_counter()
-                reporting = _reporting(config, step) or step <= progress.start + 2
+                reporting = _reporting(config, step) or step <= loop.start + 2
                 with profiler.step(step, reporting=reporting):
-                    batch, fetched = _next_batch(run, step)
-                    stepped = train_step(run, batch, step=step)
-                    _account(
-                        run, step, progress, reporter, session.health, (began, fetched), stepped
-                    )
+                    batch, fetched = _next_batch(loop.run, step)
+                    stepped = train_step(loop.run, batch, step=step)
+                    _account(loop, step, (began, fetched), stepped)
                     if profiler.wants(step):  # profiled: not in the throughput
-                        progress.untime(time.perf_counter() - began)
-                    stop = _after_step(run, step, progress, reporter, session)
+                        loop.untime(time.perf_counter() - began)
+                    stop = _after_step(loop, step)
                 if stop:
                     preempted_at = step
                     break
         finally:
             profiler.close()  # a window the run ended (or failed) inside of
-        session.watchdog.beat()  # the end: the saves in flight may take a while
-        summary = session.summary = _end(run, progress, reporter, preempted_at)
+        loop.watchdog.beat()  # the end: the saves in flight may take a while
+        summary = loop.summary = _end(loop, preempted_at)
     return summary
 
 
 @dataclass
-class _Session:
-    """What one rank's run holds while it trains, opened and closed by `_session`."""
+class Loop:
+    """Everything one rank's training loop holds, in one place: the run `build_run` built (its
+    parts do not change between steps), the reporter and the guards around it, and what the loop
+    counts: the reporting window (losses since the last report and the clock it started at), the
+    numbers the summary returns, and the timings. Opened and closed by `_session`."""
 
     run: Run
     reporter: display.Reporter
-    progress: Progress
     health: RankHealth
     watchdog: Watchdog
+    start: int
+    """The step the run continues after (0, or the checkpoint's)."""
+    checkpoint: str | None
+    """The newest checkpoint (the one resumed from, until this run saves)."""
+    baseline_bytes: int = 0
+    """Memory the process held before the run was built (CPU: the interpreter, torch, the
+    process group), so `peak - baseline` is what training itself took."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    losses: list[torch.Tensor] = field(default_factory=list)
+    skipped_flags: list[torch.Tensor] = field(default_factory=list)
+    """Whether each of the window's steps was skipped, 1.0 or 0.0 on the device (empty when
+    unchecked)."""
+    clock: float = field(default_factory=time.perf_counter)
+    window_start: int = 0
+    untimed: int = 0
+    """Steps of the window left out of its throughput (compiling, profiled)."""
+    rates: list[float] = field(default_factory=list)
+    memory: list[dict[str, Any]] = field(default_factory=list)
+    skipped: int = 0
+    """Steps skipped for a non-finite gradient norm, as of the last reporting step."""
+    failed_saves: int = 0
+    grad_norm: torch.Tensor | None = None
+    """The last step's gradient norm (reported at the end of the window)."""
+    first_step_s: float = 0.0
+    step_seconds: float = 0.0
+    """Time spent in training steps after the first (for the measured pipeline bubble)."""
+    compiled: compile.CompileWatch = field(default_factory=compile.CompileWatch)
+    """What torch.compile compiled in this run (train.compile)."""
+    mfu_flagged: bool = False
     summary: TrainSummary | None = None
+
+    @property
+    def config(self) -> JobConfig:
+        return self.run.config
+
+    def exclude(self, began: float) -> None:
+        """Move the time since `began` (a checkpoint, an evaluation) out of the throughput."""
+        self.clock += time.perf_counter() - began
+
+    def untime(self, seconds: float) -> None:
+        """Leave one step that took `seconds` out of the window's throughput."""
+        self.clock += seconds
+        self.untimed += 1
 
 
 @contextmanager
 def _session(
     config: JobConfig, device: torch.device, resume: str | None, *, restarts: int, node: int
-) -> Iterator[_Session]:
+) -> Iterator[Loop]:
     """Build and restore the run, start its reporting and guards; afterwards write the summary
     and the run report (rank 0), and close everything whether the run finished or failed."""
     baseline = current_bytes(device)
     run = build_run(config, device, node=node, resume=resume)
-    run.baseline_bytes = baseline
     run.faults = FaultPlan.from_env(rank=run.rank, attempt=restarts)
     start = restore(run, resume) if resume else 0
     reporter = display.start(run, start, resumed=resume is not None)
@@ -139,13 +179,21 @@ def _session(
         adaptive=run.sync.meets_every_step,
         on_signal=watchdog.hurry,
     )
-    progress = Progress(start=start, checkpoint=resume, window_start=start)
-    progress.compiled.start()
-    session = _Session(run, reporter, progress, health, watchdog)
+    loop = Loop(
+        run,
+        reporter,
+        health,
+        watchdog,
+        start=start,
+        checkpoint=resume,
+        window_start=start,
+        baseline_bytes=baseline,
+    )
+    loop.compiled.start()
     status = "FAILED"
     try:
-        yield session
-        summary = session.summary
+        yield loop
+        summary = loop.summary
         assert summary is not None, "train() sets the summary before the session closes"
         status = "KILLED" if summary.preempted else "FINISHED"
         summary.resumed_from = start if resume else None
@@ -158,64 +206,27 @@ def _session(
         watchdog.close()
         health.close()
         reporter.close(status)
-    if session.summary is not None and run.rank == 0:
-        session.summary.mlflow_run_id = reporter.mlflow_run_id()
-        (config.run_dir / "summary.json").write_text(to_json(asdict(session.summary)))
+    if loop.summary is not None and run.rank == 0:
+        loop.summary.mlflow_run_id = reporter.mlflow_run_id()
+        (config.run_dir / "summary.json").write_text(to_json(asdict(loop.summary)))
 
 
-@dataclass
-class Progress:
-    """What the loop keeps between steps: the reporting window (losses since the last report
-    and the clock it started at), the numbers the summary returns, and counters."""
-
-    start: int
-    checkpoint: str | None
-    metrics: dict[str, float] = field(default_factory=dict)
-    losses: list[torch.Tensor] = field(default_factory=list)
-    skipped_flags: list[torch.Tensor] = field(default_factory=list)
-    """Whether each of the window's steps was skipped, 1.0 or 0.0 on the device (empty when
-    unchecked)."""
-    clock: float = field(default_factory=time.perf_counter)
-    window_start: int = 0
-    rates: list[float] = field(default_factory=list)
-    memory: list[dict[str, Any]] = field(default_factory=list)
-    skipped: int = 0
-    """Steps skipped for a non-finite gradient norm, as of the last reporting step."""
-    failed_saves: int = 0
-    grad_norm: torch.Tensor | None = None
-    """The last step's gradient norm (reported at the end of the window)."""
-    first_step_s: float = 0.0
-    compiled: compile.CompileWatch = field(default_factory=compile.CompileWatch)
-    """What torch.compile compiled in this run (train.compile)."""
-    mfu_flagged: bool = False
-    untimed: int = 0
-    """Steps of the window left out of its throughput (compiling, profiled)."""
-
-    def exclude(self, began: float) -> None:
-        """Move the time since `began` (a checkpoint, an evaluation) out of the throughput."""
-        self.clock += time.perf_counter() - began
-
-    def untime(self, seconds: float) -> None:
-        """Leave one step that took `seconds` out of the window's throughput."""
-        self.clock += seconds
-        self.untimed += 1
-
-
-def _begin(run: Run, reporter: display.Reporter, progress: Progress) -> None:
-    if progress.start >= run.config.train.steps:
-        _nothing_left(run, reporter, progress)
+def _begin(loop: Loop) -> None:
+    run = loop.run
+    if loop.start >= run.config.train.steps:
+        _nothing_left(loop)
     for part in run.parts:
         part.train()
-    run.nonfinite.begin(progress.start)
+    run.nonfinite.begin(loop.start)
 
 
-def _nothing_left(run: Run, reporter: display.Reporter, progress: Progress) -> None:
-    reporter.say(
-        f"the checkpoint is at step {progress.start} of {run.config.train.steps}: nothing left "
+def _nothing_left(loop: Loop) -> None:
+    loop.reporter.say(
+        f"the checkpoint is at step {loop.start} of {loop.config.train.steps}: nothing left "
         "to train (raise train.steps to train further)"
     )
-    if run.eval_data is not None:
-        progress.metrics.update(evaluate(run))
+    if loop.run.eval_data is not None:
+        loop.metrics.update(evaluate(loop.run))
 
 
 def _next_batch(run: Run, step: int) -> tuple[Any, float]:
@@ -224,92 +235,92 @@ def _next_batch(run: Run, step: int) -> tuple[Any, float]:
     run.faults.before_step(step)
     with data_range():
         batch = run.loader.next_step()
-    run.forward_seconds = 0.0
     return batch, time.perf_counter() - began
 
 
-def _account(
-    run: Run,
-    step: int,
-    progress: Progress,
-    reporter: display.Reporter,
-    health: RankHealth,
-    timing: tuple[float, float],
-    stepped: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
-) -> None:
+def _account(loop: Loop, step: int, timing: tuple[float, float], stepped: Stepped) -> None:
     """After `train_step`: the step's time for the straggler check and the pipeline bubble (an
     injected delay counts as this rank's own work, as a slow rank's would), the schedule, and
     what the reporting window keeps."""
+    run, config = loop.run, loop.config
     began, fetched = timing
-    loss, grad_norm, skipped = stepped
     with phase("accounting"):
-        health.add(fetched + run.forward_seconds, time.perf_counter() - began)
+        loop.health.add(fetched + stepped.forward_seconds, time.perf_counter() - began)
         for scheduler in run.schedulers:
             scheduler.step()
-        progress.losses.append(loss)
-        if skipped is not None:
-            progress.skipped_flags.append(skipped)
+        loop.losses.append(stepped.loss)
+        if stepped.skipped is not None:
+            loop.skipped_flags.append(stepped.skipped)
             run.nonfinite.remember(step, run_position(run))
-        progress.grad_norm = grad_norm
+        loop.grad_norm = stepped.grad_norm
     took = time.perf_counter() - began
-    if step == progress.start + 1:  # warm-up: shape inference, allocations; not in the bubble
+    if step == loop.start + 1:  # warm-up: shape inference, allocations; not in the bubble
         if run.layout.pipeline is not None:
             run.layout.pipeline.reset_timers()
-        progress.first_step_s = took
-        if run.config.train.compile:  # it compiled: not in the throughput either
-            progress.untime(took)
+        loop.first_step_s = took
+        if config.train.compile:  # it compiled: not in the throughput either
+            loop.untime(took)
     else:
-        run.step_seconds += took
-    if step == progress.start + 2 and run.config.train.compile:
-        progress.compiled.warmed_up()
-        _compiled(reporter, step, progress, took)
-    if step == min(progress.start + 2, run.config.train.steps):  # optimizer state in place
-        progress.memory = display.memory(run, reporter, step)
+        loop.step_seconds += took
+    if step == loop.start + 2 and config.train.compile:
+        loop.compiled.warmed_up()
+        _compiled(loop, step, took)
+    if step == min(loop.start + 2, config.train.steps):  # optimizer state in place
+        loop.memory = _memory(loop, step)
 
 
-def _after_step(
-    run: Run, step: int, progress: Progress, reporter: display.Reporter, session: _Session
-) -> bool:
+def _memory(loop: Loop, step: int, *, final: bool = False) -> list[dict[str, Any]]:
+    return display.memory(
+        loop.run,
+        loop.reporter,
+        step,
+        baseline=loop.baseline_bytes,
+        step_seconds=loop.step_seconds,
+        final=final,
+    )
+
+
+def _after_step(loop: Loop, step: int) -> bool:
     """Health, logging, checkpoint (then evaluation: a failing evaluation loses nothing that was
     trained); whether the run stops here (SIGTERM: saved, --resume auto continues)."""
+    run = loop.run
     with phase("health"):
-        stop = _health(run, step, reporter, session.health)
+        stop = _health(loop, step)
     if stop or _reporting(run.config, step):
-        _skipped(run, step, progress, reporter)
+        _skipped(loop, step)
     with phase("log"):
-        _log(run, step, progress, reporter)
+        _log(loop, step)
     steps = run.config.train.steps
     if _due(step, run.config.checkpoint.every_steps, steps) or stop:
-        _checkpoint(run, step, progress, reporter, session.watchdog)
+        _checkpoint(loop, step)
     if _due(step, run.config.eval.every_steps, steps) and run.eval_data is not None:
-        _evaluate(run, step, progress, reporter, session.watchdog)
-    session.watchdog.finished(step)
+        _evaluate(loop, step)
+    loop.watchdog.finished(step)
     run.faults.after_step(step)
     if stop:
-        reporter.say(
-            f"SIGTERM: saved {progress.checkpoint} at step {step} and stopping; "
+        loop.reporter.say(
+            f"SIGTERM: saved {loop.checkpoint} at step {step} and stopping; "
             "--resume auto continues exactly"
         )
     return stop
 
 
-def _end(
-    run: Run, progress: Progress, reporter: display.Reporter, preempted_at: int | None
-) -> TrainSummary:
-    run.sync.close()
-    wait_for_saves(run)
-    _recompiled(run, progress, reporter)
-    if run.config.train.steps > progress.start and preempted_at is None:
-        progress.memory = display.memory(run, reporter, run.config.train.steps, final=True)
-    return _summary(run, progress, preempted_at)
+def _end(loop: Loop, preempted_at: int | None) -> TrainSummary:
+    loop.run.sync.close()
+    wait_for_saves(loop.run)
+    _recompiled(loop)
+    steps = loop.config.train.steps
+    if steps > loop.start and preempted_at is None:
+        loop.memory = _memory(loop, steps, final=True)
+    return _summary(loop, preempted_at)
 
 
-def _compiled(reporter: display.Reporter, step: int, progress: Progress, second: float) -> None:
+def _compiled(loop: Loop, step: int, second: float) -> None:
     """The compile time (what the first step, which compiled, took beyond the second), the graphs
     and any graph breaks."""
-    first, watch = progress.first_step_s, progress.compiled
+    first, watch = loop.first_step_s, loop.compiled
     seconds = max(first - second, 0.0)
-    reporter.record(
+    loop.reporter.record(
         {
             "compile/seconds": seconds,
             "compile/graphs": float(watch.graphs),
@@ -323,7 +334,7 @@ def _compiled(reporter: display.Reporter, step: int, progress: Progress, second:
         breaks = (
             f", {_plural(watch.breaks, 'graph break')} (first: {reasons[0] if reasons else '?'})"
         )
-    reporter.say(
+    loop.reporter.say(
         f"torch.compile: {seconds:.1f} s (the first step took {first:.2f} s, the second "
         f"{second:.3f} s), {_plural(watch.graphs, 'graph')}{breaks}; throughput is measured "
         "from the second step"
@@ -334,62 +345,62 @@ def _plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
-def _recompiled(run: Run, progress: Progress, reporter: display.Reporter) -> None:
+def _recompiled(loop: Loop) -> None:
     """At the end: graphs torch.compile compiled after the second step, said once."""
-    if not run.config.train.compile or run.config.train.steps < progress.start + 2:
+    config = loop.config
+    if not config.train.compile or config.train.steps < loop.start + 2:
         return
-    again = progress.compiled.recompiled()
-    reporter.record({"compile/recompiles": float(again)}, run.config.train.steps)
+    again = loop.compiled.recompiled()
+    loop.reporter.record({"compile/recompiles": float(again)}, config.train.steps)
     if again:
-        reporter.say(
+        loop.reporter.say(
             f"torch.compile compiled {_plural(again, 'graph')} more after step "
-            f"{progress.start + 2}: "
+            f"{loop.start + 2}: "
             "something the graphs depend on changed (a shape, a flag); TORCH_LOGS=recompiles "
             "says what"
         )
 
 
-def _health(run: Run, step: int, reporter: display.Reporter, health: RankHealth) -> bool:
+def _health(loop: Loop, step: int) -> bool:
     """Where due, the ranks compare notes (SIGTERM, stragglers); whether to stop after `step`."""
-    if not health.due(step):
+    if not loop.health.due(step):
         return False
-    checked = health.check()
+    checked = loop.health.check()
     if checked.metrics:
-        reporter.record(checked.metrics, step)
+        loop.reporter.record(checked.metrics, step)
     for message in checked.messages:
-        reporter.say(message)
-    return checked.stop and step < run.config.train.steps
+        loop.reporter.say(message)
+    return checked.stop and step < loop.config.train.steps
 
 
-def _log(run: Run, step: int, progress: Progress, reporter: display.Reporter) -> None:
+def _log(loop: Loop, step: int) -> None:
     """At the end of a reporting window: its throughput, loss and the sync's metrics."""
-    if step % run.config.tracking.log_every != 0 and step != run.config.train.steps:
+    if step % loop.config.tracking.log_every != 0 and step != loop.config.train.steps:
         return
-    elapsed = time.perf_counter() - progress.clock
-    stats = _train_stats(run, progress, elapsed, step - progress.window_start - progress.untimed)
+    elapsed = time.perf_counter() - loop.clock
+    stats = _train_stats(loop, elapsed, step - loop.window_start - loop.untimed)
     if "samples/s" in stats:
-        progress.rates.append(stats["samples/s"])
+        loop.rates.append(stats["samples/s"])
     if stats.get("mfu", 0.0) > 100:
-        _impossible_mfu(run, step, progress, reporter, stats)
-    progress.metrics.update(stats)
-    progress.losses, progress.skipped_flags, progress.untimed = [], [], 0
-    progress.clock, progress.window_start = time.perf_counter(), step
-    reporter.progress(stats, step)
+        _impossible_mfu(loop, step, stats)
+    loop.metrics.update(stats)
+    loop.losses, loop.skipped_flags, loop.untimed = [], [], 0
+    loop.clock, loop.window_start = time.perf_counter(), step
+    loop.reporter.progress(stats, step)
 
 
-def _impossible_mfu(
-    run: Run, step: int, progress: Progress, reporter: display.Reporter, stats: dict[str, float]
-) -> None:
+def _impossible_mfu(loop: Loop, step: int, stats: dict[str, float]) -> None:
     """An MFU above 100% is not reported: the peak it is measured against is wrong. Said once."""
     achieved = stats["tflops"]
     for key in ("mfu", "mfu_datasheet"):
         stats.pop(key, None)
-    if progress.mfu_flagged:
+    if loop.mfu_flagged:
         return
-    progress.mfu_flagged = True
-    peak = run.utilisation.peak if isinstance(run.utilisation, flops.Utilisation) else None
+    loop.mfu_flagged = True
+    utilisation = loop.run.utilisation
+    peak = utilisation.peak if isinstance(utilisation, flops.Utilisation) else None
     than = f" ({peak.describe()})" if peak is not None else ""
-    reporter.say(
+    loop.reporter.say(
         f"step {step}: {achieved:.3g} TFLOP/s per device is more than the peak{than}, so the "
         "peak is wrong (measured while the device was busy, or a path the model does not "
         "take): MFU is not reported. `shardwise plan --calibrate` measures this device's peak "
@@ -397,49 +408,46 @@ def _impossible_mfu(
     )
 
 
-def _checkpoint(
-    run: Run, step: int, progress: Progress, reporter: display.Reporter, watchdog: Watchdog
-) -> None:
+def _checkpoint(loop: Loop, step: int) -> None:
     """Save the step; a failed save stops the run only under checkpoint.fail_on_save_error."""
-    watchdog.beat()
+    run = loop.run
+    loop.watchdog.beat()
     began = time.perf_counter()
     try:
-        progress.checkpoint = save(run, step, final=step == run.config.train.steps)
+        loop.checkpoint = save(run, step, final=step == run.config.train.steps)
         saved = {"checkpoint/save_s": time.perf_counter() - began}
     except SaveFailed as failure:
         if run.config.checkpoint.fail_on_save_error:
             raise
-        progress.failed_saves += 1
-        saved = {"checkpoint/failed_saves": float(progress.failed_saves)}
-        reporter.say(
+        loop.failed_saves += 1
+        saved = {"checkpoint/failed_saves": float(loop.failed_saves)}
+        loop.reporter.say(
             f"{failure}; training continues, the newest checkpoint is still "
-            f"{progress.checkpoint} (checkpoint.fail_on_save_error = true makes this fatal)"
+            f"{loop.checkpoint} (checkpoint.fail_on_save_error = true makes this fatal)"
         )
-    progress.exclude(began)
-    reporter.record(saved, step)
+    loop.exclude(began)
+    loop.reporter.record(saved, step)
 
 
-def _evaluate(
-    run: Run, step: int, progress: Progress, reporter: display.Reporter, watchdog: Watchdog
-) -> None:
-    watchdog.beat()
+def _evaluate(loop: Loop, step: int) -> None:
+    loop.watchdog.beat()
     began = time.perf_counter()
-    evaluation = evaluate(run)
-    progress.exclude(began)
-    progress.metrics.update(evaluation)
-    reporter.evaluation(evaluation, step)
+    evaluation = evaluate(loop.run)
+    loop.exclude(began)
+    loop.metrics.update(evaluation)
+    loop.reporter.evaluation(evaluation, step)
 
 
-def _summary(run: Run, progress: Progress, preempted_at: int | None) -> TrainSummary:
+def _summary(loop: Loop, preempted_at: int | None) -> TrainSummary:
     return TrainSummary(
-        step=preempted_at or run.config.train.steps,
+        step=preempted_at or loop.config.train.steps,
         preempted=preempted_at is not None,
-        metrics=progress.metrics,
-        checkpoint=str(progress.checkpoint) if progress.checkpoint else None,
-        run_dir=str(run.config.run_dir),
+        metrics=loop.metrics,
+        checkpoint=str(loop.checkpoint) if loop.checkpoint else None,
+        run_dir=str(loop.config.run_dir),
         mlflow_run_id=None,
-        samples_per_second=_median(progress.rates[1:] or progress.rates),
-        memory=progress.memory,
+        samples_per_second=_median(loop.rates[1:] or loop.rates),
+        memory=loop.memory,
     )
 
 
@@ -454,21 +462,22 @@ def _reporting(config: JobConfig, step: int) -> bool:
     return any(_due(step, n, config.train.steps) for n in every)
 
 
-def _skipped(run: Run, step: int, progress: Progress, reporter: display.Reporter) -> None:
+def _skipped(loop: Loop, step: int) -> None:
     """At a reporting step, the updates skipped since the last one for a NaN or infinite
     gradient norm (trainer/nonfinite.py): counted under `skip`; under `stop`, the state before
     the first of them (no later update was applied either) is saved and the run ends."""
+    run = loop.run
     seen = run.nonfinite.read()
     if not seen.first_bad:
         return
     bad = seen.first_bad
     what = f"step {bad}: the gradient norm is {seen.norm} (loss {seen.loss})"
     if run.config.fault.on_nonfinite == "skip":
-        more = seen.skipped - progress.skipped - 1
-        progress.skipped = seen.skipped
-        reporter.record({"fault/skipped_steps": float(seen.skipped)}, step)
+        more = seen.skipped - loop.skipped - 1
+        loop.skipped = seen.skipped
+        loop.reporter.record({"fault/skipped_steps": float(seen.skipped)}, step)
         also = f", and {more} more up to step {step}" if more > 0 else ""
-        reporter.say(f"{what}; the update was skipped{also} (fault.on_nonfinite = 'skip')")
+        loop.reporter.say(f"{what}; the update was skipped{also} (fault.on_nonfinite = 'skip')")
         return
     rewind(run, run.nonfinite.position(bad))
     path = save(run, bad)
@@ -480,12 +489,13 @@ def _skipped(run: Run, step: int, progress: Progress, reporter: display.Reporter
     )
 
 
-def _train_stats(run: Run, progress: Progress, elapsed: float, steps: int) -> dict[str, float]:
+def _train_stats(loop: Loop, elapsed: float, steps: int) -> dict[str, float]:
     """The window's metrics: the loss over its applied steps (a skipped step's loss may not be
     finite; none when every step was skipped), its throughput over its timed `steps` (none
     when the only step compiled)."""
+    run = loop.run
     stats = {"lr": float(run.schedulers[0].get_last_lr()[0])}
-    loss = mean_loss(run, progress.losses, progress.skipped_flags)
+    loss = mean_loss(run, loop.losses, loop.skipped_flags)
     if not math.isnan(loss):
         stats["loss"] = loss
     if steps > 0:
@@ -494,8 +504,8 @@ def _train_stats(run: Run, progress: Progress, elapsed: float, steps: int) -> di
             stats["tokens/s"] = stats["samples/s"] * run.tokens_per_sample
         if isinstance(run.utilisation, flops.Utilisation):
             stats.update(run.utilisation.window(steps, elapsed, run.derived.world_size))
-    if progress.grad_norm is not None:
-        stats["grad_norm"] = float(progress.grad_norm)
+    if loop.grad_norm is not None:
+        stats["grad_norm"] = float(loop.grad_norm)
     stats.update(run.sync.metrics())
     return stats
 

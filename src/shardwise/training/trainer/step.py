@@ -12,7 +12,7 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -67,17 +67,10 @@ class Run:
     """The device-side record of steps not applied for a NaN or infinite gradient norm."""
     faults: FaultPlan = field(default_factory=lambda: FaultPlan([], rank=0, attempt=0))
     """Faults to inject (`SHARDWISE_FAULT`, for tests and drills); none by default."""
-    forward_seconds: float = 0.0
-    """Time in forward passes during the current step (this rank's own work, for stragglers)."""
-    step_seconds: float = 0.0
-    """Time spent in training steps after the first (for the measured pipeline bubble)."""
     utilisation: Utilisation | str | None = None
     """FLOPs per step and the measured peak, for MFU (trainer/flops.py); or why there is none."""
     notes: list[str] = field(default_factory=list)
     """Lines for the start of the run (what `train.precision = "auto"` chose, and why)."""
-    baseline_bytes: int = 0
-    """Memory the process held before the run was built (CPU: the interpreter, torch, the
-    process group), so `peak - baseline` is what training itself took."""
     _params: list[nn.Parameter] | None = field(default=None, init=False, repr=False)
     _norm_plan: NormPlan | None = field(default=None, init=False, repr=False)
 
@@ -102,16 +95,26 @@ class Run:
         return self._norm_plan
 
 
-def train_step(
-    run: Run, micro_batches: list[Any], *, step: int = 0
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """One optimizer step over this rank's micro-batches, with no wait for the device. Returns
-    this rank's mean loss (zero on pipeline ranks without the last stage); the global gradient
-    norm before clipping (None when neither clipping nor the non-finite check needs it); and
-    whether the update was skipped, 1.0 or 0.0 on the device (trainer/nonfinite.py): it is when
-    the gradient norm is NaN or infinite (the same verdict on every rank, as the norm is
+class Stepped(NamedTuple):
+    """What one optimizer step returns, without waiting for the device."""
+
+    loss: torch.Tensor
+    """This rank's mean loss (zero on pipeline ranks without the last stage)."""
+    grad_norm: torch.Tensor | None
+    """The global gradient norm before clipping (None when neither clipping nor the non-finite
+    check needs it)."""
+    skipped: torch.Tensor | None
+    """Whether the update was skipped, 1.0 or 0.0 on the device (trainer/nonfinite.py): it is
+    when the gradient norm is NaN or infinite (the same verdict on every rank, as the norm is
     global). With fp16 the gradient scaler makes that call itself, and this is None."""
+    forward_seconds: float
+    """Time in forward passes outside a pipeline (this rank's own work, for stragglers)."""
+
+
+def train_step(run: Run, micro_batches: list[Any], *, step: int = 0) -> Stepped:
+    """One optimizer step over this rank's micro-batches, with no wait for the device."""
     pipe = run.layout.pipeline
+    forward_seconds = 0.0
     with phase("forward_backward"):
         if pipe is not None:
             loss = _pipeline_forward_backward(run, micro_batches)
@@ -121,7 +124,8 @@ def train_step(
             count, losses = len(micro_batches), []
             for i, (inputs, target) in enumerate(micro_batches):
                 with run.sync.micro_batch(model, last=i == count - 1, step=step):
-                    loss = _loss(run, inputs, target, count)
+                    loss, seconds = _loss(run, inputs, target, count)
+                    forward_seconds += seconds
                     run.scaler.scale(loss).backward()
                 losses.append(loss.detach())
             loss = losses[0] if count == 1 else torch.stack(losses).sum()
@@ -143,20 +147,19 @@ def train_step(
         run.sync.apply(run.optimizers, run.scaler, step, skip=skip)
         for optimizer in run.optimizers:
             optimizer.zero_grad(set_to_none=True)
-    return loss, grad_norm, skip
+    return Stepped(loss, grad_norm, skip, forward_seconds)
 
 
-def _loss(run: Run, inputs: Any, target: Any, count: int) -> torch.Tensor:
-    """One micro-batch's forward and loss, its share of the rank's mean (timed: the pipeline
-    bubble and the straggler check count it)."""
+def _loss(run: Run, inputs: Any, target: Any, count: int) -> tuple[torch.Tensor, float]:
+    """One micro-batch's forward and loss, its share of the rank's mean, and the seconds the
+    forward took (the pipeline bubble and the straggler check count them)."""
     inputs, target = to_device(inputs, run.device), to_device(target, run.device)
     began = time.perf_counter()
     with autocast(run.config.train.precision, run.device):
         loss = run.forward_loss(inputs, target)
         if count > 1:  # the mean over the rank's batch: each micro-batch's share
             loss = loss / count
-    run.forward_seconds += time.perf_counter() - began
-    return loss
+    return loss, time.perf_counter() - began
 
 
 def _pipeline_forward_backward(run: Run, micro_batches: list[Any]) -> torch.Tensor:
