@@ -214,6 +214,14 @@ def test_config_checks(tmp_path, sections, message):
         check(config(tmp_path / "x.csv", **sections))
 
 
+@pytest.mark.parametrize("seed", [-1, 2**32])
+def test_a_seed_numpy_cannot_take_fails_when_the_job_loads(tmp_path, seed):
+    """numpy's generators take 0 to 2**32 - 1 (as training's job.seed); a negative seed once
+    loaded and then failed inside the run, with a traceback."""
+    with pytest.raises(ConfigError, match=r"job\.seed: input should be (greater|less) than"):
+        config(tmp_path / "x.csv", job={"seed": seed})
+
+
 def test_unknown_key_suggests_the_right_one(tmp_path):
     with pytest.raises(ConfigError, match=r"did you mean 'backtest\.horizon'"):
         validate_as(ManyModelsConfig, {"backtest": {"horizn": 3}})

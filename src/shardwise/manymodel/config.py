@@ -39,9 +39,9 @@ class JobSection(Section):
     name: RunName = "many-models"
     """Names the run (`runs/<name>`), its MLflow run and, by default, its MLflow experiment:
     letters, digits, `.`, `_` and `-`, not only dots."""
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)
     """Seeds the generated `retail_synthetic` data, lightgbm's and mlp's fits, and the sample of
-    series the plots draw."""
+    series the plots draw: 0 to 2**32 - 1."""
     run_dir: str = ""
     """Where the chunk results, output tables and tracking store go; "" means `runs/<name>`."""
 
