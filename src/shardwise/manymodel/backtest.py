@@ -107,9 +107,7 @@ def forecast_series(
     series = int(frame[SERIES][0])
     observed = frame.filter(~pl.col(FUTURE))
     future = frame.filter(pl.col(FUTURE))
-    scores: dict[str, list[float]] = {label: [] for label in models}
-    fits: dict[str, Any] = {}  # each model's last fit, for the windows that update it
-    predictions: dict[str, list[_Forecast]] = {label: [] for label in models}
+    tracks = {label: _Track(model) for label, model in models.items()}  # failed ones leave
     truths: list[_Truth] = []
     for window, origin in enumerate(origins(observed.height, plan)):
         train, test = observed.head(origin), observed.slice(origin, plan.horizon)
@@ -120,51 +118,56 @@ def forecast_series(
         )
         truths.append(truth)
         # the choices made on the windows before this one, ranked by their scores there
-        ranked = sorted(scores, key=lambda label: _score(scores[label])) if window else []
-        for label in list(scores):
+        ranked = _ranked(tracks) if window else []
+        for label, track in list(tracks.items()):
             try:
-                predicted, fits[label] = _fit_predict(
-                    models[label], label, train, test.drop(TARGET), plan, fits.get(label), window
+                predicted, track.fit = _fit_predict(
+                    track.model, label, train, test.drop(TARGET), plan, track.fit, window
                 )
             except Exception as e:
                 out.failures.append(_failure(series, label, f"window {window}", e))
-                del scores[label], predictions[label]
+                del tracks[label]
                 continue
             row = truth.scores(predicted)
             out.metrics.append({**truth.keys, "model": label, **row})
-            scores[label].append(row[plan.metric] if np.isfinite(row[plan.metric]) else row["mae"])
-            predictions[label].append(predicted)
+            track.scores.append(row[plan.metric] if np.isfinite(row[plan.metric]) else row["mae"])
+            track.predictions.append(predicted)
             out.backtest.append(truth.window(label, predicted))
-        ranked = [label for label in ranked if label in predictions]  # not failed here
+        ranked = [label for label in ranked if label in tracks]  # not failed here
         if ranked:
             top = ranked[: plan.ensemble_top_k] if plan.ensemble_top_k > 1 else []
-            chosen = predictions[ranked[0]][-1]
+            chosen = tracks[ranked[0]].predictions[-1]
             out.metrics.append({**truth.keys, "model": SELECTED} | truth.scores(chosen))
             if top:
-                mean = np.mean([predictions[label][-1].values for label in top], axis=0)
+                mean = np.mean([tracks[label].predictions[-1].values for label in top], axis=0)
                 out.metrics.append(
                     {**truth.keys, "model": ENSEMBLE} | truth.scores(_Forecast(mean))
                 )
     out.series += 1
-    windows = _Windows(scores, predictions, truths, fits)
-    _refit(plan, series, models, (observed, future.drop(TARGET)), windows, out)
+    _refit(plan, series, tracks, (observed, future.drop(TARGET)), truths, out)
 
 
-@dataclass(frozen=True)
-class _Windows:
-    """One series' backtest, per model: scores and forecasts per window, and each window's
-    actual values and scale."""
+@dataclass
+class _Track:
+    """One model's backtest of one series: its score and forecast on each window so far, and
+    its last fit (what `backtest.refit` may update instead of fitting again)."""
 
-    scores: dict[str, list[float]]
-    predictions: dict[str, list[_Forecast]]
-    truths: list[_Truth]
-    fits: dict[str, Any]
-    """Each model's last fit (what `backtest.refit` may update instead of fitting again)."""
+    model: Model
+    scores: list[float] = field(default_factory=list)
+    predictions: list[_Forecast] = field(default_factory=list)
+    fit: Any = None
 
 
-def _ensemble(top: list[str], predictions: dict[str, list[_Forecast]], n: int) -> list[np.ndarray]:
+def _ranked(tracks: dict[str, _Track]) -> list[str]:
+    """The models by their mean score over the windows so far, best first."""
+    return sorted(tracks, key=lambda label: _score(tracks[label].scores))
+
+
+def _ensemble(top: list[str], tracks: dict[str, _Track], n: int) -> list[np.ndarray]:
     """The mean forecast of the `top` models on each of the first `n` windows."""
-    return [np.mean([predictions[label][w].values for label in top], axis=0) for w in range(n)]
+    return [
+        np.mean([tracks[label].predictions[w].values for label in top], axis=0) for w in range(n)
+    ]
 
 
 def origins(n: int, plan: Plan) -> list[int]:
@@ -227,23 +230,22 @@ class _Truth:
 def _refit(
     plan: Plan,
     series: int,
-    models: dict[str, Model],
+    tracks: dict[str, _Track],
     rows: tuple[pl.DataFrame, pl.DataFrame],
-    windows: _Windows,
+    truths: list[_Truth],
     out: ChunkResult,
 ) -> None:
     """Refit (or, as `backtest.refit` says, update) every model on all the observed rows and
     forecast the future ones, with intervals from every window's errors; the series' choice
     (best mean over the windows) and its top k."""
     observed, future = rows
-    scores = windows.scores
-    ranked = sorted(scores, key=lambda label: _score(scores[label]))
+    ranked = _ranked(tracks)
     finals: dict[str, _Forecast] = {}
     for label in ranked:
+        track = tracks[label]
         try:
-            previous = windows.fits.get(label)
             finals[label], _ = _fit_predict(
-                models[label], label, observed, future, plan, previous, window=plan.n_windows
+                track.model, label, observed, future, plan, track.fit, window=plan.n_windows
             )
         except Exception as e:
             out.failures.append(_failure(series, label, "refit", e))
@@ -253,14 +255,14 @@ def _refit(
     ranked = [label for label in ranked if label in finals]
     top = ranked[: max(plan.ensemble_top_k, 1)]
     out.choices.append(
-        {SERIES: series, "model": ranked[0], "score": _score(scores[ranked[0]]), "top": top}
+        {SERIES: series, "model": ranked[0], "score": _score(tracks[ranked[0]].scores), "top": top}
     )
     if plan.ensemble_top_k > 1:  # its intervals from its own errors on the windows
         finals[ENSEMBLE] = _Forecast(np.mean([finals[label].values for label in top], axis=0))
-        means = _ensemble(top, windows.predictions, len(windows.truths))
+        means = _ensemble(top, tracks, len(truths))
         out.backtest.extend(
             truth.window(ENSEMBLE, _Forecast(mean))
-            for truth, mean in zip(windows.truths, means, strict=True)
+            for truth, mean in zip(truths, means, strict=True)
         )
     scale = seasonal_mae(observed[TARGET].to_numpy().astype(np.float64), plan.context.season_length)
     out.forecasts.extend(
