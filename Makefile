@@ -41,9 +41,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-# every tier; plain `pytest` runs the fast one only (pyproject.toml)
+# every tier; plain `pytest` runs the fast one only (pyproject.toml). Two pytest workers, each
+# taking whole files (a module's shared fixtures run once): many tests wait on process start-up,
+# rendezvous, Slurm, Ray and Spark more than they compute (tests/DURATIONS.md).
 test: lint typecheck
-	$(BIN)/pytest -m "slow or not slow"
+	$(BIN)/pytest -n 2 --dist loadfile -m "slow or not slow"
 
 bench: $(STAMP)
 	$(BIN)/python bench/ddp_overhead.py
