@@ -2,7 +2,7 @@
 every series in chunks on Ray, persisting each chunk's results as it finishes.
 
 Main flow (`run`): `load_series` → `feature_files.write_features` (chunks of whole series, on disk
-in `<run_dir>/features/`) → one task per chunk (`ray_tasks.run_chunks` runs `backtest.run_chunk`
+in `<run_dir>/features/`) → one task per chunk (`ray_tasks.run_chunks` runs `chunk.run_chunk`
 with fractional CPUs/GPUs, retried when its worker dies; each chunk is read and put in Ray's object
 store as Arrow when it is submitted) → each finished chunk written atomically to the chunk store
 (`chunk_store.py`, `<run_dir>/chunks/`) → output tables from them, a few chunks at a time
