@@ -43,7 +43,8 @@ from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.manymodel.data import SeriesTable, load_series
 from shardwise.manymodel.features import FeatureSpec, polars_features
-from shardwise.manymodel.runner import THREAD_ENV, make_plan, run, start_ray
+from shardwise.manymodel.ray_tasks import THREAD_ENV, start_ray
+from shardwise.manymodel.runner import make_plan, run
 
 MODELS = {
     "names": ["seasonal_naive", "ridge", "lightgbm"],

@@ -45,7 +45,8 @@ class FeatureChunks:
     """Series per chunk."""
     series: int
     rows: tuple[int, ...]
-    """Input rows per chunk: the work grows with them (`_run_chunks` runs long ones first)."""
+    """Input rows per chunk: the work grows with them (`ray_tasks.run_chunks` runs long ones
+    first)."""
     schema: pl.Schema
     timestamp: str
     made_by: str = "polars"

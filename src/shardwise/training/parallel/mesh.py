@@ -1,7 +1,7 @@
 """The device mesh: named axes `pp`, `dp_replicate`, `dp_shard`, `tp` (outermost first) built from
-degrees that `config.ParallelSection.degrees` has already checked against the world size, and the
-process groups the trainer reduces over. Every axis exists, of size 1 when unused, so code can ask
-for any axis under any layout."""
+degrees that `ParallelSection.degrees` (training/config/schema.py) has already checked against the
+world size, and the process groups the trainer reduces over. Every axis exists, of size 1 when
+unused, so code can ask for any axis under any layout."""
 
 from __future__ import annotations
 

@@ -152,7 +152,7 @@ def train_step(run: Run, micro_batches: list[Any], *, step: int = 0) -> Stepped:
 
 def _loss(run: Run, inputs: Any, target: Any, count: int) -> tuple[torch.Tensor, float]:
     """One micro-batch's forward and loss, its share of the rank's mean, and the seconds the
-    forward took (the pipeline bubble and the straggler check count them)."""
+    forward took (the straggler check counts them)."""
     inputs, target = to_device(inputs, run.device), to_device(target, run.device)
     began = time.perf_counter()
     with autocast(run.config.train.precision, run.device):
