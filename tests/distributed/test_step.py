@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import REPO, digits_job, gpt_job
 from shardwise.training.config.load import load_config
+from shardwise.training.config.schema import TrackingSection
 from shardwise.training.fault.inject import FaultPlan, parse
 from shardwise.training.trainer import loop
 from shardwise.training.trainer.build import build_run
@@ -174,8 +175,11 @@ def test_a_profile_window_the_run_ends_in_or_resumes_into_is_closed_or_skipped(t
     stopped and its step written; the run resumed after step 10 starts inside it and profiles
     nothing (what the first process profiled stays), then counts the host's reads at 12 and 13
     (12 gathers the memory table: a reporting step); the run report draws the split."""
-    sections = {"tracking": {"log_every": 5, "report": True}, "checkpoint": {"every_steps": 10}}
-    short = gpt_job(tmp_path / "short", train={"steps": 5}, tracking={"log_every": 5})
+    default = TrackingSection.model_fields["profile_step"].default  # the helpers turn it off
+    assert default == 10
+    tracking = {"log_every": 5, "report": True, "profile_step": default}
+    sections = {"tracking": tracking, "checkpoint": {"every_steps": 10}}
+    short = gpt_job(tmp_path / "short", train={"steps": 5}, tracking={**tracking, "report": False})
     loop.train(short, device=torch.device("cpu"), resume=None)  # ends before the window
     assert not (tmp_path / "short" / "profile").exists()
     loop.train(
