@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing as mp
 import os
 import queue
@@ -13,6 +14,7 @@ import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -361,3 +363,15 @@ def hierarchical_job(tmp_path, *, months: int = 60, **sections) -> ManyModelsCon
     for section, values in sections.items():
         raw.setdefault(section, {}).update(values)
     return validate_as(ManyModelsConfig, raw)
+
+
+def docs_generator() -> ModuleType:
+    """docs/generate_configuration.py, imported as a module (docs/ is not a package): the
+    configuration reference's generator, and the heading anchors GitHub gives a page."""
+    path = Path(__file__).resolve().parents[1] / "docs" / "generate_configuration.py"
+    spec = importlib.util.spec_from_file_location("generate_configuration", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -4,25 +4,13 @@ never describes a job file that no longer exists."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
-from types import ModuleType
 
+from helpers import docs_generator as generator
 from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.training.config.schema import JobConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def generator() -> ModuleType:
-    """docs/generate_configuration.py, imported as a module (docs/ is not a package)."""
-    path = ROOT / "docs" / "generate_configuration.py"
-    spec = importlib.util.spec_from_file_location("generate_configuration", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_configuration_page_is_generated_from_the_schema():

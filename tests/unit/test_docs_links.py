@@ -11,10 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from helpers import docs_generator
+
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [README, *DOCS]
+GENERATOR = docs_generator()  # the anchors its page links to are GitHub's, as here
 
 
 def prose(page: Path) -> str:
@@ -31,13 +34,9 @@ def anchors(page: Path) -> set[str]:
     """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces as
     hyphens, and a repeated one numbered (`job`, `job-1`)."""
     seen: Counter[str] = Counter()
-    found = set()
     text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
-    for heading in re.findall(r"^#{1,6} (.+)$", text, re.M):
-        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
-        found.add(f"{slug}-{seen[slug]}" if seen[slug] else slug)
-        seen[slug] += 1
-    return found
+    headings = re.findall(r"^#{1,6} (.+)$", text, re.M)
+    return {GENERATOR.numbered(GENERATOR.anchor(heading), seen) for heading in headings}
 
 
 RELATIVE = [
