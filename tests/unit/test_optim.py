@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from shardwise.training.config.schema import TrainSection
-from shardwise.training.trainer.optim import build_optimizer, lr_factor
+from shardwise.training.trainer.optim import build_optimizer, lr_factor, states_per_param
 
 
 def train(**kw):
@@ -34,3 +34,17 @@ def test_weight_decay_skips_biases_and_norms():
     assert plain["weight_decay"] == 0.0 and len(plain["params"]) == 3
     sgd = build_optimizer(model, train(optimizer="sgd", momentum=0.8), lr=0.1)
     assert isinstance(sgd, torch.optim.SGD) and sgd.param_groups[0]["momentum"] == 0.8
+
+
+@pytest.mark.parametrize(("optimizer", "momentum"), [("adamw", 0.9), ("sgd", 0.9), ("sgd", 0.0)])
+def test_the_dry_runs_count_of_optimizer_states_is_what_the_optimizer_keeps(optimizer, momentum):
+    train = TrainSection(steps=10, global_batch=8, optimizer=optimizer, momentum=momentum)
+    model = torch.nn.Linear(3, 2)
+    opt = build_optimizer(model, train, lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    kept = [
+        sum(isinstance(v, torch.Tensor) and v.shape == p.shape for v in opt.state[p].values())
+        for p in model.parameters()
+    ]
+    assert set(kept) == {states_per_param(train)}

@@ -33,7 +33,7 @@ from shardwise.training.trainer import flops, precision
 from shardwise.training.trainer import state as train_state
 from shardwise.training.trainer.memory import state_bytes
 from shardwise.training.trainer.nonfinite import NonFiniteGuard
-from shardwise.training.trainer.optim import build_optimizer, build_scheduler
+from shardwise.training.trainer.optim import build_optimizer, build_scheduler, states_per_param
 from shardwise.training.trainer.precision import DTYPES, grad_scaler
 from shardwise.training.trainer.step import Run
 
@@ -152,7 +152,7 @@ def _checkpoint_mode(
     asked = config.checkpoint.async_save
     hosts: list[Any] = []
     if asked == "auto" and device.type == "cuda":
-        per_param = 2 if config.train.optimizer == "adamw" else int(config.train.momentum > 0)
+        per_param = states_per_param(config.train)
         held = state_bytes(layout.parts, optimizer_states_per_param=per_param)
         mine = (socket.gethostname(), held["params"] + held["optimizer"], _free_memory())
         hosts = [None] * dist.get_world_size()

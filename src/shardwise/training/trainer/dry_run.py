@@ -15,6 +15,7 @@ from shardwise.training.parallel.mesh import build_mesh
 from shardwise.training.trainer import display
 from shardwise.training.trainer.build import build_layout, tokens_per_sample_of
 from shardwise.training.trainer.memory import state_bytes
+from shardwise.training.trainer.optim import states_per_param
 
 
 def dry_run(config: JobConfig, device: torch.device) -> None:
@@ -28,7 +29,7 @@ def dry_run(config: JobConfig, device: torch.device) -> None:
     layout = build_layout(
         config, derived, mesh, device, sample=train_set[0], materialize_weights=False
     )
-    per_param = 2 if config.train.optimizer == "adamw" else int(config.train.momentum > 0)
+    per_param = states_per_param(config.train)
     mine: dict[str, Any] = {
         "rank": dist.get_rank(),
         "coordinates": " ".join(

@@ -32,6 +32,12 @@ def build_optimizer(model: nn.Module, train: TrainSection, *, lr: float) -> torc
     return torch.optim.SGD(groups, lr=lr, momentum=train.momentum, fused=fused)
 
 
+def states_per_param(train: TrainSection) -> int:
+    """fp32 tensors shaped like each parameter that `build_optimizer`'s optimizer keeps: AdamW's
+    two moments, SGD's momentum buffer (none without momentum)."""
+    return 2 if train.optimizer == "adamw" else int(train.momentum > 0)
+
+
 def _fused(params: list[nn.Parameter], allowed: bool) -> bool | None:
     """The fused implementation (one kernel for the whole update, and a skipped step costs no
     wait: comm.base.step_optimizers) where the parameters' device has it; else torch's default."""
