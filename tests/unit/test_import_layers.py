@@ -21,7 +21,8 @@ LAYERS = (
     {"common", "training"},
 )
 """DESIGN.md's import direction, top to bottom: a module may import its own layer's (without a
-cycle) and the layers below."""
+cycle) and the layers below. A module of training/ is placed by its subpackage (training.trainer
+is "trainer"); the package `shardwise.training` itself holds nothing and sits with the floor."""
 
 
 def _modules() -> dict[str, Path]:
