@@ -18,16 +18,19 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import _PipelineSchedule, get_schedule_class
 
 from shardwise.common.errors import ConfigError
 from shardwise.training.parallel.ties import StageTies
+
+if TYPE_CHECKING:  # torch.distributed.pipelining is imported when a pipeline starts (stage.py)
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+    from shardwise.training.parallel.stage import TimedStage
 
 SINGLE_STAGE = ("GPipe", "1F1B")
 LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
@@ -231,49 +234,6 @@ def measure_block_costs(
     return list(costs[0])
 
 
-class TimedStage(PipelineStage):
-    """A pipeline stage that adds up the time it spends computing (forward and backward chunks),
-    so that the bubble, the time a rank waits, can be measured; and whose shape inference leaves
-    no trace in the model."""
-
-    busy_seconds: float = 0.0
-
-    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
-        """torch learns what flows between stages by running each stage once, in training mode,
-        before the first step: the first stage on the first micro-batch, the others on
-        uninitialised tensors of the right shape. Buffers (BatchNorm's running statistics) must
-        never see that forward, so they are put back afterwards. (torch itself keeps the random
-        streams out of it.)"""
-        saved = [b.detach().clone() for b in self.submod.buffers()]
-        try:
-            return super()._forward_metadata_inference(*args, **kwargs)
-        finally:
-            with torch.no_grad():
-                for buffer, value in zip(self.submod.buffers(), saved, strict=True):
-                    buffer.copy_(value)
-
-    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        began = time.perf_counter()
-        try:
-            return super().forward_one_chunk(*args, **kwargs)
-        finally:
-            self.busy_seconds += time.perf_counter() - began
-
-    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        began = time.perf_counter()
-        try:
-            return super().backward_one_chunk(*args, **kwargs)
-        finally:
-            self.busy_seconds += time.perf_counter() - began
-
-    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        began = time.perf_counter()
-        try:
-            return super().backward_weight_one_chunk(*args, **kwargs)
-        finally:
-            self.busy_seconds += time.perf_counter() - began
-
-
 @dataclass
 class Pipeline:
     """This rank's share of a pipeline: its stages (by global index) and the schedule."""
@@ -310,6 +270,10 @@ class Pipeline:
     def start(self, loss_fn: Any, device: torch.device) -> None:
         """Create the stages and the schedule (after the stage modules are parallelized and
         materialized)."""
+        from torch.distributed.pipelining.schedules import get_schedule_class
+
+        from shardwise.training.parallel.stage import TimedStage
+
         self.device = device
         self.ties.collect(self.modules.values())
         self.stages = [

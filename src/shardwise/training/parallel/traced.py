@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.distributed.pipelining import SplitPoint, pipeline
 from torch.export.unflatten import InterpreterModule
 
 from shardwise.common.errors import ConfigError
@@ -118,6 +117,9 @@ def _check_split(model: nn.Module, split: list[str], num_stages: int) -> None:
 
 
 def _pipeline(model: nn.Module, example: Any, split: list[str] | None) -> Any:
+    # here, not at the top: torch.distributed.pipelining imports TorchDynamo (stage.py)
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
     spec = {name: SplitPoint.BEGINNING for name in split} if split else None
     try:
         with warnings.catch_warnings():  # torch.export's notes on pytree and deprecations
