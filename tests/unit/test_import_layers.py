@@ -164,3 +164,21 @@ def _strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
                         break
                 found.append(component)
     return found
+
+
+def test_a_rank_imports_pipelining_only_for_a_pipeline():
+    """torch.distributed.pipelining imports TorchDynamo: half a second of every rank's start,
+    which a run without a pipeline never uses (parallel/stage.py)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys; import shardwise.training.launch.worker, shardwise.training.trainer.loop, "
+        "shardwise.training.trainer.dry_run; "
+        "print(sorted(m for m in sys.modules if m.startswith(('torch.distributed.pipelining', "
+        "'torch._dynamo'))))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert done.stdout.strip() == "[]"
