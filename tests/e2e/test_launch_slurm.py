@@ -1,10 +1,11 @@
-"""`shardwise launch slurm` against a real Slurm started on this machine (tests/slurm.py): two
-Slurm nodes, each running one shardwise agent with one rank. Both nodes are this machine, so the
-run's directory is shared in fact, though on a local disk: hence --shared-storage.
+"""`shardwise launch slurm` against a real Slurm started on this machine (tests/slurm.py): jobs
+of two Slurm nodes, each running one shardwise agent with one rank. Every node is this machine,
+so the run's directory is shared in fact, though on a local disk: hence --shared-storage.
 
 A job submitted with --submit trains to the end; a job that `scontrol requeue` stops mid-run
 saves at a step boundary, is requeued by Slurm, resumes with --resume auto and ends bitwise equal
-to the uninterrupted job: same losses at every step, same parameters.
+to the uninterrupted job: same losses at every step, same parameters. The slowed steps
+(SHARDWISE_FAULT) are slow on a job's first attempt only, as every injected fault.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ SECTIONS = {
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with slurm.cluster(tmp_path_factory.mktemp("slurm"), nodes=2) as running:
+    """Four Slurm nodes: two jobs of two nodes each run at once."""
+    with slurm.cluster(tmp_path_factory.mktemp("slurm"), nodes=4) as running:
         yield running
 
 
@@ -63,12 +65,9 @@ def output(run_dir: Path, job_id: str) -> str:
 
 
 def test_a_requeued_job_resumes_and_ends_bitwise_like_an_uninterrupted_one(cluster, tmp_path):
+    """The uninterrupted job runs beside the one that is requeued, on the other two nodes."""
     straight = tmp_path / "straight"
-    job_id = submit(cluster, straight)
-    job = cluster.wait(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
-    assert job["JobState"] == "COMPLETED", output(straight, job_id)
-    assert job["NodeList"] == "n[1-2]" and job["NumNodes"] == "2"
-
+    straight_id = submit(cluster, straight)
     requeued = tmp_path / "requeued"
     job_id = submit(cluster, requeued)
     checkpoints = requeued / "checkpoints"
@@ -82,6 +81,9 @@ def test_a_requeued_job_resumes_and_ends_bitwise_like_an_uninterrupted_one(clust
     job = cluster.wait(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
     log = output(requeued, job_id)
     assert job["JobState"] == "COMPLETED" and job["Restarts"] == "1", log
+    done = cluster.wait(straight_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
+    assert done["JobState"] == "COMPLETED", output(straight, straight_id)
+    assert done["NumNodes"] == "2" and job["NumNodes"] == "2"
     assert "attempt 1," in log and "attempt 2," in log
     # the batch script ran to its end once the ranks had saved, not until Slurm's SIGKILL
     # (KillWait) cut it short

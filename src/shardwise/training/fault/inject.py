@@ -12,8 +12,9 @@
                                its forward pass (a straggler)
     save_error:step=10         saving the checkpoint of step 10 fails as a full disk does
 
-Faults fire on the first attempt only: after the launcher restarts the workers they run clean, so
-a test can check that the restarted run finishes like an uninterrupted one.
+Faults fire on the first attempt only: after the launcher restarts the workers, or Slurm requeues
+the job (`SLURM_RESTART_COUNT`), they run clean, so a test can check that the restarted run
+finishes like an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -80,8 +81,10 @@ class FaultPlan:
     def from_env(
         cls, *, rank: int, attempt: int, environ: Mapping[str, str] | None = None
     ) -> FaultPlan:
+        """`attempt`: the launcher's restarts so far; a job Slurm requeued adds its own."""
         env = os.environ if environ is None else environ
-        return cls(parse(env.get(ENV, "")), rank=rank, attempt=attempt)
+        requeued = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+        return cls(parse(env.get(ENV, "")), rank=rank, attempt=attempt + requeued)
 
     def _mine(self, fault: Fault) -> bool:
         if fault.rank is not None:
