@@ -30,6 +30,10 @@ def _peak_growth(config_data: dict) -> tuple[int, int]:
     config = JobConfig.model_validate(config_data)
     derived = derive(config, dist.get_world_size())
     mesh = build_mesh(derived.degrees, "cpu")
+    # Code is not the model's memory: FSDP2 imports TorchDynamo (some 50 MB of modules) on first
+    # use, which a rank of a run without a pipeline has not done before (parallel/stage.py).
+    import torch._dynamo
+
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
     before = _status_kib("VmRSS")
     layout = build_layout(config, derived, mesh, torch.device("cpu"), sample=None)
