@@ -259,3 +259,48 @@ def counts_calls() -> nn.Sequential:
 
 def sync_batch_norm() -> nn.Sequential:
     return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.SyncBatchNorm(32), nn.Linear(32, 10))
+
+
+def record_ids(inputs: torch.Tensor, tags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A streamed table's batch transform for tests: the target column `tag` is id·10 + label;
+    each micro-batch's ids are appended, one line, to `$SHARDWISE_TEST_IDS/rank<RANK>.txt` (the
+    samples each rank trained on, in order), and the labels are the target."""
+    import os
+    from pathlib import Path
+
+    folder = os.environ.get("SHARDWISE_TEST_IDS")
+    if folder:
+        line = " ".join(str(int(i)) for i in tags // 10)
+        with (Path(folder) / f"rank{os.environ.get('RANK', '0')}.txt").open("a") as f:
+            f.write(line + "\n")
+    return inputs, tags % 10
+
+
+class DigitsStream(torch.utils.data.IterableDataset):
+    """The digits as a user's own IterableDataset: this rank's share (every dp_size-th sample
+    from dp_rank), in a fixed order; it keeps its position and says it (`state_dict`)."""
+
+    def __init__(self, dp_rank: int, dp_size: int) -> None:
+        from shardwise.training.data.digits import build_digits
+
+        train, _ = build_digits()
+        self.items = [train[i] for i in range(dp_rank, len(train), dp_size)]
+        self.position = 0
+
+    def __iter__(self):
+        while self.position < len(self.items):
+            self.position += 1
+            yield self.items[self.position - 1]
+        self.position = 0  # the next epoch starts over
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = int(state["position"])
+
+
+def digits_stream(*, dp_rank: int = 0, dp_size: int = 1) -> tuple[Any, Any]:
+    from shardwise.training.data.digits import build_digits
+
+    return DigitsStream(dp_rank, dp_size), build_digits()[1]

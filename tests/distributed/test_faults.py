@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -342,37 +341,6 @@ def test_async_checkpoints_commit_and_resume_exactly(tmp_path, uninterrupted):
     assert resumed is not None and resumed.resumed_from == 12
     again = load_params(resumed.checkpoint)
     assert all(torch.equal(again[n], v) for n, v in want_params.items())
-
-
-@pytest.fixture
-def s3(monkeypatch):
-    """An S3-compatible server (moto) on a loopback port of its own, with an empty bucket
-    `checkpoints`; the workers reach it through the standard AWS environment variables."""
-    import logging
-
-    import fsspec
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    for name, value in {
-        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
-        "AWS_ACCESS_KEY_ID": "test",
-        "AWS_SECRET_ACCESS_KEY": "test",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(name, value)
-    fs = fsspec.filesystem("s3", skip_instance_cache=True)
-    fs.clear_instance_cache()  # fsspec reuses instances, with the previous server's endpoint
-    fs.mkdir("checkpoints")
-    yield fs
-    fs.clear_instance_cache()
-    urllib.request.urlopen(  # moto keeps its buckets in this process: forget them
-        urllib.request.Request(f"http://{host}:{port}/moto-api/reset", method="POST")
-    ).close()
-    server.stop()
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])

@@ -221,6 +221,67 @@ def test_examples_run_as_written(tmp_path, job, nproc, extra):
     assert len(summary["memory"]) == nproc
 
 
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory):
+    """What examples/make_tables.py writes, as its docstring says to run it (into a temporary
+    directory instead of runs/data)."""
+    out = tmp_path_factory.mktemp("data")
+    done = subprocess.run(
+        [sys.executable, "examples/make_tables.py", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+@pytest.mark.parametrize(
+    ("job", "paths", "extra"),
+    [
+        ("examples/gpt-parquet.toml", {"path": "tokens", "eval_path": "tokens-eval"},
+         ["--set", "train.steps=4", "--set", "eval.max_samples=32"]),
+        ("examples/digits-delta.toml",
+         {"table": "digits-delta", "eval_table": "digits-delta-eval"}, ["--set", "train.steps=30"]),
+    ],
+    ids=["gpt-parquet", "digits-delta"],
+)  # fmt: skip
+def test_streaming_examples_run_as_written(tmp_path, tables, job, paths, extra):
+    where = [
+        arg for key, name in paths.items() for arg in ("--set", f"data.args.{key}={tables / name}")
+    ]
+    done = shardwise(
+        "train", job, "--nproc", "2", "--set", f"job.run_dir={tmp_path}",
+        "--set", "tracking.mlflow=false", *where, *extra,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "data: " in done.stdout and "leaving out" in done.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["metrics"]["eval/loss"] > 0 and len(summary["memory"]) == 2
+    if "delta" in job:
+        assert summary["metrics"]["eval/accuracy"] > 0.5
+        assert "version = 1" in (tmp_path / "config.toml").read_text()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("data.args.inputs=picture", "has no column 'picture' (it has: image, label)"),
+        ("data.args.version=9", "cannot load version 9"),
+        ("train.global_batch=4096", "has 1438 rows, fewer than train.global_batch (4096)"),
+    ],
+    ids=["column", "version", "rows"],
+)
+def test_bad_streamed_data_is_one_line_before_launch(tmp_path, tables, change, message):
+    began = time.monotonic()
+    done = shardwise(
+        "train", "examples/digits-delta.toml", "--nproc", "2", "--set", f"job.run_dir={tmp_path}",
+        "--set", f"data.args.table={tables / 'digits-delta'}",
+        "--set", f"data.args.eval_table={tables / 'digits-delta-eval'}", "--set", change,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("shardwise: error: data: ") and message in done.stderr
+    assert done.stderr.count("\n") == 1 and time.monotonic() - began < 30
+
+
 def test_ctrl_c_stops_every_process(tmp_path):
     proc = subprocess.Popen(
         [

@@ -20,6 +20,8 @@ that its parent is gone, marks the run failed and exits.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import multiprocessing
 import os
@@ -86,6 +88,9 @@ class MlflowTracker:
 
     def log_artifact(self, path: Path) -> None:
         self._requests.put(("artifact", path))
+
+    def log_input(self, dataset: dict[str, Any]) -> None:
+        self._requests.put(("input", dataset))
 
     def close(self, status: str) -> None:
         self._requests.put(("close", status))
@@ -168,6 +173,8 @@ def _record(client: Any, run_id: str, requests: Any, parent: int) -> None:
             _log_params(client, run_id, payload)
         elif kind == "artifact":
             client.log_artifact(run_id, str(payload))
+        elif kind == "input":
+            _log_input(client, run_id, payload)
         if kind in ("flush", "close") or len(pending) >= _BATCH_LIMIT:
             for i in range(0, len(pending), _BATCH_LIMIT):
                 client.log_batch(run_id, metrics=pending[i : i + _BATCH_LIMIT])
@@ -176,6 +183,25 @@ def _record(client: Any, run_id: str, requests: Any, parent: int) -> None:
         if kind == "close":
             client.set_terminated(run_id, status=payload)
             return
+
+
+def _log_input(client: Any, run_id: str, dataset: dict[str, Any]) -> None:
+    """A training dataset as MLflow's run input (`mlflow.log_input`): its name, where it is,
+    and its version as the digest, so that the run says which data it trained on."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    version = json.dumps(dataset["version"], sort_keys=True)
+    entity = Dataset(
+        name=dataset["name"],
+        digest=hashlib.sha256(version.encode()).hexdigest()[:16],
+        source_type=dataset["kind"],
+        source=json.dumps({"uri": dataset["where"], "version": dataset["version"]}),
+        schema=json.dumps({"columns": dataset["columns"]}),
+        profile=json.dumps({"rows": dataset["rows"], "files": dataset["files"]}),
+    )
+    tags = [InputTag(key=MLFLOW_DATASET_CONTEXT, value=dataset["context"])]
+    client.log_inputs(run_id, datasets=[DatasetInput(entity, tags)])
 
 
 def _drain(requests: Any, parent: int) -> None:

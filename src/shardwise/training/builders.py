@@ -4,7 +4,8 @@ built-in by its short name, or a user's function by `package.module:function`.
 User contracts (also in docs/training.md):
 - model builder: `build_model(**model.args) -> torch.nn.Module`; `forward(inputs) -> outputs`.
 - data builder: `build_datasets(**data.args) -> (train, held_out)`, map-style datasets whose items
-  are `(inputs, target)`; `held_out` may be None.
+  are `(inputs, target)`; `held_out` may be None. The built-in `parquet`, `delta` and `iceberg`
+  return streamed tables instead (data/stream/), which `check` opens before launch.
 - loss: `loss(outputs, target) -> scalar tensor`, the mean over the batch's target elements;
   `outputs` is what the model's forward returned (a Hugging Face `ModelOutput`, say), which the
   built-in losses read with `model_output`.
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812 (the conventional name)
+from pyarrow import ArrowException
 from pydantic import TypeAdapter, ValidationError
 from torch import nn
 from torch.utils.data import Dataset
@@ -35,6 +37,9 @@ from shardwise.models.gpt import build_gpt
 from shardwise.models.vision import build_cnn, build_mlp, build_resnet
 from shardwise.training.config.schema import JobConfig
 from shardwise.training.data.digits import build_digits
+from shardwise.training.data.stream.builtins import build_delta, build_iceberg, build_parquet
+from shardwise.training.data.stream.source import REACH_S, DataError, within
+from shardwise.training.data.stream.table import Stream, TableSource
 from shardwise.training.data.text import build_text
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -76,7 +81,13 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "gpt": build_gpt,
     "resnet": build_resnet,
 }
-DATASETS: dict[str, Callable[..., Any]] = {"digits": build_digits, "text": build_text}
+DATASETS: dict[str, Callable[..., Any]] = {
+    "digits": build_digits,
+    "text": build_text,
+    "parquet": build_parquet,
+    "delta": build_delta,
+    "iceberg": build_iceberg,
+}
 LOSSES: dict[str, LossFn] = {"cross_entropy": cross_entropy, "mse": mse}
 
 
@@ -86,6 +97,8 @@ def check(config: JobConfig) -> None:
     model = _check_args("model", model_builder, config.model.args)
     data = _check_args("data", resolve(config.data.name, DATASETS, "data.name"), config.data.args)
     resolve(config.train.loss, LOSSES, "train.loss")
+    if config.data.name in STREAMED:
+        open_streams(config)
     if config.parallel.tp_plan:
         resolve(config.parallel.tp_plan, {}, "parallel.tp_plan")
     if config.model.name == "gpt" and config.data.name == "text":
@@ -109,14 +122,67 @@ def build_model(config: JobConfig) -> nn.Module:
     return model
 
 
-def build_datasets(config: JobConfig) -> tuple[Dataset, Dataset | None]:
-    built = _call("data", resolve(config.data.name, DATASETS, "data.name"), config.data.args)
+POSITION = ("dp_rank", "dp_size")
+"""Keyword arguments a data builder may take to shard its data (an IterableDataset's) itself."""
+
+
+def takes_position(config: JobConfig) -> bool:
+    builder = resolve(config.data.name, DATASETS, "data.name")
+    return set(POSITION) <= set(inspect.signature(builder).parameters)
+
+
+def build_datasets(
+    config: JobConfig, *, dp_rank: int = 0, dp_size: int = 1
+) -> tuple[Dataset, Dataset | None]:
+    """The builder's `(train, held_out)`; a builder that takes `dp_rank` and `dp_size` gets this
+    rank's data-parallel position."""
+    builder = resolve(config.data.name, DATASETS, "data.name")
+    args = dict(config.data.args)
+    if takes_position(config):
+        args.update(dp_rank=dp_rank, dp_size=dp_size)
+    built = _call("data", builder, args)
     if not (isinstance(built, tuple) and len(built) == 2):
         raise ConfigError(
             f"data builder {config.data.name} returned {type(built).__name__}; "
             "it must return a tuple (train_dataset, held_out_dataset_or_None)"
         )
     return built[0], built[1]
+
+
+STREAMED = ("parquet", "delta", "iceberg")
+
+
+def open_streams(config: JobConfig) -> tuple[Stream, Stream | None]:
+    """A streamed job's training and held-out tables, listed, pinned and checked: every column
+    there and convertible, the first rows readable, enough rows for a step. A `ConfigError`
+    names what is wrong (unreachable storage within seconds, not a hang)."""
+    train, held_out = build_datasets(config)
+    assert isinstance(train, TableSource)
+    try:
+        opened = train.open()
+        opened.head(1)
+        held = held_out.open() if isinstance(held_out, TableSource) else None
+        if held is not None:
+            held.head(1)
+    except (DataError, OSError, ArrowException) as e:  # what reading data raises for its data
+        raise ConfigError(f"data: {str(e).strip().splitlines()[0]}") from None
+    rows, batch = opened.snapshot.rows, config.train.global_batch
+    if rows < batch:
+        raise ConfigError(
+            f"data: {opened.snapshot.where} has {rows} rows, fewer than train.global_batch "
+            f"({batch}); lower the global batch or use more data"
+        )
+    return opened, held
+
+
+def stream_version(config: JobConfig) -> dict[str, Any]:
+    """What identifies the version of the data a streamed job reads now."""
+    train, _ = build_datasets(config)
+    assert isinstance(train, TableSource)
+    try:
+        return within(REACH_S, "listing the data", train.resolve).version
+    except (DataError, OSError, ArrowException) as e:
+        raise ConfigError(f"data: {str(e).strip().splitlines()[0]}") from None
 
 
 def build_loss(config: JobConfig) -> LossFn:
@@ -160,6 +226,7 @@ def _check_args(section: str, builder: Callable[..., Any], args: dict[str, Any])
         if p.default is inspect.Parameter.empty
         and n not in args
         and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+        and not (section == "data" and n in POSITION)  # given by the trainer, per rank
     ]
     if missing:
         raise ConfigError(f"missing key '{section}.args.{missing[0]}' (the builder requires it)")

@@ -24,6 +24,7 @@ from shardwise.training.checkpoint.layout import (
 )
 from shardwise.training.checkpoint.safe import check_metadata
 from shardwise.training.config.schema import JobConfig
+from shardwise.training.data.stream.loader import changed_message
 
 
 def resume_point(config: JobConfig, resume: str) -> str | None:
@@ -49,6 +50,7 @@ def resume_point(config: JobConfig, resume: str) -> str | None:
         newest = _newest_good(config)
         if newest is not None:
             check_model(newest, config)
+            check_data(newest, config)
         return newest
     path = resume
     if not is_complete(path):
@@ -63,6 +65,7 @@ def resume_point(config: JobConfig, resume: str) -> str | None:
         )
     check_metadata(path)
     check_model(path, config)
+    check_data(path, config)
     return path
 
 
@@ -79,6 +82,18 @@ def check_model(path: str, config: JobConfig) -> None:
             "with the job that wrote it, or start the new model from its weights "
             "(shardwise export, then model.init_from)"
         )
+
+
+def check_data(path: str, config: JobConfig) -> None:
+    """Refuse, in one line and before launch, to resume a streamed run on data that changed
+    since the checkpoint (another Delta version, Iceberg snapshot, or set of files), unless the
+    job allows it: the resumed run would not read the samples the run would have read."""
+    saved = read_manifest(path).get("data")
+    if not saved or config.data.allow_changed or config.data.name not in builders.STREAMED:
+        return
+    now = builders.stream_version(config)
+    if now != saved:
+        raise ConfigError(f"{name_of(path)}: {changed_message(saved, now)}")
 
 
 def _model_label(model: dict[str, Any]) -> str:

@@ -85,7 +85,12 @@ class DataSection(Section):
     args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments for the builder, checked against its signature before launch."""
     num_workers: int = Field(0, ge=0)
-    """DataLoader worker processes per rank; 0 loads in the training process."""
+    """DataLoader worker processes per rank; 0 loads in the training process. (A streamed table
+    reads with `data.args.read_threads` threads per rank instead.)"""
+    allow_changed: bool = False
+    """Resume a streamed run although its data changed since the checkpoint (another Delta
+    version, Iceberg snapshot or set of files): by default that resume is refused, since it
+    would not read the samples the run would have read."""
 
 
 class TrainSection(Section):

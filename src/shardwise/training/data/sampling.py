@@ -18,7 +18,7 @@ restoring it resumes with the very next sample, whatever the number of ranks.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
@@ -26,6 +26,19 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from shardwise.common.errors import ConfigError
 
 Batch = Any  # whatever the dataset's items collate to, usually (inputs, target)
+
+
+class Loader(Protocol):
+    """What the training loop reads its steps from: `StepLoader` (map-style data) or a streamed
+    table's `StreamLoader` (data/stream/loader.py)."""
+
+    def next_step(self) -> list[Batch]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class GlobalBatchSampler:
@@ -138,12 +151,15 @@ class StepLoader:
             generator=_private_generator(self.sampler.seed, self.sampler.epoch),
         )
 
-    def state_dict(self) -> dict[str, int]:
-        return self.sampler.state_dict()
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.sampler.state_dict())
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sampler.load_state_dict(state)
         self._micro = None
+
+    def close(self) -> None:
+        self._micro = None  # the epoch's DataLoader, and its worker processes
 
 
 def eval_loader(

@@ -15,6 +15,9 @@ class Tracker(Protocol):
     def log_params(self, params: dict[str, str]) -> None: ...
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
     def log_artifact(self, path: Path) -> None: ...
+    def log_input(self, dataset: dict[str, Any]) -> None:
+        """A dataset the run reads: name, kind, where, version, columns, rows, files, context."""
+
     def close(self, status: str) -> None:
         """Flush and finish; `status` is `FINISHED` or `FAILED`."""
 
@@ -45,6 +48,9 @@ class JsonlTracker:
     def log_artifact(self, path: Path) -> None:
         pass
 
+    def log_input(self, dataset: dict[str, Any]) -> None:
+        pass  # the version is in config.toml and in every checkpoint's manifest
+
     def close(self, status: str) -> None:
         self._file.close()
 
@@ -74,6 +80,10 @@ class Trackers:
     def log_artifact(self, path: Path) -> None:
         for t in self.trackers:
             t.log_artifact(path)
+
+    def log_input(self, dataset: dict[str, Any]) -> None:
+        for t in self.trackers:
+            t.log_input(dataset)
 
     def close(self, status: str) -> None:
         for t in self.trackers:

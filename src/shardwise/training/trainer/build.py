@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import copy
 import socket
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from pyarrow import ArrowException
 from torch import nn
+from torch.utils.data import Dataset, IterableDataset
 
 from shardwise.common.errors import ConfigError
 from shardwise.training import builders
@@ -23,7 +26,12 @@ from shardwise.training.checkpoint.manager import (
 from shardwise.training.comm import choose as comm
 from shardwise.training.config.derive import Derived, derive, resolved
 from shardwise.training.config.schema import JobConfig
-from shardwise.training.data.sampling import GlobalBatchSampler, StepLoader, eval_loader
+from shardwise.training.data import iterable
+from shardwise.training.data.iterable import IterableLoader
+from shardwise.training.data.sampling import GlobalBatchSampler, Loader, StepLoader, eval_loader
+from shardwise.training.data.stream.loader import StreamLoader
+from shardwise.training.data.stream.source import REACH_S, DataError, Snapshot, within
+from shardwise.training.data.stream.table import Stream, TableSource
 from shardwise.training.parallel import compile
 from shardwise.training.parallel.apply import Layout, parallelize, unwrap
 from shardwise.training.parallel.init import initializer, materialize, supports_meta_init
@@ -48,7 +56,8 @@ def build_run(
     config = with_precision(resolved(config, derived), chosen.name)
     mesh = build_mesh(derived.degrees, device.type)
     dp_rank, dp_size = dp_position(mesh)
-    train_set, held_out = builders.build_datasets(config)
+    data = open_data(config, derived, dp_rank, dp_size)
+    config, train_set, held_out = data.config, data.samples, data.held_out
     loss_fn = builders.build_loss(config)
     layout = build_layout(config, derived, mesh, device, sample=train_set[0])
     builtin = config.train.loss in builders.LOSSES
@@ -66,13 +75,6 @@ def build_run(
         layout.pipeline.start(stage_loss, device)
     # Each data-parallel rank its own dropout stream; tensor-parallel and pipeline peers share it.
     train_state.reseed(config.job.seed, 0, dp_rank)
-    sampler = GlobalBatchSampler(
-        _num_samples(train_set),
-        global_batch=derived.global_batch,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        seed=config.job.seed,
-    )
     optimizers = [build_optimizer(part, config.train, lr=derived.lr) for part in layout.parts]
     schedulers = [build_scheduler(o, config.train) for o in optimizers]
     config.run_dir.mkdir(parents=True, exist_ok=True)
@@ -97,13 +99,7 @@ def build_run(
         optimizers=optimizers,
         schedulers=schedulers,
         scaler=grad_scaler(config.train.precision, device),
-        loader=StepLoader(
-            train_set,
-            sampler,
-            micro_batch=derived.micro_batch,
-            num_workers=config.data.num_workers,
-            pin_memory=device.type == "cuda",
-        ),
+        loader=data.loader(dp_rank, dp_size, pin_memory=device.type == "cuda"),
         eval_data=None
         if held_out is None
         else eval_loader(
@@ -125,8 +121,134 @@ def build_run(
         sync=sync,
         nonfinite=NonFiniteGuard(device, stop=config.fault.on_nonfinite == "stop"),
         utilisation=utilisation,
-        notes=chosen.notes + saving,
+        notes=chosen.notes + saving + data.notes,
+        inputs=data.inputs,
     )
+
+
+@dataclass
+class RunData:
+    """The run's training data (map-style, or a streamed table), its held-out split, and items
+    to shape the model by."""
+
+    config: JobConfig
+    """The config, a streamed table's version pinned in `data.args`."""
+    train: Any
+    held_out: Dataset | None
+    samples: Any
+    """Indexable items `(inputs, target)`: the training set, or a streamed table's first rows."""
+    stream: Stream | None = None
+    notes: list[str] = field(default_factory=list)
+    inputs: list[dict[str, Any]] = field(default_factory=list)
+    """What MLflow records of each streamed table (`Tracker.log_input`)."""
+
+    def loader(self, dp_rank: int, dp_size: int, *, pin_memory: bool) -> Loader:
+        config, derived = self.config, derive(self.config, dist.get_world_size())
+        if isinstance(self.train, IterableDataset):
+            return IterableLoader(
+                self.train,
+                micro_batch=derived.micro_batch,
+                per_rank=derived.global_batch // dp_size,
+                num_workers=config.data.num_workers,
+                dp_rank=dp_rank,
+                pin_memory=pin_memory,
+            )
+        if self.stream is not None:
+            return StreamLoader(
+                self.stream,
+                global_batch=derived.global_batch,
+                micro_batch=derived.micro_batch,
+                dp_rank=dp_rank,
+                dp_size=dp_size,
+                seed=config.job.seed,
+                pin_memory=pin_memory,
+                allow_changed=config.data.allow_changed,
+            )
+        sampler = GlobalBatchSampler(
+            _num_samples(self.train),
+            global_batch=derived.global_batch,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            seed=config.job.seed,
+        )
+        return StepLoader(
+            self.train,
+            sampler,
+            micro_batch=derived.micro_batch,
+            num_workers=config.data.num_workers,
+            pin_memory=pin_memory,
+        )
+
+
+def open_data(config: JobConfig, derived: Derived, dp_rank: int = 0, dp_size: int = 1) -> RunData:
+    """The job's datasets; a streamed table listed and pinned by rank 0 for every rank (so all
+    read one version, even while someone writes the table), its held-out split read into
+    memory; a user's IterableDataset given this rank's data-parallel position (data/iterable.py)."""
+    train, held_out = builders.build_datasets(config, dp_rank=dp_rank, dp_size=dp_size)
+    if isinstance(train, IterableDataset):
+        notes = []
+        if not builders.takes_position(config):
+            notes.append(
+                "data: the IterableDataset's builder takes no dp_rank/dp_size, so every "
+                "data-parallel rank reads the same samples"
+            )
+        if not iterable.stateful(train):
+            notes.append(
+                "data: the IterableDataset has no state_dict/load_state_dict: a resumed run "
+                "restarts it from its beginning"
+            )
+        samples = iterable.head(train, derived.micro_batch)
+        return RunData(config, train, held_out, samples=samples, notes=notes)
+    if not isinstance(train, TableSource):
+        return RunData(config, train, held_out, samples=train)
+    snapshot = _shared_snapshot(train)
+    stream = train.open(snapshot)
+    args = {**config.data.args, **train.pin(snapshot)}
+    pinned = {k: v for k, v in args.items() if v is not None}
+    config = config.model_copy(update={"data": config.data.model_copy(update={"args": pinned})})
+    held = None
+    inputs = [_input(config, stream, "training")]
+    if isinstance(held_out, TableSource):
+        opened = held_out.open(_shared_snapshot(held_out))
+        held = opened.materialize(config.eval.max_samples)
+        inputs.append(_input(config, opened, "evaluation"))
+    head = stream.head(derived.micro_batch)
+    dropped = snapshot.rows % derived.global_batch
+    note = (
+        f"data: {snapshot.describe()}; an epoch is {snapshot.rows // derived.global_batch:,} "
+        f"steps of {derived.global_batch}, leaving out {dropped:,} rows (a different few each "
+        "epoch)"
+    )
+    return RunData(config, None, held, samples=head, stream=stream, notes=[note], inputs=inputs)
+
+
+def _input(config: JobConfig, stream: Stream, context: str) -> dict[str, Any]:
+    snapshot = stream.snapshot
+    return {
+        "name": f"{config.job.name}-{context}",
+        "kind": snapshot.kind,
+        "where": snapshot.where,
+        "version": snapshot.version,
+        "columns": stream.source.columns.read,
+        "rows": snapshot.rows,
+        "files": len(snapshot.files),
+        "context": context,
+    }
+
+
+def _shared_snapshot(source: TableSource) -> Snapshot:
+    """The snapshot rank 0 resolves, sent to every rank (an error, too, as one line)."""
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = within(REACH_S, "listing the data", source.resolve)
+        except (DataError, OSError, ArrowException) as e:
+            box[0] = f"data: {str(e).strip().splitlines()[0]}"
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):
+        raise ConfigError(box[0])
+    snapshot: Snapshot = box[0]
+    return snapshot
 
 
 def _precision(asked: str, device: torch.device, resume: str | None) -> precision.Chosen:

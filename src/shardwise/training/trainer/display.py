@@ -220,6 +220,8 @@ def start(run: Run, start: int, *, resumed: bool) -> Reporter:
         {**flatten(cfg), **{f"derived.{k}": str(v) for k, v in asdict(derived).items()}}
     )
     tracker.log_artifact(cfg.run_dir / "config.toml")
+    for dataset in run.inputs:
+        tracker.log_input(dataset)
     display = ProgressDisplay(total_steps=cfg.train.steps, start_step=start, console=console)
     return Reporter(tracker, display)
 

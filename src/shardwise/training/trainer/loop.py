@@ -205,6 +205,7 @@ def _session(
     finally:
         watchdog.close()
         health.close()
+        run.loader.close()
         reporter.close(status)
     if loop.summary is not None and run.rank == 0:
         loop.summary.mlflow_run_id = reporter.mlflow_run_id()

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardwise.training.comm.base import Sync
-from shardwise.training.data.sampling import StepLoader
+from shardwise.training.data.sampling import Loader
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 IMPLEMENTATION = ("fused", "foreach")
@@ -49,7 +49,7 @@ def capture(
     optimizers: list[torch.optim.Optimizer],
     scheduler: Any,
     scaler: Any,
-    loader: StepLoader,
+    loader: Loader,
     step: int,
     rank: int,
     sync: Sync,
@@ -96,7 +96,7 @@ def apply(
     optimizers: list[torch.optim.Optimizer],
     schedulers: list[Any],
     scaler: Any,
-    loader: StepLoader,
+    loader: Loader,
     sync: Sync,
     rank: int,
 ) -> int:

@@ -26,7 +26,7 @@ from shardwise.training.checkpoint.manager import CheckpointManager
 from shardwise.training.comm.base import Sync
 from shardwise.training.config.derive import Derived
 from shardwise.training.config.schema import JobConfig
-from shardwise.training.data.sampling import StepLoader
+from shardwise.training.data.sampling import Loader
 from shardwise.training.fault.inject import FaultPlan
 from shardwise.training.parallel.apply import Layout
 from shardwise.training.parallel.compile import ForwardLoss, eager
@@ -51,7 +51,7 @@ class Run:
     optimizers: list[torch.optim.Optimizer]
     schedulers: list[torch.optim.lr_scheduler.LambdaLR]
     scaler: torch.amp.GradScaler
-    loader: StepLoader
+    loader: Loader
     eval_data: DataLoader | None
     checkpoints: CheckpointManager
     dp_group: dist.ProcessGroup
@@ -70,6 +70,8 @@ class Run:
     utilisation: Utilisation | str | None = None
     """FLOPs per step and the measured peak, for MFU (trainer/flops.py); or why there is none."""
     notes: list[str] = field(default_factory=list)
+    inputs: list[dict[str, Any]] = field(default_factory=list)
+    """The streamed tables the run reads, as recorded in MLflow (`Tracker.log_input`)."""
     """Lines for the start of the run (what `train.precision = "auto"` chose, and why)."""
     _params: list[nn.Parameter] | None = field(default=None, init=False, repr=False)
     _norm_plan: NormPlan | None = field(default=None, init=False, repr=False)

@@ -1,0 +1,132 @@
+"""The streamed data sets a job file names: `data.name = "parquet"`, `"delta"` or `"iceberg"`, with
+their arguments in `data.args` (docs/data.md). Each returns `(train, held_out)` sources, like any
+data builder; nothing is read until the run starts (`TableSource.open`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import NonNegativeInt, PositiveInt
+
+from shardwise.common.imports import import_object
+from shardwise.training.data.stream.columns import Columns
+from shardwise.training.data.stream.source import delta_table, iceberg_table, parquet_files
+from shardwise.training.data.stream.table import TableSource, Transform, next_token
+
+TRANSFORMS: dict[str, Transform] = {"next_token": next_token}
+SHUFFLE_ROWS = 65_536
+
+
+def build_parquet(
+    *,
+    path: str,
+    inputs: str | list[str],
+    target: str = "",
+    transform: str = "",
+    row_transform: str = "",
+    shuffle_rows: NonNegativeInt = SHUFFLE_ROWS,
+    read_threads: PositiveInt = 8,
+    eval_path: str = "",
+) -> tuple[TableSource, TableSource | None]:
+    """Parquet files: `path` is a file, a directory or a glob, local or an fsspec URL
+    (s3://bucket/prefix/); `eval_path` the same for held-out data (none by default)."""
+    common = _common(inputs, target, transform, row_transform, shuffle_rows, read_threads)
+    train = TableSource(lambda: parquet_files(path), **common)
+    held_out = TableSource(lambda: parquet_files(eval_path), **common) if eval_path else None
+    return train, held_out
+
+
+def build_delta(
+    *,
+    table: str,
+    inputs: str | list[str],
+    target: str = "",
+    version: NonNegativeInt | None = None,
+    timestamp: str | None = None,
+    transform: str = "",
+    row_transform: str = "",
+    shuffle_rows: NonNegativeInt = SHUFFLE_ROWS,
+    read_threads: PositiveInt = 8,
+    eval_table: str = "",
+) -> tuple[TableSource, TableSource | None]:
+    """A Delta Lake table (a path or URL) at `version`, or as of `timestamp` (ISO 8601), or its
+    latest version, which the run then pins (written into its resolved config)."""
+    if version is not None and timestamp is not None:
+        raise ValueError("data.args.version and data.args.timestamp: give one, not both")
+    common = _common(inputs, target, transform, row_transform, shuffle_rows, read_threads)
+    train = TableSource(
+        lambda: delta_table(table, version=version, timestamp=timestamp),
+        pin=lambda snapshot: {"version": snapshot.version["version"], "timestamp": None},
+        **common,
+    )
+    held_out = TableSource(lambda: delta_table(eval_table), **common) if eval_table else None
+    return train, held_out
+
+
+def build_iceberg(
+    *,
+    table: str,
+    catalog: dict[str, Any],
+    inputs: str | list[str],
+    target: str = "",
+    snapshot_id: int | None = None,
+    transform: str = "",
+    row_transform: str = "",
+    shuffle_rows: NonNegativeInt = SHUFFLE_ROWS,
+    read_threads: PositiveInt = 8,
+    eval_table: str = "",
+) -> tuple[TableSource, TableSource | None]:
+    """An Iceberg table `namespace.name` of `catalog` (pyiceberg's catalog properties, e.g.
+    `{type = "sql", uri = "sqlite:///catalog.db", warehouse = "s3://bucket/warehouse"}`) at
+    `snapshot_id`, or its current snapshot, which the run then pins."""
+    common = _common(inputs, target, transform, row_transform, shuffle_rows, read_threads)
+    train = TableSource(
+        lambda: iceberg_table(table, catalog=catalog, snapshot_id=snapshot_id),
+        pin=lambda snapshot: {"snapshot_id": snapshot.version["snapshot_id"]},
+        **common,
+    )
+    held_out = (
+        TableSource(lambda: iceberg_table(eval_table, catalog=catalog), **common)
+        if eval_table
+        else None
+    )
+    return train, held_out
+
+
+def _common(
+    inputs: str | list[str],
+    target: str,
+    transform: str,
+    row_transform: str,
+    shuffle_rows: int,
+    read_threads: int,
+) -> dict[str, Any]:
+    names = (inputs,) if isinstance(inputs, str) else tuple(inputs)
+    if not names or not all(names):
+        raise ValueError("data.args.inputs: name a column (or a list of columns)")
+    if not target and transform != "next_token":
+        raise ValueError(
+            "data.args.target: name the target column (or use transform = 'next_token' for "
+            "token sequences, whose target is the next token)"
+        )
+    return {
+        "columns": Columns(names, target),
+        "shuffle_rows": shuffle_rows,
+        "read_threads": read_threads,
+        "transform": _transform(transform, "data.args.transform"),
+        "row_transform": _transform(row_transform, "data.args.row_transform"),
+    }
+
+
+def _transform(name: str, key: str) -> Transform | None:
+    if not name:
+        return None
+    if name in TRANSFORMS:
+        return TRANSFORMS[name]
+    if ":" not in name:
+        raise ValueError(
+            f"{key} = '{name}' is neither a built-in ({', '.join(TRANSFORMS)}) nor an import "
+            "path like 'package.module:function'"
+        )
+    found: Transform = import_object(name, key)
+    return found

@@ -1,0 +1,121 @@
+"""Which columns become a sample's inputs and target, and how a column becomes a tensor.
+
+A column is a tensor when its values are numbers (integers: int64; floating point: float32;
+booleans: float32 0/1), or lists of numbers of one length (a fixed-size list, or a list whose
+rows all have the same length): an image's pixels, a sequence's token ids. Several input columns
+of single numbers are stacked into one float32 feature vector per row. Anything else (strings,
+structs, maps, lists of different lengths, nulls) is refused, naming the column and what to do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from shardwise.training.data.stream.source import DataError, Snapshot
+
+NUMBERS = "numbers, or lists of numbers of one length"
+
+
+@dataclass(frozen=True)
+class Columns:
+    """The columns a job reads: `inputs` (one column, or several single-number columns stacked
+    as features) and `target` (one column; "" when a transform makes it, as `next_token`)."""
+
+    inputs: tuple[str, ...]
+    target: str
+
+    @property
+    def read(self) -> list[str]:
+        return [*self.inputs, *([self.target] if self.target else [])]
+
+    def check(self, snapshot: Snapshot) -> None:
+        """Refuse, before anything trains, a column the data does not have or whose type cannot
+        be a tensor."""
+        absent = dict(snapshot.absent)
+        names = snapshot.schema.names
+        for name in self.read:
+            if name in absent:
+                raise DataError(f"column '{name}' is {absent[name]}; train on another column")
+            if name not in names:
+                raise DataError(
+                    f"{snapshot.where} has no column '{name}' (it has: {', '.join(names)})"
+                )
+            wrong = _type_problem(snapshot.schema.field(name).type)
+            if wrong:
+                raise DataError(f"column '{name}' is {wrong}; a column read must hold {NUMBERS}")
+        if len(self.inputs) > 1:
+            for name in self.inputs:
+                if _is_list(snapshot.schema.field(name).type):
+                    raise DataError(
+                        f"column '{name}' holds lists: several input columns are stacked as "
+                        "features and must hold single numbers; name one list column as inputs"
+                    )
+
+    def tensors(self, table: pa.Table, where: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The inputs and target of every row of `table` (a fragment), batch first."""
+        if len(self.inputs) == 1:
+            inputs = to_tensor(table.column(self.inputs[0]), self.inputs[0], where)
+        else:
+            inputs = torch.stack(
+                [to_tensor(table.column(n), n, where).float() for n in self.inputs], dim=1
+            )
+        target = to_tensor(table.column(self.target), self.target, where) if self.target else None
+        return inputs, target
+
+
+def to_tensor(column: pa.ChunkedArray, name: str, where: str) -> torch.Tensor:
+    """A column as a tensor of shape (rows, *value shape)."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if array.null_count:
+        first = pc.index(pc.is_null(array), True).as_py()
+        raise DataError(
+            f"column '{name}' has {array.null_count} missing values ({where}, row {first} first); "
+            "fill or drop them before training"
+        )
+    shape: list[int] = []
+    while _is_list(array.type):
+        if pa.types.is_fixed_size_list(array.type):
+            size = array.type.list_size
+            values = array.flatten()
+        else:
+            lengths = pc.list_value_length(array)
+            low, high = pc.min(lengths).as_py(), pc.max(lengths).as_py()
+            if low != high:
+                raise DataError(
+                    f"column '{name}' holds lists of different lengths ({low} to {high}) in "
+                    f"{where}; pad or cut them to one length (or write a fixed-size list)"
+                )
+            size = low or 0
+            values = array.flatten()
+        if values.null_count:
+            raise DataError(
+                f"column '{name}' has missing values inside its lists ({where}); fill them"
+            )
+        shape.append(size)
+        array = values
+    numbers = array.to_numpy(zero_copy_only=False)
+    if pa.types.is_integer(array.type):
+        numbers = numbers.astype(np.int64, copy=False)
+    else:
+        numbers = numbers.astype(np.float32, copy=False)
+    return torch.from_numpy(np.require(numbers, requirements=["C", "W"])).reshape(-1, *shape)
+
+
+def _is_list(kind: pa.DataType) -> bool:
+    return bool(
+        pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+    )
+
+
+def _type_problem(kind: pa.DataType) -> str | None:
+    """Why a column of this type cannot be a tensor, or None."""
+    while _is_list(kind):
+        kind = kind.value_type
+    if pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind):
+        return None
+    return f"of type {kind}"

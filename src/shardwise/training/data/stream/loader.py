@@ -1,0 +1,162 @@
+"""Each step's micro-batches for this data-parallel rank, read from a streamed table ahead of need.
+
+The order of samples (order.py) is fixed by the seed and the epoch; the position (epoch, offset
+into the epoch's sequence) is the whole state, as for map-style data (sampling.py): saved after a
+step and restored, the run goes on with the very next sample, on any number of ranks.
+
+Reading. A rank plans its steps a window ahead: which fragments each step needs and which rows of
+them. Reading threads (`read_threads`) fetch and decode fragments (pyarrow releases the GIL) for
+the next `READ_AHEAD` steps while the model trains on this one; each fragment is read once per
+epoch by the one rank (and the one thread) that needs it, and kept decoded until the last step
+that uses it. The rank's share of a window is what it holds: about `shuffle_rows / dp` rows.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from shardwise.common.errors import ConfigError
+from shardwise.training.data.stream.order import EpochOrder, rank_slice
+from shardwise.training.data.stream.table import Pair, Stream
+
+READ_AHEAD = 4
+"""Steps whose fragments are being read while the current one trains."""
+
+
+class StreamLoader:
+    """Yields, for each optimizer step, this rank's list of micro-batches `(inputs, target)`."""
+
+    def __init__(
+        self,
+        stream: Stream,
+        *,
+        global_batch: int,
+        micro_batch: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        pin_memory: bool = False,
+        allow_changed: bool = False,
+    ) -> None:
+        rows = stream.snapshot.rows
+        if rows < global_batch:
+            raise ConfigError(
+                f"the training data has {rows} rows, fewer than train.global_batch "
+                f"({global_batch}); lower the global batch or use more data"
+            )
+        self.stream = stream
+        self.global_batch = global_batch
+        self.micro_batch = micro_batch
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.seed = seed
+        self.pin_memory = pin_memory
+        self.allow_changed = allow_changed
+        self.epoch = 0
+        self.offset = 0
+        self._pool = ThreadPoolExecutor(
+            stream.source.read_threads, thread_name_prefix="shardwise-read"
+        )
+        self._reset()
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.stream.snapshot.rows // self.global_batch
+
+    @property
+    def dropped_per_epoch(self) -> int:
+        return self.stream.snapshot.rows % self.global_batch
+
+    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        step = self.offset // self.global_batch
+        self._plan_through(step + READ_AHEAD)
+        for ahead in range(step, min(step + READ_AHEAD + 1, self.steps_per_epoch)):
+            for fragment in self._plans[ahead][0]:
+                self._fetch(int(fragment))
+        fragments, rows = self._plans.pop(step)
+        parts = [self._read[int(f)].result() for f in fragments]
+        inputs = torch.cat([part[0][r] for part, r in zip(parts, rows, strict=True)])
+        targets = [part[1] for part in parts]
+        target = (
+            None
+            if targets[0] is None
+            else torch.cat([t[r] for t, r in zip(targets, rows, strict=True)])  # type: ignore[index]
+        )
+        for fragment in fragments:  # read no more: free it
+            if self._last_use.get(int(fragment)) == step:
+                self._read.pop(int(fragment), None)
+        batches = []
+        for begin in range(0, len(inputs), self.micro_batch):
+            end = begin + self.micro_batch
+            x, y = self.stream.batch(
+                inputs[begin:end], None if target is None else target[begin:end]
+            )
+            assert y is not None
+            batches.append((x.pin_memory(), y.pin_memory()) if self.pin_memory else (x, y))
+        self._advance()
+        return batches
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "offset": self.offset, "version": self.stream.snapshot.version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("version")
+        if saved != self.stream.snapshot.version and not self.allow_changed:
+            raise ConfigError(changed_message(saved, self.stream.snapshot.version))
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+        if self.offset + self.global_batch > self.stream.snapshot.rows:  # the batch changed
+            self.epoch, self.offset = self.epoch + 1, 0
+        self._reset()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _advance(self) -> None:
+        self.offset += self.global_batch
+        if self.offset + self.global_batch > self.stream.snapshot.rows:
+            self.epoch, self.offset = self.epoch + 1, 0
+            self._reset()
+
+    def _reset(self) -> None:
+        """Start planning (and reading) afresh at the current position."""
+        self._order = EpochOrder(
+            self.stream.counts, self.seed, self.epoch, self.stream.source.shuffle_rows
+        )
+        self._plans: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self._planned = self.offset // self.global_batch  # the next step to plan
+        self._last_use: dict[int, int] = {}
+        self._read: dict[int, Future[Pair]] = {}
+
+    def _plan_through(self, step: int) -> None:
+        """Plan every step to the end of the window that holds `step`'s samples, so that each
+        fragment planned has its every use in this epoch known (its last use frees it)."""
+        last = self.steps_per_epoch - 1
+        step = min(step, last)
+        end = (step + 1) * self.global_batch
+        window_end = next((e for e in self._order.window_ends if e >= end), end)
+        through = min((window_end - 1) // self.global_batch, last)
+        while self._planned <= through:
+            k = self._planned
+            ids = rank_slice(self._order.step_ids(k, self.global_batch), self.dp_rank, self.dp_size)
+            fragment, row = self._order.locate(ids)
+            used, counts = torch.unique_consecutive(fragment, return_counts=True)
+            self._plans[k] = (used, list(torch.split(row, counts.tolist())))
+            for f in used.tolist():
+                self._last_use[f] = k
+            self._planned += 1
+
+    def _fetch(self, fragment: int) -> None:
+        if fragment not in self._read:
+            self._read[fragment] = self._pool.submit(self.stream.read, fragment)
+
+
+def changed_message(saved: Any, now: dict[str, Any]) -> str:
+    return (
+        f"the training data changed since the checkpoint was written (then: {saved}; now: "
+        f"{now}); a resumed run would not read the samples the run would have read. Train on "
+        "the version the checkpoint names (data.args.version, snapshot_id), or set "
+        "data.allow_changed = true to go on with the data as it is"
+    )

@@ -1,0 +1,151 @@
+"""A streamed table as the trainer sees it: `TableSource` is what a job file describes (built
+before launch, without reading anything); `Stream` is that source resolved to one pinned
+snapshot, which reads fragments as (inputs, target) tensors.
+
+Transforms (`module:function`, or the built-in `next_token`):
+- `transform(inputs, target) -> (inputs, target)` on every micro-batch (batch first);
+- `row_transform(inputs, target) -> (inputs, target)` on every row, before batching.
+`next_token` takes a column of token sequences of length L + 1 and makes the inputs its first L
+tokens and the target its last L (the next token at every position), as language models train.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow.parquet as pq
+import torch
+from fsspec.core import url_to_fs
+from torch.utils.data import TensorDataset
+
+from shardwise.training.data.stream.columns import Columns
+from shardwise.training.data.stream.source import (
+    REACH_S,
+    DataError,
+    Fragment,
+    Snapshot,
+    within,
+)
+
+Pair = tuple[torch.Tensor, torch.Tensor | None]
+Transform = Callable[[torch.Tensor, Any], tuple[torch.Tensor, torch.Tensor]]
+OPEN_FILES = 8
+"""Parquet files each reading thread keeps open (their footers parsed) for the next row group."""
+
+
+def next_token(inputs: torch.Tensor, target: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token sequences of length L + 1 to (the first L tokens, the next token at each)."""
+    del target
+    return inputs[..., :-1], inputs[..., 1:]
+
+
+@dataclass(frozen=True)
+class TableSource:
+    """A table to stream, as the job file says: how to pin its snapshot, which columns to read
+    and how to turn them into samples. Building one reads nothing."""
+
+    resolve: Callable[[], Snapshot]
+    """Lists the data and pins its version (called on rank 0, then shared)."""
+    columns: Columns
+    shuffle_rows: int
+    read_threads: int
+    transform: Transform | None = None
+    row_transform: Transform | None = None
+    pin: Callable[[Snapshot], dict[str, Any]] = field(default=lambda snapshot: {})
+    """The builder's arguments that pin `snapshot`'s version (Delta's `version`, Iceberg's
+    `snapshot_id`): written into the resolved config, so that re-running it reads the same
+    data."""
+
+    def open(self, snapshot: Snapshot | None = None) -> Stream:
+        """The stream of `snapshot` (resolved now when not given), its columns checked."""
+        if snapshot is None:
+            snapshot = within(REACH_S, "listing the data", self.resolve)
+        self.columns.check(snapshot)
+        return Stream(self, snapshot)
+
+
+class Stream:
+    """One pinned snapshot of a table, read fragment by fragment (from any thread)."""
+
+    def __init__(self, source: TableSource, snapshot: Snapshot) -> None:
+        self.source = source
+        self.snapshot = snapshot
+        self._local = threading.local()
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        return tuple(f.rows for f in self.snapshot.fragments)
+
+    def read(self, index: int) -> Pair:
+        """Fragment `index`'s rows as (inputs, target) tensors, batch first."""
+        fragment = self.snapshot.fragments[index]
+        url = self.snapshot.files[fragment.file]
+        where = f"{url}, row group {fragment.row_group}"
+        table = self._file(fragment).read_row_group(
+            fragment.row_group, columns=self.source.columns.read
+        )
+        return self.source.columns.tensors(table, where)
+
+    def batch(self, inputs: torch.Tensor, target: torch.Tensor | None) -> Pair:
+        """Rows gathered from fragments, transformed into a batch of samples."""
+        row, whole = self.source.row_transform, self.source.transform
+        if row is not None:
+            pairs = [
+                row(inputs[i], None if target is None else target[i]) for i in range(len(inputs))
+            ]
+            inputs = torch.stack([p[0] for p in pairs])
+            target = torch.stack([p[1] for p in pairs])
+        if whole is not None:
+            inputs, target = whole(inputs, target)
+        if target is None:
+            raise DataError(
+                "the data has no target: name data.args.target, or a transform that makes one "
+                "(next_token for token sequences)"
+            )
+        return inputs, target
+
+    def head(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The first `rows` samples (at most a fragment's), as a map-style dataset's items: what
+        shapes the model and counts its FLOPs."""
+        inputs, target = self.read(0)
+        inputs, target = self.batch(inputs[:rows], None if target is None else target[:rows])
+        assert target is not None
+        return list(zip(inputs, target, strict=True))
+
+    def materialize(self, max_rows: int | None = None) -> TensorDataset:
+        """The first `max_rows` rows (all: None) in the snapshot's order, in memory: held-out
+        data, read once and evaluated like a map-style split."""
+        parts: list[Pair] = []
+        held = 0
+        for index in range(len(self.snapshot.fragments)):
+            if max_rows is not None and held >= max_rows:
+                break
+            parts.append(self.read(index))
+            held += len(parts[-1][0])
+        inputs = torch.cat([p[0] for p in parts])[:max_rows]
+        targets = [p[1] for p in parts]
+        target = None if targets[0] is None else torch.cat(targets)[:max_rows]  # type: ignore[arg-type]
+        x, y = self.batch(inputs, target)
+        assert y is not None
+        return TensorDataset(x, y)
+
+    def _file(self, fragment: Fragment) -> pq.ParquetFile:
+        """The fragment's file, opened by this thread (a ParquetFile is not shared between
+        threads); the last few stay open, so the next row group of a file costs no footer."""
+        opened: OrderedDict[int, pq.ParquetFile] = (
+            getattr(self._local, "files", None) or OrderedDict()
+        )
+        self._local.files = opened
+        if fragment.file in opened:
+            opened.move_to_end(fragment.file)
+            return opened[fragment.file]
+        fs, path = url_to_fs(self.snapshot.files[fragment.file])
+        parquet = pq.ParquetFile(fs.open(path, "rb"))
+        opened[fragment.file] = parquet
+        if len(opened) > OPEN_FILES:
+            opened.popitem(last=False)[1].close()
+        return parquet

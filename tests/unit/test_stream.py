@@ -1,0 +1,190 @@
+"""Streamed tables (training/data/stream/): the order of an epoch, the split across ranks, the
+position a resume restores, and the columns a table can be trained on. Real Parquet files on
+disk; the object store and the table formats are tested in tests/integration/test_stream_*."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from shardwise.common.errors import ConfigError
+from shardwise.training.data.stream.builtins import build_parquet
+from shardwise.training.data.stream.loader import StreamLoader
+from shardwise.training.data.stream.order import EpochOrder
+from shardwise.training.data.stream.source import DataError
+
+ROW_GROUPS = [[7, 13], [1], [20, 20, 5], [9], [16, 3, 6]]
+"""Rows per row group of each file: uneven on purpose (100 rows in all)."""
+
+
+def write_ids(root: Path, row_groups=ROW_GROUPS) -> Path:
+    """Files whose rows carry their id (0 … 99, in file order) and a feature derived from it."""
+    root.mkdir(parents=True, exist_ok=True)
+    start = 0
+    for index, groups in enumerate(row_groups):
+        rows = sum(groups)
+        ids = list(range(start, start + rows))
+        table = pa.table({"id": ids, "x": [float(i) / 100 for i in ids]})
+        writer = pq.ParquetWriter(root / f"part-{index:03d}.parquet", table.schema)
+        offset = 0
+        for size in groups:
+            writer.write_table(table.slice(offset, size))
+            offset += size
+        writer.close()
+        start += rows
+    return root
+
+
+def loader(path: Path, *, dp_rank=0, dp_size=1, global_batch=8, micro_batch=None, **args):
+    train, _ = build_parquet(path=str(path), inputs="x", target="id", **args)
+    return StreamLoader(
+        train.open(),
+        global_batch=global_batch,
+        micro_batch=micro_batch or global_batch // dp_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=5,
+    )
+
+
+def ids_of(step: list) -> list[int]:
+    return [int(i) for _, target in step for i in target]
+
+
+@pytest.mark.parametrize("shuffle_rows", [0, 10, 1000])
+def test_an_epoch_is_every_row_once_in_an_order_of_the_seed_and_epoch(shuffle_rows):
+    counts = (7, 13, 1, 20, 20, 5, 9, 16, 3, 6)
+    order = EpochOrder(counts, seed=1, epoch=0, shuffle_rows=shuffle_rows)
+    sequence = order.sequence(0, 100)
+    assert sorted(sequence.tolist()) == list(range(100))
+    assert torch.equal(sequence, EpochOrder(counts, 1, 0, shuffle_rows).sequence(0, 100))
+    assert not torch.equal(sequence, EpochOrder(counts, 1, 1, shuffle_rows).sequence(0, 100))
+    assert not torch.equal(sequence, EpochOrder(counts, 2, 0, shuffle_rows).sequence(0, 100))
+    pieces = torch.cat([order.sequence(b, min(b + 8, 100)) for b in range(0, 100, 8)])
+    assert torch.equal(pieces, sequence)  # read in steps or at once: the same sequence
+    fragment, row = order.locate(sequence)
+    assert torch.equal(order.starts[fragment] + row, sequence)
+
+
+def test_the_shuffle_buffer_mixes_fragments_within_a_window_only():
+    counts = (10,) * 10
+    order = EpochOrder(counts, seed=0, epoch=0, shuffle_rows=30)
+    assert [len(w) for w in order.windows] == [3, 3, 3, 1]
+    sequence = order.sequence(0, 100)
+    for window, end in zip(order.windows, order.window_ends, strict=True):
+        begin = end - 10 * len(window)
+        fragments = set((sequence[begin:end] // 10).tolist())
+        assert fragments == set(window)
+    assert len(set((sequence[:10] // 10).tolist())) > 1  # rows of several fragments interleave
+
+
+def test_global_batches_hold_the_same_samples_on_any_number_of_ranks(tmp_path):
+    """12 steps of 8 from 100 rows: the last 4 rows are left out, every rank takes 12 steps,
+    no row is read twice, and step k's samples are the same on 1, 2 and 4 ranks."""
+    path = write_ids(tmp_path / "t")
+    steps = {}
+    for dp in (1, 2, 4):
+        ranks = [loader(path, dp_rank=r, dp_size=dp, shuffle_rows=20) for r in range(dp)]
+        assert all(r.steps_per_epoch == 12 and r.dropped_per_epoch == 4 for r in ranks)
+        steps[dp] = [sorted(i for r in ranks for i in ids_of(r.next_step())) for _ in range(12)]
+        for rank in ranks:
+            assert rank.epoch == 1 and rank.offset == 0
+    assert steps[1] == steps[2] == steps[4]
+    seen = [i for step in steps[1] for i in step]
+    assert len(seen) == len(set(seen)) == 96
+    x = loader(path, shuffle_rows=20).next_step()[0][0]
+    assert x.dtype == torch.float32 and x.shape == (8,)
+
+
+def test_each_rank_reads_only_the_fragments_its_samples_are_in(tmp_path):
+    """A window of about 40 rows over 2 ranks: sorted ids split by position, so each rank reads
+    about half of the window's fragments, not all of them."""
+    path = write_ids(tmp_path / "t", [[10] * 10])
+    ranks = [loader(path, dp_rank=r, dp_size=2, shuffle_rows=40) for r in range(2)]
+    for rank in ranks:
+        rank.next_step()
+    read = [set(rank._read) | {f for f, u in rank._last_use.items()} for rank in ranks]
+    first_window = set(ranks[0]._order.windows[0])
+    assert len(read[0] & first_window) < len(first_window)
+
+
+def test_the_position_resumes_with_the_very_next_sample_on_any_number_of_ranks(tmp_path):
+    path = write_ids(tmp_path / "t")
+    straight = loader(path, shuffle_rows=20)
+    want = [ids_of(straight.next_step()) for _ in range(30)]  # into the third epoch
+    first = loader(path, shuffle_rows=20)
+    for _ in range(17):
+        first.next_step()
+    state = first.state_dict()
+    assert state["epoch"] == 1 and state["offset"] == 5 * 8
+    resumed = loader(path, shuffle_rows=20)
+    resumed.load_state_dict(state)
+    assert [ids_of(resumed.next_step()) for _ in range(13)] == want[17:]
+    halves = [loader(path, dp_rank=r, dp_size=2, shuffle_rows=20) for r in range(2)]
+    for half in halves:
+        half.load_state_dict(state)
+    again = [
+        sorted(ids_of(halves[0].next_step()) + ids_of(halves[1].next_step())) for _ in range(13)
+    ]
+    assert again == [sorted(step) for step in want[17:]]
+
+
+def test_a_resume_on_changed_data_is_refused_unless_allowed(tmp_path):
+    path = write_ids(tmp_path / "t")
+    state = loader(path).state_dict()
+    assert state["version"]["kind"] == "parquet" and state["version"]["files"] == 5
+    write_ids(tmp_path / "t", [[5]] * 6)  # another file, and the others rewritten
+    with pytest.raises(ConfigError, match="the training data changed since the checkpoint"):
+        loader(path).load_state_dict(state)
+    allowed = loader(path)
+    allowed.allow_changed = True
+    allowed.load_state_dict(state)
+
+
+def test_list_columns_become_tensors_and_next_token_shifts_sequences(tmp_path):
+    tokens = pa.array([[i, i + 1, i + 2, i + 3] for i in range(16)], pa.list_(pa.int32(), 4))
+    pixels = pa.array([[float(i)] * 6 for i in range(16)])  # a plain list of one length
+    pq.write_table(
+        pa.table({"tokens": tokens, "pixels": pixels, "y": range(16)}), tmp_path / "a.parquet"
+    )
+    train, _ = build_parquet(path=str(tmp_path), inputs="tokens", transform="next_token")
+    x, y = train.open().head(2)[1]
+    assert x.tolist() == [1, 2, 3] and y.tolist() == [2, 3, 4] and x.dtype == torch.int64
+    train, _ = build_parquet(path=str(tmp_path / "a.parquet"), inputs="pixels", target="y")
+    x, y = train.open().head(1)[0]
+    assert x.shape == (6,) and x.dtype == torch.float32 and y.dtype == torch.int64
+
+
+@pytest.mark.parametrize(
+    ("table", "inputs", "message"),
+    [
+        (pa.table({"x": [1.0, 2.0], "y": [0, 1]}), "z", r"has no column 'z' \(it has: x, y\)"),
+        (pa.table({"x": ["a", "b"], "y": [0, 1]}), "x", "column 'x' is of type string"),
+        (pa.table({"x": [[1.0], [2.0, 3.0]], "y": [0, 1]}), "x", "lists of different lengths"),
+        (pa.table({"x": [1.0, None], "y": [0, 1]}), "x", "column 'x' has 1 missing values"),
+    ],
+    ids=["missing", "string", "ragged", "nulls"],
+)
+def test_a_column_that_cannot_be_a_tensor_is_named(tmp_path, table, inputs, message):
+    pq.write_table(table, tmp_path / "a.parquet")
+    train, _ = build_parquet(path=str(tmp_path), inputs=inputs, target="y")
+    with pytest.raises(DataError, match=message):
+        train.open().head(1)
+
+
+def test_an_empty_or_absent_table_is_named(tmp_path):
+    pq.write_table(
+        pa.table({"x": pa.array([], pa.float32()), "y": pa.array([], pa.int64())}),
+        tmp_path / "a.parquet",
+    )
+    with pytest.raises(DataError, match="the table is empty"):
+        build_parquet(path=str(tmp_path), inputs="x", target="y")[0].open()
+    with pytest.raises(DataError, match="no such file or directory"):
+        build_parquet(path=str(tmp_path / "nothing"), inputs="x", target="y")[0].open()
+    (tmp_path / "b").mkdir()
+    with pytest.raises(DataError, match="no Parquet files there"):
+        build_parquet(path=str(tmp_path / "b"), inputs="x", target="y")[0].open()
