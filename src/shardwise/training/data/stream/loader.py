@@ -5,10 +5,10 @@ into the epoch's sequence) is the whole state, as for map-style data (sampling.p
 step and restored, the run goes on with the very next sample, on any number of ranks.
 
 Reading. A rank plans its steps a window ahead: which fragments each step needs and which rows of
-them. Reading threads (`read_threads`) fetch and decode fragments (pyarrow releases the GIL) for
-the next `READ_AHEAD` steps while the model trains on this one; each fragment is read once per
-epoch by the one rank (and the one thread) that needs it, and kept decoded until the last step
-that uses it. The rank's share of a window is what it holds: about `shuffle_rows / dp` rows.
+them. Reading threads (`read_threads`) fetch and decode the fragments (pyarrow releases the GIL)
+of this window and the next while the model trains; each fragment is read once per epoch by the
+one rank (and the one thread) that needs it, and kept decoded until the last step that uses it.
+A rank holds its share of two windows: about `2 · shuffle_rows / dp` rows.
 """
 
 from __future__ import annotations
@@ -21,9 +21,6 @@ import torch
 from shardwise.common.errors import ConfigError
 from shardwise.training.data.stream.order import EpochOrder, rank_slice
 from shardwise.training.data.stream.table import Pair, Stream
-
-READ_AHEAD = 4
-"""Steps whose fragments are being read while the current one trains."""
 
 
 class StreamLoader:
@@ -72,10 +69,7 @@ class StreamLoader:
 
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         step = self.offset // self.global_batch
-        self._plan_through(step + READ_AHEAD)
-        for ahead in range(step, min(step + READ_AHEAD + 1, self.steps_per_epoch)):
-            for fragment in self._plans[ahead][0]:
-                self._fetch(int(fragment))
+        self._plan_through(step)
         fragments, rows = self._plans.pop(step)
         parts = [self._read[int(f)].result() for f in fragments]
         inputs = torch.cat([part[0][r] for part, r in zip(parts, rows, strict=True)])
@@ -131,12 +125,14 @@ class StreamLoader:
         self._read: dict[int, Future[Pair]] = {}
 
     def _plan_through(self, step: int) -> None:
-        """Plan every step to the end of the window that holds `step`'s samples, so that each
-        fragment planned has its every use in this epoch known (its last use frees it)."""
+        """Plan, and start reading for, every step to the end of the window after the one that
+        holds `step`'s samples: the next window's row groups arrive while this one trains, and
+        each fragment planned has its every use in this epoch known (its last use frees it)."""
         last = self.steps_per_epoch - 1
-        step = min(step, last)
-        end = (step + 1) * self.global_batch
-        window_end = next((e for e in self._order.window_ends if e >= end), end)
+        end = (min(step, last) + 1) * self.global_batch
+        ends = self._order.window_ends
+        current = next((i for i, e in enumerate(ends) if e >= end), len(ends) - 1)
+        window_end = ends[min(current + 1, len(ends) - 1)]
         through = min((window_end - 1) // self.global_batch, last)
         while self._planned <= through:
             k = self._planned
@@ -146,6 +142,7 @@ class StreamLoader:
             self._plans[k] = (used, list(torch.split(row, counts.tolist())))
             for f in used.tolist():
                 self._last_use[f] = k
+                self._fetch(f)
             self._planned += 1
 
     def _fetch(self, fragment: int) -> None:

@@ -60,6 +60,9 @@ class Snapshot:
     version: dict[str, Any]
     """What identifies this version: the Delta version, the Iceberg snapshot id, or for plain
     files a digest of their names, sizes and modification times (and how many there are)."""
+    footers: tuple[pq.FileMetaData, ...] = ()
+    """Each file's Parquet footer and size, read once: a row group is then one ranged read."""
+    sizes: tuple[int, ...] = ()
     absent: tuple[tuple[str, str], ...] = ()
     """Columns not every file holds, each with why: missing from a file (files of one table
     may differ in columns, and in compatible types: a list or a fixed-size list), or a Delta
@@ -195,16 +198,16 @@ def _snapshot(kind: str, where: str, files: tuple[str, ...], version: dict[str, 
     if not files:
         raise DataError(f"{where}: the table is empty (no data files)")
 
-    def footer(url: str) -> pq.FileMetaData:
+    def footer(url: str) -> tuple[pq.FileMetaData, int]:
         fs, path = url_to_fs(url)
         with fs.open(path, "rb") as f:
             try:
-                return pq.ParquetFile(f).metadata
+                return pq.ParquetFile(f).metadata, int(f.size)
             except pa.ArrowInvalid as e:
                 raise DataError(f"{url}: not a Parquet file ({e})") from None
 
     with ThreadPoolExecutor(min(16, len(files))) as pool:
-        footers = list(pool.map(footer, files))
+        footers, sizes = zip(*pool.map(footer, files), strict=True)
     schema = footers[0].schema.to_arrow_schema()
     lacking: dict[str, str] = {}  # a column some file does not have: the first such file
     fragments: list[Fragment] = []
@@ -221,7 +224,17 @@ def _snapshot(kind: str, where: str, files: tuple[str, ...], version: dict[str, 
     if not fragments:
         raise DataError(f"{where}: the table is empty (its files hold no rows)")
     version = {"kind": kind, **version}
-    return Snapshot(kind, where, files, tuple(fragments), schema, version, tuple(lacking.items()))
+    return Snapshot(
+        kind,
+        where,
+        files,
+        tuple(fragments),
+        schema,
+        version,
+        footers,
+        sizes,
+        tuple(lacking.items()),
+    )
 
 
 def _remote(path: str) -> bool:

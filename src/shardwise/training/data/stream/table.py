@@ -144,7 +144,12 @@ class Stream:
             opened.move_to_end(fragment.file)
             return opened[fragment.file]
         fs, path = url_to_fs(self.snapshot.files[fragment.file])
-        parquet = pq.ParquetFile(fs.open(path, "rb"))
+        if self.snapshot.footers:  # known footer and size: a row group is one ranged read
+            handle = fs.open(path, "rb", cache_type="none", size=self.snapshot.sizes[fragment.file])
+            footer = self.snapshot.footers[fragment.file]
+            parquet = pq.ParquetFile(handle, metadata=footer, pre_buffer=True)
+        else:
+            parquet = pq.ParquetFile(fs.open(path, "rb"))
         opened[fragment.file] = parquet
         if len(opened) > OPEN_FILES:
             opened.popitem(last=False)[1].close()
