@@ -266,7 +266,7 @@ def test_streaming_examples_run_as_written(tmp_path, tables, job, paths, extra):
     [
         ("data.args.inputs=picture", "has no column 'picture' (it has: image, label)"),
         ("data.args.version=9", "cannot load version 9"),
-        ("train.global_batch=4096", "has 1438 rows, fewer than train.global_batch (4096)"),
+        ("train.global_batch=4096", "has 1438 samples, fewer than train.global_batch (4096)"),
     ],
     ids=["column", "version", "rows"],
 )

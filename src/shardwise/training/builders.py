@@ -37,6 +37,7 @@ from shardwise.models.gpt import build_gpt
 from shardwise.models.vision import build_cnn, build_mlp, build_resnet
 from shardwise.training.config.schema import JobConfig
 from shardwise.training.data.digits import build_digits
+from shardwise.training.data.sampling import enough
 from shardwise.training.data.stream.builtins import build_delta, build_iceberg, build_parquet
 from shardwise.training.data.stream.source import REACH_S, DataError, within
 from shardwise.training.data.stream.table import Stream, TableSource
@@ -166,12 +167,7 @@ def open_streams(config: JobConfig) -> tuple[Stream, Stream | None]:
             held.head(1)
     except (DataError, OSError, ArrowException) as e:  # what reading data raises for its data
         raise ConfigError(f"data: {str(e).strip().splitlines()[0]}") from None
-    rows, batch = opened.snapshot.rows, config.train.global_batch
-    if rows < batch:
-        raise ConfigError(
-            f"data: {opened.snapshot.where} has {rows} rows, fewer than train.global_batch "
-            f"({batch}); lower the global batch or use more data"
-        )
+    enough(opened.snapshot.rows, config.train.global_batch, f"data: {opened.snapshot.where}")
     return opened, held
 
 

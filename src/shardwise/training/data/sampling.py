@@ -28,6 +28,15 @@ from shardwise.common.errors import ConfigError
 Batch = Any  # whatever the dataset's items collate to, usually (inputs, target)
 
 
+def enough(rows: int, global_batch: int, what: str) -> None:
+    """Refuse data with fewer samples than one step takes."""
+    if rows < global_batch:
+        raise ConfigError(
+            f"{what} has {rows} samples, fewer than train.global_batch ({global_batch}); lower "
+            "the global batch or use more data"
+        )
+
+
 class Loader(Protocol):
     """What the training loop reads its steps from: `StepLoader` (map-style data) or a streamed
     table's `StreamLoader` (data/stream/loader.py)."""
@@ -47,11 +56,7 @@ class GlobalBatchSampler:
     def __init__(
         self, num_samples: int, *, global_batch: int, dp_rank: int, dp_size: int, seed: int
     ) -> None:
-        if num_samples < global_batch:
-            raise ConfigError(
-                f"the training set has {num_samples} samples, fewer than train.global_batch "
-                f"({global_batch}); lower the global batch or use more data"
-            )
+        enough(num_samples, global_batch, "the training set")
         assert global_batch % dp_size == 0, "derive() guarantees global_batch divides by dp"
         self.num_samples = num_samples
         self.global_batch = global_batch

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from shardwise.common.errors import ConfigError
+from shardwise.training.data.sampling import enough
 from shardwise.training.data.stream.order import EpochOrder, rank_slice
 from shardwise.training.data.stream.table import Pair, Stream
 
@@ -38,12 +39,7 @@ class StreamLoader:
         pin_memory: bool = False,
         allow_changed: bool = False,
     ) -> None:
-        rows = stream.snapshot.rows
-        if rows < global_batch:
-            raise ConfigError(
-                f"the training data has {rows} rows, fewer than train.global_batch "
-                f"({global_batch}); lower the global batch or use more data"
-            )
+        enough(stream.snapshot.rows, global_batch, "the training data")
         self.stream = stream
         self.global_batch = global_batch
         self.micro_batch = micro_batch
