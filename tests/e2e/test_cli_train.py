@@ -261,6 +261,17 @@ def test_streaming_examples_run_as_written(tmp_path, tables, job, paths, extra):
         assert "version = 1" in (tmp_path / "config.toml").read_text()
 
 
+def test_a_streamed_job_dry_runs(tmp_path, tables):
+    """--dry-run shapes the model by the table's first rows, as training does."""
+    done = shardwise(
+        "train", "examples/digits-delta.toml", "--nproc", "2", "--dry-run",
+        "--set", f"job.run_dir={tmp_path}", "--set", f"data.args.table={tables / 'digits-delta'}",
+        "--set", f"data.args.eval_table={tables / 'digits-delta-eval'}",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "params" in done.stdout and not (tmp_path / "checkpoints").exists()
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

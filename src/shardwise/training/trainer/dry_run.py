@@ -8,12 +8,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise.training import builders
 from shardwise.training.config.derive import derive, resolved
 from shardwise.training.config.schema import JobConfig
-from shardwise.training.parallel.mesh import build_mesh
+from shardwise.training.parallel.mesh import build_mesh, dp_position
 from shardwise.training.trainer import display
-from shardwise.training.trainer.build import build_layout, tokens_per_sample_of
+from shardwise.training.trainer.build import build_layout, open_data, tokens_per_sample_of
 from shardwise.training.trainer.memory import state_bytes
 from shardwise.training.trainer.optim import states_per_param
 
@@ -25,9 +24,9 @@ def dry_run(config: JobConfig, device: torch.device) -> None:
     derived = derive(config, dist.get_world_size())
     config = resolved(config, derived)
     mesh = build_mesh(derived.degrees, device.type)
-    train_set, _ = builders.build_datasets(config)
+    samples = open_data(config, derived, *dp_position(mesh)).samples  # (a stream: its first rows)
     layout = build_layout(
-        config, derived, mesh, device, sample=train_set[0], materialize_weights=False
+        config, derived, mesh, device, sample=samples[0], materialize_weights=False
     )
     per_param = states_per_param(config.train)
     mine: dict[str, Any] = {
@@ -41,4 +40,4 @@ def dry_run(config: JobConfig, device: torch.device) -> None:
     ranks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
     if dist.get_rank() == 0:
-        display.dry_run_table(ranks, derived, layout, tokens_per_sample_of(train_set[0]))
+        display.dry_run_table(ranks, derived, layout, tokens_per_sample_of(samples[0]))
