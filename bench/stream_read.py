@@ -15,16 +15,20 @@ whole table once per repeat; contenders alternate, and the medians are printed w
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from local_s3 import local_s3
 
 SEQ = 129
 
@@ -79,20 +83,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
-    import fsspec
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    os.environ.update(
-        AWS_ENDPOINT_URL=f"http://{host}:{port}", AWS_ACCESS_KEY_ID="bench",
-        AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
-    )  # fmt: skip
-    try:
-        fs = fsspec.filesystem("s3", skip_instance_cache=True)
-        fs.mkdir("bench")
+    with local_s3() as fs:
         rows = write(fs, "bench/tokens", args.files, args.groups, args.rows)
         url = "s3://bench/tokens/"
         size = sum(fs.du("bench/tokens", total=False).values()) / 2**20
@@ -117,8 +108,6 @@ def main() -> None:
             )
         ratio = statistics.median(times["shardwise"]) / statistics.median(times["pyarrow"])
         print(f"shardwise / pyarrow: {ratio:.2f}x (target >= 0.8x)")
-    finally:
-        server.stop()
 
 
 if __name__ == "__main__":

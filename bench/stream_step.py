@@ -15,8 +15,6 @@ are printed with their ratio (target: streaming within 3% of memory).
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import statistics
 import sys
 import tempfile
@@ -30,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
 from ddp_overhead import timed  # noqa: E402 (a sibling script)
+from local_s3 import local_s3  # noqa: E402
 
 URL = "s3://bench/tokens/"
 EVAL = "s3://bench/tokens-eval/"
@@ -57,20 +56,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
 
-    import fsspec
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    os.environ.update(
-        AWS_ENDPOINT_URL=f"http://{host}:{port}", AWS_ACCESS_KEY_ID="bench",
-        AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
-    )  # fmt: skip
-    try:
-        fs = fsspec.filesystem("s3", skip_instance_cache=True)
-        fs.mkdir("bench")
+    with local_s3() as fs:
         with tempfile.TemporaryDirectory() as tmp:
             import subprocess
 
@@ -110,8 +96,6 @@ def main() -> None:
             print(f"{name:>18}: {statistics.median(values) * 1e3:8.1f} ms/step (median)")
         ratio = statistics.median(times["streamed from S3"]) / statistics.median(times["in memory"])
         print(f"streamed / in memory: {ratio:.3f} (target <= 1.03)")
-    finally:
-        server.stop()
 
 
 if __name__ == "__main__":
