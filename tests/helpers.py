@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
+import urllib.request
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -375,3 +379,31 @@ def docs_generator() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@contextlib.contextmanager
+def mlflow_server(root: Path) -> Iterator[int]:
+    """A real `mlflow server` on a free loopback port (yielded), its store and artifacts under
+    `root`; stopped, with its workers, when the block ends."""
+    port = free_port()
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
+         "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{root / 'store.db'}",
+         "--artifacts-destination", str(root / "artifacts")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, "no MLflow server"
+                time.sleep(0.5)
+        yield port
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)

@@ -120,12 +120,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(plan)
     export = commands.add_parser(
-        "export", help="write a checkpoint's model as one safetensors file, from any layout"
+        "export",
+        help="write a checkpoint's model as one safetensors file, or log it to MLflow's Model "
+        "Registry, from any layout",
     )
     export.add_argument(
         "checkpoint", help="a checkpoint directory or URL (…/checkpoints/step_NNNNNNNN)"
     )
-    export.add_argument("output", help="the .safetensors file to write")
+    export.add_argument(
+        "output", nargs="?", help="the .safetensors file to write (optional with --mlflow)"
+    )
+    export.add_argument(
+        "--mlflow",
+        metavar="NAME",
+        help="log the model to MLflow as a pyfunc and register it as NAME's next version",
+    )
+    export.add_argument(
+        "--uri",
+        help="with --mlflow: the MLflow tracking and registry URI (default: MLFLOW_TRACKING_URI, "
+        "else the job's tracking.uri or its run's store)",
+    )
     export.add_argument("--debug", action="store_true", help="show tracebacks for every error")
     launch = commands.add_parser(
         "launch",
@@ -256,12 +270,24 @@ def _export(args: argparse.Namespace) -> int:
 
     from shardwise.training.checkpoint.export import export_safetensors
 
-    written = export_safetensors(args.checkpoint, Path(args.output))
-    print(
-        f"wrote {args.output}: {written['tensors']} tensors, {written['parameters']:,} "
-        f"parameters ({written['dtype']}, {written['bytes'] / 2**20:.1f} MiB) from step "
-        f"{written['step']}"
-    )
+    if args.output is None and args.mlflow is None:
+        raise ConfigError("export needs an OUTPUT file, --mlflow NAME, or both")
+    if args.mlflow is not None and not args.mlflow.strip():
+        raise ConfigError("--mlflow needs a model name (the registered model's)")
+    if args.uri is not None and args.mlflow is None:
+        raise ConfigError("--uri is where --mlflow NAME logs the model: add --mlflow NAME")
+    if args.output is not None:
+        written = export_safetensors(args.checkpoint, Path(args.output))
+        print(
+            f"wrote {args.output}: {written['tensors']} tensors, {written['parameters']:,} "
+            f"parameters ({written['dtype']}, {written['bytes'] / 2**20:.1f} MiB) from step "
+            f"{written['step']}"
+        )
+    if args.mlflow is not None:
+        from shardwise.training.tracking.registry import log_checkpoint
+
+        logged = log_checkpoint(args.checkpoint, name=args.mlflow, uri=args.uri)
+        print(f"registered {logged.model_uri} (mlflow run {logged.run_id})")
     return 0
 
 

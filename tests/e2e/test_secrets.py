@@ -4,17 +4,13 @@ store's params, tags and artifacts), and an error line naming such a URI hides i
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from helpers import free_port
+import helpers
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -26,27 +22,8 @@ SECRET = "s3cr3t-Pa55"
 def mlflow_server(tmp_path_factory):
     """An MLflow tracking server on loopback, its store and artifacts in a temp dir."""
     root = tmp_path_factory.mktemp("mlflow-server")
-    port = free_port()
-    server = subprocess.Popen(
-        [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
-         "--workers", "1", "--backend-store-uri", f"sqlite:///{root / 'store.db'}",
-         "--artifacts-destination", str(root / "artifacts")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
-                break
-            except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, "no MLflow server"
-                time.sleep(0.5)
+    with helpers.mlflow_server(root) as port:
         yield root, f"http://alice:{SECRET}@127.0.0.1:{port}"
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
 
 
 def holding(root: Path, text: str) -> list[Path]:

@@ -18,7 +18,7 @@ def test_cli_flags_are_pinned():
         ]
     )
     flags = sorted(o for a in commands["export"]._actions for o in a.option_strings)
-    assert flags == sorted(["-h", "--help", "--debug"])
+    assert flags == sorted(["-h", "--help", "--debug", "--mlflow", "--uri"])
     flags = sorted(o for a in commands["report"]._actions for o in a.option_strings)
     assert flags == sorted(["-h", "--help", "--out", "--debug"])
     flags = sorted(o for a in commands["many-models"]._actions for o in a.option_strings)
@@ -83,6 +83,14 @@ def test_cli_flags_are_pinned():
         ),
         (["--nnodes", "2", "--rdzv-endpoint", "10.0.0.1:70000"], "a port from 1 to 65535"),
         (
+            ["--set", "tracking.log_model=true", "--set", "tracking.mlflow=false"],
+            "tracking.log_model = true logs the model to MLflow, which tracking.mlflow = false",
+        ),
+        (
+            ["--set", "tracking.registered_model=digits"],
+            "registers the logged model: set tracking.log_model = true too",
+        ),
+        (
             ["--set", 'checkpoint.dir="nosuch://bucket/run"'],
             "checkpoint.dir = 'nosuch://bucket/run': cannot write there (ValueError: Protocol "
             "not known: nosuch)",
@@ -93,6 +101,22 @@ def test_bad_input_exits_2_with_one_line(repo_cwd, tmp_path, capsys, args, messa
     code = main(["train", "examples/digits.toml", "--set", f"job.run_dir={tmp_path}", *args])
     err = capsys.readouterr().err
     assert code == 2
+    assert err.startswith("shardwise: error: ") and err.count("\n") == 1
+    assert message in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "export needs an OUTPUT file, --mlflow NAME, or both"),
+        (["out.safetensors", "--uri", "http://127.0.0.1:1"], "--uri is where --mlflow NAME"),
+        (["--mlflow", " "], "--mlflow needs a model name"),
+        (["--mlflow", "m"], "is not a complete shardwise checkpoint"),
+    ],
+)
+def test_bad_export_exits_2_with_one_line(tmp_path, capsys, args, message):
+    assert main(["export", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err
     assert err.startswith("shardwise: error: ") and err.count("\n") == 1
     assert message in err
 

@@ -36,6 +36,7 @@ from shardwise.models import hf
 from shardwise.models.gpt import build_gpt
 from shardwise.models.vision import build_cnn, build_mlp, build_resnet
 from shardwise.training.config.schema import JobConfig
+from shardwise.training.data import iterable
 from shardwise.training.data.digits import build_digits
 from shardwise.training.data.sampling import enough
 from shardwise.training.data.stream.builtins import build_delta, build_iceberg, build_parquet
@@ -179,6 +180,20 @@ def stream_version(config: JobConfig) -> dict[str, Any]:
         return within(REACH_S, "listing the data", train.resolve).version
     except (DataError, OSError, ArrowException) as e:
         raise ConfigError(f"data: {str(e).strip().splitlines()[0]}") from None
+
+
+def first_inputs(config: JobConfig, count: int) -> Any:
+    """The inputs of the training data's first `count` samples, batched as the model takes them:
+    a logged model's input example (a map-style set's first items, an IterableDataset's, a
+    streamed table's first rows)."""
+    train, _ = build_datasets(config)
+    if isinstance(train, TableSource):
+        items: list[Any] = open_streams(config)[0].head(count)
+    elif isinstance(train, torch.utils.data.IterableDataset):
+        items = iterable.head(train, count)
+    else:
+        items = [train[i] for i in range(min(count, len(train)))]  # type: ignore[arg-type]
+    return torch.utils.data.default_collate([item[0] for item in items])
 
 
 def build_loss(config: JobConfig) -> LossFn:

@@ -93,6 +93,7 @@ def derive(config: JobConfig, world_size: int) -> Derived:
 def _check_combinations(config: JobConfig, degrees: dict[str, int]) -> None:
     """Options that do not go together with the layout, named with the fix."""
     train, par = config.train, config.parallel
+    _check_tracking(config)
     layered = degrees["pp"] > 1 or degrees["tp"] > 1 or degrees["dp_shard"] > 1
     if train.precision == "fp16" and layered:
         raise ConfigError(
@@ -130,6 +131,20 @@ def _check_combinations(config: JobConfig, degrees: dict[str, int]) -> None:
         )
     if train.sync == "async" and train.precision == "fp16":
         raise ConfigError("train.sync = 'async' cannot use fp16's gradient scaler; use 'bf16'")
+
+
+def _check_tracking(config: JobConfig) -> None:
+    tracking = config.tracking
+    if tracking.log_model and not tracking.mlflow:
+        raise ConfigError(
+            "tracking.log_model = true logs the model to MLflow, which tracking.mlflow = false "
+            "turns off; set tracking.mlflow = true (and tracking.uri for a server)"
+        )
+    if tracking.registered_model and not tracking.log_model:
+        raise ConfigError(
+            f"tracking.registered_model = {tracking.registered_model!r} registers the logged "
+            "model: set tracking.log_model = true too"
+        )
 
 
 def _stages_per_rank(par: ParallelSection, pp: int) -> int:

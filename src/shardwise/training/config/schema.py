@@ -312,6 +312,13 @@ class TrackingSection(Section):
     profile_steps: int = Field(2, gt=0)
     """Steps the profiler window records, from profile_step on; as many steps again then count
     the host's reads of tensor values (not under `train.compile`)."""
+    log_model: bool = False
+    """At the end of the run, log the final model to MLflow as a pyfunc (weights, job file,
+    signature and input example from the data; docs/serving.md), from any layout; needs
+    `mlflow = true`."""
+    registered_model: str = ""
+    """Register the logged model under this name in MLflow's Model Registry, as a new version
+    tagged with the run's final metrics; needs `log_model = true`."""
     report: bool = True
     """Write the run report (report/report.html and PNGs) at the end of the run, and log it to
     MLflow; `shardwise report RUN_DIR` writes it at any time."""

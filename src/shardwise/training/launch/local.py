@@ -254,7 +254,9 @@ def train(
     check_job(config, world_size, worker.local_world_size if worker else per_node)
     if worker is not None:
         # Every rank runs this; the ranks decide where to start together, once joined.
-        return run_worker(config.model_dump(mode="json"), resume, dry_run, decided=False)
+        return publish(
+            config, run_worker(config.model_dump(mode="json"), resume, dry_run, decided=False)
+        )
     if nodes is not None:
         nodes.check()
     checkpoint = None if dry_run else resume_point(config, resume)
@@ -283,6 +285,35 @@ def train(
         if hang is None:
             raise
         raise WorkerFailed(failure.rank, failure.exitcode, hang, traceback="") from None
+    return publish(config, summary)
+
+
+def publish(config: JobConfig, summary: TrainSummary | None) -> TrainSummary | None:
+    """Under `tracking.log_model`, the finished run's final checkpoint logged to MLflow (and
+    registered) by this process once the ranks are done; a store that is down is said in the
+    summary (`model_error`), the checkpoint left as it is."""
+    if summary is None or summary.preempted or not config.tracking.log_model:
+        return summary
+    from shardwise.common.registry import RegistryError
+    from shardwise.training.tracking.registry import log_checkpoint
+
+    assert summary.checkpoint is not None  # the last step always saves
+    try:
+        logged = log_checkpoint(
+            summary.checkpoint,
+            name=config.tracking.registered_model,
+            uri=config.tracking_uri,
+            run_id=summary.mlflow_run_id,
+            metrics=summary.metrics,
+        )
+    except RegistryError as e:
+        summary.model_error = (
+            f"{e}; the checkpoint {summary.checkpoint} is intact: `shardwise export "
+            f"{summary.checkpoint} --mlflow {config.tracking.registered_model or 'NAME'}` logs "
+            "it later"
+        )
+        return summary
+    summary.model_uri = logged.model_uri
     return summary
 
 
@@ -339,3 +370,5 @@ def print_summary(summary: TrainSummary) -> None:
         print(f"checkpoint: {summary.checkpoint}")
     if summary.mlflow_run_id:
         print(f"mlflow run: {summary.mlflow_run_id}")
+    if summary.model_uri:
+        print(f"mlflow model: {summary.model_uri}")

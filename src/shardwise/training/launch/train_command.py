@@ -34,6 +34,9 @@ def run(args: argparse.Namespace) -> int:
         return worker_failed(failure)
     if summary is not None:
         print_summary(summary)
+        if summary.model_error:
+            print(f"shardwise: {summary.model_error}", file=sys.stderr)
+            return 2
     return 0
 
 

@@ -54,6 +54,10 @@ class TrainSummary:
     """The run stopped early on SIGTERM, after saving a checkpoint."""
     memory: list[dict[str, Any]] = field(default_factory=list)
     """Per rank: parameter, gradient and optimizer-state bytes, peak memory, pipeline bubble."""
+    model_uri: str | None = None
+    """Where `tracking.log_model` logged the final model (`models:/NAME/VERSION` if registered)."""
+    model_error: str | None = None
+    """Why it was not logged (the MLflow store was down); the checkpoint is intact."""
 
 
 def train(

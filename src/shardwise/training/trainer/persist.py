@@ -105,6 +105,9 @@ def _manifest(run: Run) -> dict[str, Any]:
         "global_batch": run.derived.global_batch,
         "precision": run.config.train.precision,
         "model": shown(run.config.model),
+        # the job, credentials hidden: what `export --mlflow` rebuilds the model and its input
+        # example from (training/tracking/registry.py)
+        "job": shown(run.config, exclude_none=True),
         # a streamed table's version (data/stream/source.py): a resume on other data is refused
         **({"data": data} if (data := run.loader.state_dict().get("version")) else {}),
         "config_sha256": hashlib.sha256(config_json.encode()).hexdigest(),

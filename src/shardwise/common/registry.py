@@ -1,0 +1,202 @@
+"""Logging a model to MLflow and registering it in the Model Registry, for both products.
+
+Training logs a checkpoint's model (training/tracking/registry.py) and many-models its chosen
+forecasts (manymodel/served.py) as an MLflow pyfunc; this module does what they share: checks
+that the store answers (within seconds, so a registry that is down costs one line, not minutes of
+MLflow's retries), logs the model into a run (the training run, or a new one), and registers it
+as a new version of a named model with tags. Every failure of the store becomes a
+`RegistryError`, one line naming the store (its credentials hidden) and what went wrong.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardwise.common.errors import ConfigError
+from shardwise.common.redact import redact, redacting_output
+
+REACH_S = 10.0
+"""How long the store has to answer the first request."""
+_RETRIES = "2"
+"""MLflow's HTTP retries after the store has answered (its default, 7 with backoff, is minutes)."""
+
+
+class RegistryError(ConfigError):
+    """The MLflow store could not take the model: down, refusing, or failing mid-way."""
+
+
+@dataclass(frozen=True)
+class Registered:
+    """Where a logged model is: its run, its URI, and its registered name and version."""
+
+    run_id: str
+    model_uri: str
+    """`models:/NAME/VERSION` when registered; else the logged model's own URI."""
+    name: str = ""
+    version: str = ""
+
+
+@dataclass(frozen=True)
+class Destination:
+    """The store and run a model goes to: `run_id` an existing run (a training run), else a new
+    run named `run_name` in `experiment`."""
+
+    uri: str
+    experiment: str
+    run_name: str
+    run_id: str | None = None
+    registered_name: str = ""
+    tags: dict[str, str] | None = None
+    """The registered version's tags (metrics, step, checkpoint)."""
+
+
+def log_pyfunc(destination: Destination, **model: Any) -> Registered:
+    """Log `mlflow.pyfunc.log_model(name="model", **model)` to `destination`'s run and register
+    it under `destination.registered_name` (when given)."""
+    check_reachable(destination.uri)
+    where = f"MLflow at {redact(destination.uri)}"
+    with _store(destination.uri), _failures(where):
+        import mlflow
+
+        with _run(destination) as run_id:
+            info = mlflow.pyfunc.log_model(name="model", **model)
+        if not destination.registered_name:
+            return Registered(run_id=run_id, model_uri=info.model_uri)
+        version = mlflow.register_model(
+            info.model_uri, destination.registered_name, tags=destination.tags or {}
+        )
+        return Registered(
+            run_id=run_id,
+            model_uri=f"models:/{destination.registered_name}/{version.version}",
+            name=destination.registered_name,
+            version=str(version.version),
+        )
+
+
+def check_reachable(uri: str) -> None:
+    """A `RegistryError` within `REACH_S` seconds when the store at `uri` cannot be used: a
+    server that does not answer its health check, a local store whose directory is missing."""
+    scheme = uri.split("://", 1)[0] if "://" in uri else "file"
+    if scheme in ("http", "https"):
+        import requests
+
+        try:
+            answer = requests.get(uri.rstrip("/") + "/health", timeout=REACH_S)
+        except requests.RequestException as e:
+            reason = type(e).__name__.replace("Error", " error").strip()
+            raise RegistryError(
+                f"MLflow at {redact(uri)} did not answer ({reason}); start the server or give "
+                "another --uri / tracking.uri"
+            ) from None
+        if answer.status_code >= 400:
+            raise RegistryError(
+                f"MLflow at {redact(uri)} answered {answer.status_code} to its health check; "
+                "check the server and its credentials"
+            )
+    elif scheme == "sqlite":
+        folder = Path(uri.split(":///", 1)[-1]).parent
+        if not folder.is_dir():
+            raise RegistryError(f"MLflow store {uri}: no directory {folder}")
+    elif scheme == "file":
+        folder = Path(uri.removeprefix("file://")).parent
+        if not folder.is_dir():
+            raise RegistryError(f"MLflow store {uri}: no directory {folder}")
+
+
+@contextlib.contextmanager
+def _store(uri: str) -> Iterator[None]:
+    """MLflow pointed at `uri`, with few retries and its chatter (run links, progress bars,
+    INFO logs) kept off the console; what it prints has credentials hidden."""
+    import mlflow
+
+    saved = {k: os.environ.get(k) for k in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES",)}
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", _RETRIES)
+    previous = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    levels = {n: logging.getLogger(n).level for n in ("mlflow", "alembic")}
+    for name in levels:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        with redacting_output(), _quiet_progress():
+            yield
+    finally:
+        mlflow.set_tracking_uri(previous[0])
+        mlflow.set_registry_uri(previous[1])
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _quiet_progress() -> Iterator[None]:
+    key = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+    saved = os.environ.get(key)
+    os.environ[key] = "false"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = saved
+
+
+@contextlib.contextmanager
+def _run(destination: Destination) -> Iterator[str]:
+    """The destination's run, active: the existing one reopened (left as it was when done), or a
+    new one (finished when done)."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(destination.uri)
+    if destination.run_id is not None:
+        status = client.get_run(destination.run_id).info.status
+        with mlflow.start_run(run_id=destination.run_id):
+            yield destination.run_id
+        client.set_terminated(destination.run_id, status=status)
+        return
+    found = client.get_experiment_by_name(destination.experiment)
+    experiment_id = (
+        found.experiment_id
+        if found
+        else client.create_experiment(
+            destination.experiment, artifact_location=_artifacts_beside(destination.uri)
+        )
+    )
+    with mlflow.start_run(experiment_id=experiment_id, run_name=destination.run_name) as run:
+        yield run.info.run_id
+
+
+def _artifacts_beside(uri: str) -> str | None:
+    """A new experiment's artifacts in a local SQLite store: `artifacts/` beside the database, as
+    a training run keeps them (MLflow's default is `./mlruns` wherever the command runs); a
+    server places them itself."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return (Path(uri.removeprefix("sqlite:///")).parent / "artifacts").resolve().as_uri()
+
+
+@contextlib.contextmanager
+def _failures(where: str) -> Iterator[None]:
+    """Whatever the store raises, as one `RegistryError` line."""
+    from mlflow.exceptions import MlflowException
+    from requests import RequestException
+
+    try:
+        yield
+    except RegistryError:
+        raise
+    except (MlflowException, RequestException, OSError) as e:
+        first = redact(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+        raise RegistryError(f"{where}: the model was not logged ({first[:300]})") from None

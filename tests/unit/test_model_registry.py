@@ -1,0 +1,38 @@
+"""What a logged model carries besides its weights, and how a store that cannot take it is
+refused before any work (the registry itself is exercised in tests/e2e/test_registry.py)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import free_port
+from shardwise.common.registry import RegistryError, check_reachable
+from shardwise.training.tracking.registry import _code_paths, _requirements
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_users_model_code_travels_with_the_model_and_an_installed_ones_does_not(repo_cwd):
+    assert _code_paths("examples.hf_gpt2:build_model") == [str(REPO / "examples")]
+    assert _code_paths("cnn") is None  # a built-in: shardwise's own
+    assert _code_paths("shardwise.models.gpt:build_gpt") is None
+    assert _code_paths("polars:DataFrame") is None  # an installed package
+
+
+def test_requirements_pin_what_the_model_loads_with():
+    pinned = dict(r.split("==") for r in _requirements())
+    assert {"torch", "safetensors", "numpy", "shardwise"} <= pinned.keys()
+    assert "+" not in pinned["torch"]  # a local build tag pip could not resolve
+
+
+def test_a_store_that_is_down_is_refused_within_seconds(tmp_path):
+    began = time.monotonic()
+    with pytest.raises(RegistryError, match=r"MLflow at http://127\.0\.0\.1:\d+ did not answer"):
+        check_reachable(f"http://127.0.0.1:{free_port()}")
+    assert time.monotonic() - began < 10
+    with pytest.raises(RegistryError, match="no directory"):
+        check_reachable(f"sqlite:///{tmp_path}/missing/mlflow.db")
+    check_reachable(f"sqlite:///{tmp_path}/mlflow.db")  # a new store in an existing directory
