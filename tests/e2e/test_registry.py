@@ -5,6 +5,7 @@ predict what the trained model predicts: their cross-entropy over the held-out s
 run's own final eval loss (which the trainer computed with the sharded model; in fp32, as the
 logged model predicts). A version served by
 `mlflow models serve --env-manager local` answers a REST request with the same predictions. A
+many-models run registers its chosen forecasts and intervals, looked up by series id. A
 store that is down costs one line and exit 2, and the checkpoint stays intact."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -81,6 +83,40 @@ def held_out_loss(model: Any, checkpoint: Path) -> float:
     inputs, target = torch.utils.data.default_collate([held_out[i] for i in range(count)])
     logits = torch.from_numpy(model.predict(inputs.numpy()))
     return F.cross_entropy(logits.flatten(0, -2).double(), target.flatten()).item()
+
+
+def served_answer(model: str, server: str, cwd: Path, request: dict[str, Any]) -> Any:
+    """What `mlflow models serve --env-manager local` of `model` answers to `request` (JSON) at
+    /invocations; the server stopped after."""
+    port = helpers.free_port()
+    serving = subprocess.Popen(
+        [str(BIN / "mlflow"), "models", "serve", "-m", model, "--env-manager", "local",
+         "--host", "127.0.0.1", "--port", str(port)],
+        # as from an activated virtualenv: MLflow starts `uvicorn` by name
+        env={**os.environ, "MLFLOW_TRACKING_URI": server,
+             "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}, cwd=cwd,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        posted = urllib.request.Request(
+            f"http://127.0.0.1:{port}/invocations",
+            data=json.dumps(request).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(posted, timeout=30) as answer:
+                    return json.load(answer)
+            except OSError:
+                assert serving.poll() is None, serving.communicate()[1].decode()[-3000:]
+                assert time.monotonic() < deadline, "mlflow models serve did not answer"
+                time.sleep(0.5)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the server and its workers
+            os.killpg(serving.pid, signal.SIGTERM)
+        serving.wait(timeout=60)
 
 
 def final_checkpoint(run_dir: Path) -> Path:
@@ -144,37 +180,46 @@ def test_an_exported_hf_gpt2_is_registered_and_served_over_rest(server, tmp_path
     assert held_out_loss(model, checkpoint) == pytest.approx(evaluated[-1], rel=1e-5)
 
     example = model.input_example
-    port = helpers.free_port()
-    serving = subprocess.Popen(
-        [str(BIN / "mlflow"), "models", "serve", "-m", "models:/hf-gpt2/1", "--env-manager",
-         "local", "--host", "127.0.0.1", "--port", str(port)],
-        # as from an activated virtualenv: MLflow starts `uvicorn` by name
-        env={**os.environ, "MLFLOW_TRACKING_URI": server,
-             "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}, cwd=tmp_path,
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/invocations",
-            data=json.dumps({"inputs": example.tolist()}).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(request, timeout=30) as answer:
-                    served = np.asarray(json.load(answer)["predictions"], dtype=np.float32)
-                break
-            except OSError:
-                assert serving.poll() is None, serving.communicate()[1].decode()[-3000:]
-                assert time.monotonic() < deadline, "mlflow models serve did not answer"
-                time.sleep(0.5)
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # the server and its workers
-            os.killpg(serving.pid, signal.SIGTERM)
-        serving.wait(timeout=60)
+    answer = served_answer("models:/hf-gpt2/1", server, tmp_path, {"inputs": example.tolist()})
+    served = np.asarray(answer["predictions"], dtype=np.float32)
     np.testing.assert_allclose(served, model.predict(example), rtol=1e-5, atol=1e-5)
+
+
+def test_a_many_models_run_is_registered_as_its_forecasts_by_series_and_served(server, tmp_path):
+    run_dir = tmp_path / "run"
+    done = shardwise(
+        "many-models", "examples/retail-synthetic.toml", "--set", f"job.run_dir={run_dir}",
+        "--set", "data.num_series=12", "--set", 'models.names=["seasonal_naive","ridge"]',
+        "--set", "backtest.levels=[80,95]", "--set", f"tracking.uri={server}",
+        "--set", "tracking.registered_model=retail",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "mlflow model: models:/retail/1" in done.stderr + done.stdout
+    model, tags = registered(server, "retail")
+    assert "intervals/coverage_80" in tags
+    forecasts = pd.read_parquet(run_dir / "forecasts.parquet")
+    asked = pd.DataFrame({"store": ["S000", "S000"], "item": ["I003", "I001"]})  # in this order
+    got = model.predict(asked, params={"horizon": 2})
+    assert got[["store", "item"]].drop_duplicates().values.tolist() == asked.values.tolist()
+    assert list(got.columns) == list(forecasts.columns) and got["step"].max() == 2
+    expected = forecasts.merge(asked).query("step <= 2").sort_values(["store", "item", "step"])
+    pd.testing.assert_frame_equal(
+        got.sort_values(["store", "item", "step"]).reset_index(drop=True),
+        expected.reset_index(drop=True),
+    )
+    with pytest.raises(Exception, match="this model forecasts 1 to 4 steps"):
+        model.predict(asked, params={"horizon": 5})
+    with pytest.raises(Exception, match="1 series the run did not forecast"):
+        model.predict(pd.DataFrame({"store": ["S999"], "item": ["I001"]}))
+
+    answer = served_answer(
+        "models:/retail/1", server, tmp_path,
+        {"dataframe_split": asked.to_dict(orient="split"), "params": {"horizon": 2}},
+    )  # fmt: skip
+    served = pd.DataFrame(answer["predictions"])
+    np.testing.assert_allclose(served["lo_95"], got["lo_95"])
+    np.testing.assert_allclose(served["forecast"], got["forecast"])
+    assert served[["store", "item"]].values.tolist() == got[["store", "item"]].values.tolist()
 
 
 def test_a_registry_that_is_down_costs_one_line_and_keeps_the_checkpoint(tmp_path):

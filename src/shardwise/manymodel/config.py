@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Literal, get_args
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from shardwise.common.errors import ConfigError
 from shardwise.common.job_files import RunName, Section, load_job_file
@@ -288,6 +288,20 @@ class TrackingSection(Section):
     """MLflow tracking URI; "" means an embedded SQLite store `<run_dir>/mlflow.db`."""
     experiment: str = ""
     """MLflow experiment name; "" means the job name."""
+    registered_model: str = ""
+    """Register the run's result in MLflow's Model Registry under this name: one pyfunc whose
+    `predict` takes series ids (and the parameter `horizon`) and returns the chosen forecasts
+    with their intervals (docs/serving.md); needs `mlflow = true`."""
+
+    @field_validator("registered_model")
+    @classmethod
+    def _needs_mlflow(cls, name: str, info: ValidationInfo) -> str:
+        if name and not info.data.get("mlflow", True):
+            raise ValueError(
+                "registers the run in MLflow, which tracking.mlflow = false turns off; set "
+                "tracking.mlflow = true"
+            )
+        return name
 
 
 class ManyModelsConfig(Section):

@@ -148,7 +148,28 @@ def run(
     print_summary(console, summary)
     if config.tracking.plots:
         console.print(f"plots: {run_dir / 'plots'}")
+    if config.tracking.registered_model:
+        summary.model_uri = _register(config, summary, list(table.columns.ids))
+        console.print(f"mlflow model: {summary.model_uri}")
     return summary
+
+
+def _register(config: ManyModelsConfig, summary: Summary, ids: list[str]) -> str:
+    """The run's forecasts registered (manymodel/registry.py); a store that is down is one line,
+    the run's results left as they are."""
+    from shardwise.common.registry import RegistryError
+    from shardwise.manymodel.registry import register_forecasts
+
+    try:
+        registered = register_forecasts(
+            config, config.run_dir, ids, run_id=summary.mlflow_run_id, metrics=summary.overall
+        )
+    except RegistryError as e:
+        raise RegistryError(
+            f"{e}; the run's results in {config.run_dir} are intact: run it again with "
+            "--resume to register them (its chunks are reused)"
+        ) from None
+    return registered.model_uri
 
 
 def _file_rows(config: ManyModelsConfig) -> str | None:

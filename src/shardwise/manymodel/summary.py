@@ -39,6 +39,8 @@ class Summary:
     """What the forecasts use, and the held-out scores it was picked by."""
     intervals: dict[int, Level] = field(default_factory=dict)
     """Each interval level's method and scores (intervals.py)."""
+    model_uri: str | None = None
+    """Where `tracking.registered_model` registered the forecasts (`models:/NAME/VERSION`)."""
 
 
 def summarise(
