@@ -16,6 +16,7 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 
 from shardwise.common.errors import ConfigError
@@ -67,7 +68,7 @@ class StreamLoader:
         step = self.offset // self.global_batch
         self._plan_through(step)
         fragments, rows = self._plans.pop(step)
-        parts = [self._read[int(f)].result() for f in fragments]
+        parts = [self._read[f].result() for f in fragments]
         inputs = torch.cat([part[0][r] for part, r in zip(parts, rows, strict=True)])
         targets = [part[1] for part in parts]
         target = (
@@ -76,8 +77,8 @@ class StreamLoader:
             else torch.cat([t[r] for t, r in zip(targets, rows, strict=True)])  # type: ignore[index]
         )
         for fragment in fragments:  # read no more: free it
-            if self._last_use.get(int(fragment)) == step:
-                self._read.pop(int(fragment), None)
+            if self._last_use.get(fragment) == step:
+                self._read.pop(fragment, None)
         batches = []
         for begin in range(0, len(inputs), self.micro_batch):
             end = begin + self.micro_batch
@@ -115,7 +116,7 @@ class StreamLoader:
         self._order = EpochOrder(
             self.stream.counts, self.seed, self.epoch, self.stream.source.shuffle_rows
         )
-        self._plans: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self._plans: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
         self._planned = self.offset // self.global_batch  # the next step to plan
         self._last_use: dict[int, int] = {}
         self._read: dict[int, Future[Pair]] = {}
@@ -130,16 +131,23 @@ class StreamLoader:
         current = next((i for i, e in enumerate(ends) if e >= end), len(ends) - 1)
         window_end = ends[min(current + 1, len(ends) - 1)]
         through = min((window_end - 1) // self.global_batch, last)
-        while self._planned <= through:
-            k = self._planned
-            ids = rank_slice(self._order.step_ids(k, self.global_batch), self.dp_rank, self.dp_size)
-            fragment, row = self._order.locate(ids)
-            used, counts = torch.unique_consecutive(fragment, return_counts=True)
-            self._plans[k] = (used, list(torch.split(row, counts.tolist())))
-            for f in used.tolist():
-                self._last_use[f] = k
+        if self._planned > through:
+            return
+        # every step to `through` at once (a step's ids sorted, this rank's contiguous share of
+        # them, located in their fragments): the same plan as step by step, in a few tensor
+        # operations per window instead of several per step
+        first, steps, batch = self._planned, through - self._planned + 1, self.global_batch
+        ids = self._order.sequence(first * batch, (through + 1) * batch).view(steps, batch)
+        mine = rank_slice(ids.sort(dim=1).values.T, self.dp_rank, self.dp_size).T.contiguous()
+        fragments, rows = (t.view(steps, -1).numpy() for t in self._order.locate(mine.view(-1)))
+        for i in range(steps):
+            cuts = np.flatnonzero(np.diff(fragments[i])) + 1
+            used = fragments[i][np.concatenate(([0], cuts))].tolist()
+            self._plans[first + i] = (used, [torch.from_numpy(r) for r in np.split(rows[i], cuts)])
+            for f in used:
+                self._last_use[f] = first + i
                 self._fetch(f)
-            self._planned += 1
+        self._planned = through + 1
 
     def _fetch(self, fragment: int) -> None:
         if fragment not in self._read:
