@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812 (the conventional name)
-from pyarrow import ArrowException
 from pydantic import TypeAdapter, ValidationError
 from torch import nn
 from torch.utils.data import Dataset
@@ -40,7 +39,7 @@ from shardwise.training.data import iterable
 from shardwise.training.data.digits import build_digits
 from shardwise.training.data.sampling import enough
 from shardwise.training.data.stream.builtins import build_delta, build_iceberg, build_parquet
-from shardwise.training.data.stream.source import REACH_S, DataError, within
+from shardwise.training.data.stream.source import REACH_S, READ_ERRORS, data_problem, within
 from shardwise.training.data.stream.table import Stream, TableSource
 from shardwise.training.data.text import build_text
 
@@ -166,8 +165,8 @@ def open_streams(config: JobConfig) -> tuple[Stream, Stream | None]:
         held = held_out.open() if isinstance(held_out, TableSource) else None
         if held is not None:
             held.head(1)
-    except (DataError, OSError, ArrowException) as e:  # what reading data raises for its data
-        raise ConfigError(f"data: {str(e).strip().splitlines()[0]}") from None
+    except READ_ERRORS as e:
+        raise ConfigError(data_problem(e)) from None
     enough(opened.snapshot.rows, config.train.global_batch, f"data: {opened.snapshot.where}")
     return opened, held
 
@@ -178,8 +177,8 @@ def stream_version(config: JobConfig) -> dict[str, Any]:
     assert isinstance(train, TableSource)
     try:
         return within(REACH_S, "listing the data", train.resolve).version
-    except (DataError, OSError, ArrowException) as e:
-        raise ConfigError(f"data: {str(e).strip().splitlines()[0]}") from None
+    except READ_ERRORS as e:
+        raise ConfigError(data_problem(e)) from None
 
 
 def first_inputs(config: JobConfig, count: int) -> Any:

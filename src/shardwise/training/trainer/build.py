@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from pyarrow import ArrowException
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
@@ -30,7 +29,13 @@ from shardwise.training.data import iterable
 from shardwise.training.data.iterable import IterableLoader
 from shardwise.training.data.sampling import GlobalBatchSampler, Loader, StepLoader, eval_loader
 from shardwise.training.data.stream.loader import StreamLoader
-from shardwise.training.data.stream.source import REACH_S, DataError, Snapshot, within
+from shardwise.training.data.stream.source import (
+    REACH_S,
+    READ_ERRORS,
+    Snapshot,
+    data_problem,
+    within,
+)
 from shardwise.training.data.stream.table import Stream, TableSource
 from shardwise.training.parallel import compile
 from shardwise.training.parallel.apply import Layout, parallelize, unwrap
@@ -242,8 +247,8 @@ def _shared_snapshot(source: TableSource) -> Snapshot:
     if dist.get_rank() == 0:
         try:
             box[0] = within(REACH_S, "listing the data", source.resolve)
-        except (DataError, OSError, ArrowException) as e:
-            box[0] = f"data: {str(e).strip().splitlines()[0]}"
+        except READ_ERRORS as e:
+            box[0] = data_problem(e)
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], str):
         raise ConfigError(box[0])

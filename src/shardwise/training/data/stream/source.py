@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
+from pyarrow import ArrowException
 
 REACH_S = 10.0
 """How long listing the data may take before it is reported unreachable."""
@@ -33,6 +34,16 @@ T = TypeVar("T")
 
 class DataError(ValueError):
     """The data cannot be read as asked: one line saying what and how to fix it."""
+
+
+READ_ERRORS = (DataError, OSError, ArrowException)
+"""What reading a table raises for its data: a mistake in the job, storage that does not answer,
+a file that is not Parquet. Anything else is a bug, and keeps its traceback."""
+
+
+def data_problem(error: BaseException) -> str:
+    """One of `READ_ERRORS` as the line the user sees."""
+    return f"data: {(str(error).strip().splitlines() or [type(error).__name__])[0]}"
 
 
 @dataclasses.dataclass(frozen=True)
