@@ -45,7 +45,7 @@ typecheck: $(STAMP)
 # taking whole files (a module's shared fixtures run once): many tests wait on process start-up,
 # rendezvous, Slurm, Ray and Spark more than they compute (tests/DURATIONS.md).
 test: lint typecheck
-	$(BIN)/pytest -n 3 --dist loadfile -m "slow or not slow"
+	$(BIN)/pytest -n 2 --dist loadfile -m "slow or not slow"
 
 bench: $(STAMP)
 	$(BIN)/python bench/ddp_overhead.py
