@@ -89,7 +89,9 @@ def _wait_for_port(port: int) -> None:
 def test_a_dead_actor_restarts_the_group_and_the_run_ends_bitwise(tmp_path):
     reference = shardwise.train(gpt_job(tmp_path / "reference", **SECTIONS), nproc=2)
     assert reference is not None
-    config = gpt_job(tmp_path / "run", **SECTIONS)
+    # the model is logged once the ranks are done, by the launching process, as `train` does
+    logged = {"mlflow": True, "log_model": True, "registered_model": "gpt-on-ray"}
+    config = gpt_job(tmp_path / "run", **SECTIONS, tracking=logged)
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     with ray_cluster(env) as address:
         done = launch_on_two_nodes(
@@ -99,6 +101,7 @@ def test_a_dead_actor_restarts_the_group_and_the_run_ends_bitwise(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "rank 1: " in done.stdout and "restarting the group (1 of 2)" in done.stdout
     assert f"done: step {STEPS}" in done.stdout
+    assert "mlflow model: models:/gpt-on-ray/1" in done.stdout
     assert_bitwise_same_run(tmp_path / "run", tmp_path / "reference", STEPS)
 
 

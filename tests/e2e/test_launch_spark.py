@@ -26,12 +26,15 @@ SECTIONS = {
 def test_the_ranks_run_as_spark_barrier_tasks_on_two_executors(tmp_path):
     reference = shardwise.train(gpt_job(tmp_path / "reference", **SECTIONS), nproc=2)
     assert reference is not None
-    config = gpt_job(tmp_path / "run", **SECTIONS)
+    # the model is logged once the ranks are done, by the launching process, as `train` does
+    logged = {"mlflow": True, "log_model": True, "registered_model": "gpt-on-spark"}
+    config = gpt_job(tmp_path / "run", **SECTIONS, tracking=logged)
     fault = {"SHARDWISE_FAULT": "kill:rank=1:step=6"}
     done = launch_on_two_nodes("spark", config, tmp_path / "job.toml", env={**os.environ, **fault})
     # the ranks' output (streamed to stderr) ends with what failed: keep the end of it
     assert done.returncode == 0, done.stdout + done.stderr[-8000:]
     assert "the Spark stage failed" in done.stdout and "running it again (1 of 1)" in done.stdout
     assert f"done: step {STEPS}" in done.stdout
+    assert "mlflow model: models:/gpt-on-spark/1" in done.stdout
     assert "resuming after step 4" in done.stdout + done.stderr  # the ranks' output
     assert_bitwise_same_run(tmp_path / "run", tmp_path / "reference", STEPS)

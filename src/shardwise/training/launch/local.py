@@ -14,6 +14,7 @@ import json
 import logging
 import signal
 import socket
+import sys
 import tempfile
 import time
 import uuid
@@ -355,6 +356,18 @@ def _preempted_summary(config: JobConfig, *, since: float) -> TrainSummary | Non
         return None
     data = json.loads(path.read_text())
     return TrainSummary(**data) if data.get("preempted") else None
+
+
+def ended(summary: TrainSummary | None) -> int:
+    """What a finished launch prints, and its exit code: the summary; and where the model was
+    not logged (the MLflow store down), why, in one line, with exit code 2."""
+    if summary is None:
+        return 0
+    print_summary(summary)
+    if summary.model_error:
+        print(f"shardwise: {summary.model_error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def print_summary(summary: TrainSummary) -> None:

@@ -9,7 +9,7 @@ import sys
 
 from shardwise.common.errors import ConfigError
 from shardwise.training.launch.env import kubeflow
-from shardwise.training.launch.local import Interrupted, Nodes, WorkerFailed, print_summary, train
+from shardwise.training.launch.local import Interrupted, Nodes, WorkerFailed, ended, train
 
 
 def run(args: argparse.Namespace) -> int:
@@ -32,12 +32,7 @@ def run(args: argparse.Namespace) -> int:
         return 128 + stop.signum
     except WorkerFailed as failure:
         return worker_failed(failure)
-    if summary is not None:
-        print_summary(summary)
-        if summary.model_error:
-            print(f"shardwise: {summary.model_error}", file=sys.stderr)
-            return 2
-    return 0
+    return ended(summary)
 
 
 def worker_failed(failure: WorkerFailed) -> int:
