@@ -112,6 +112,22 @@ def test_each_rank_reads_only_the_fragments_its_samples_are_in(tmp_path):
     assert len(read[0] & first_window) < len(first_window)
 
 
+def test_consecutive_row_groups_of_a_file_are_read_as_one_block(tmp_path):
+    """One request per block, not per row group: a block holds at most a quarter of a shuffle
+    window's rows (so a window mixes several) and never spans files; without shuffling, whole
+    files. A block's rows are the table's, in order."""
+    path = write_ids(tmp_path / "t")
+    train, _ = build_parquet(path=str(path), inputs="x", target="id", shuffle_rows=100)
+    stream = train.open()
+    assert [(b.file, b.first, b.groups) for b in stream.blocks] == [
+        (0, 0, 2), (1, 0, 1), (2, 0, 1), (2, 1, 2), (3, 0, 1), (4, 0, 3)
+    ]  # fmt: skip
+    assert stream.counts == (20, 1, 20, 25, 9, 25)
+    assert stream.read(3)[1].tolist() == list(range(41, 66))
+    train, _ = build_parquet(path=str(path), inputs="x", target="id", shuffle_rows=0)
+    assert [b.groups for b in train.open().blocks] == [len(g) for g in ROW_GROUPS]
+
+
 def test_the_position_resumes_with_the_very_next_sample_on_any_number_of_ranks(tmp_path):
     path = write_ids(tmp_path / "t")
     straight = loader(path, shuffle_rows=20)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -79,8 +80,9 @@ class Snapshot:
     may differ in columns, and in compatible types: a list or a fixed-size list), or a Delta
     partition's, whose value lives in the table's log."""
 
-    @property
+    @functools.cached_property
     def rows(self) -> int:
+        """Every row (summed once: the loader asks at every step)."""
         return sum(f.rows for f in self.fragments)
 
     def describe(self) -> str:
@@ -135,7 +137,8 @@ def parquet_files(path: str) -> Snapshot:
     listing = [[name, info.get("size"), _mtime(info)] for name, info in infos.items()]
     digest = hashlib.sha256(json.dumps(listing, default=str).encode()).hexdigest()[:16]
     version = {"files": len(files), "digest": digest}
-    return _snapshot("parquet", path, files, version)
+    sizes = tuple(info.get("size") for info in infos.values())
+    return _snapshot("parquet", path, files, version, sizes)
 
 
 def delta_table(uri: str, *, version: int | None = None, timestamp: str | None = None) -> Snapshot:
@@ -203,22 +206,29 @@ def iceberg_table(
     return _snapshot("iceberg", table, files, {"snapshot_id": snapshot.snapshot_id})
 
 
-def _snapshot(kind: str, where: str, files: tuple[str, ...], version: dict[str, Any]) -> Snapshot:
+def _snapshot(
+    kind: str,
+    where: str,
+    files: tuple[str, ...],
+    version: dict[str, Any],
+    listed: tuple[int | None, ...] = (),
+) -> Snapshot:
     """The row groups of every file, read from the files' footers (in parallel: on an object
-    store each is a request or two)."""
+    store each is one request where the listing gave the file's size, `listed`, else two)."""
     if not files:
         raise DataError(f"{where}: the table is empty (no data files)")
 
-    def footer(url: str) -> tuple[pq.FileMetaData, int]:
+    def footer(url: str, size: int | None) -> tuple[pq.FileMetaData, int]:
         fs, path = url_to_fs(url)
-        with fs.open(path, "rb") as f:
+        with fs.open(path, "rb", size=size) as f:
             try:
                 return pq.ParquetFile(f).metadata, int(f.size)
             except pa.ArrowInvalid as e:
                 raise DataError(f"{url}: not a Parquet file ({e})") from None
 
     with ThreadPoolExecutor(min(16, len(files))) as pool:
-        footers, sizes = zip(*pool.map(footer, files), strict=True)
+        found = pool.map(footer, files, listed or [None] * len(files))
+        footers, sizes = zip(*found, strict=True)
     schema = footers[0].schema.to_arrow_schema()
     lacking: dict[str, str] = {}  # a column some file does not have: the first such file
     fragments: list[Fragment] = []

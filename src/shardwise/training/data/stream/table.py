@@ -1,6 +1,6 @@
 """A streamed table as the trainer sees it: `TableSource` is what a job file describes (built
 before launch, without reading anything); `Stream` is that source resolved to one pinned
-snapshot, which reads fragments as (inputs, target) tensors.
+snapshot, which reads blocks of row groups as (inputs, target) tensors.
 
 Transforms (`module:function`, or the built-in `next_token`):
 - `transform(inputs, target) -> (inputs, target)` on every micro-batch (batch first);
@@ -26,7 +26,6 @@ from shardwise.training.data.stream.columns import Columns
 from shardwise.training.data.stream.source import (
     REACH_S,
     DataError,
-    Fragment,
     Snapshot,
     within,
 )
@@ -34,7 +33,11 @@ from shardwise.training.data.stream.source import (
 Pair = tuple[torch.Tensor, torch.Tensor | None]
 Transform = Callable[[torch.Tensor, Any], tuple[torch.Tensor, torch.Tensor]]
 OPEN_FILES = 8
-"""Parquet files each reading thread keeps open (their footers parsed) for the next row group."""
+"""Parquet files each reading thread keeps open (their footers parsed) for the next block."""
+BLOCK_BYTES = 32 * 2**20
+"""The most a block reads in one request (uncompressed bytes, as Parquet footers count them)."""
+BLOCKS_PER_WINDOW = 4
+"""A block holds at most this share of a shuffle window's rows (`shuffle_rows`)."""
 
 
 def next_token(inputs: torch.Tensor, target: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,30 +71,76 @@ class TableSource:
         return Stream(self, snapshot)
 
 
+@dataclass(frozen=True)
+class Block:
+    """What one read fetches: consecutive row groups of one file (its rows, in table order)."""
+
+    file: int
+    first: int
+    """The first row group."""
+    groups: int
+    rows: int
+    bytes: int
+    """Uncompressed, as the footer counts them."""
+
+
+def blocks(snapshot: Snapshot, shuffle_rows: int) -> tuple[Block, ...]:
+    """The snapshot's row groups joined into blocks, each read as one request (pyarrow coalesces
+    the column chunks of a block's row groups): consecutive row groups of a file up to
+    `BLOCK_BYTES`, and up to a quarter of a shuffle window's rows, so that a window still mixes
+    rows of several blocks. Where the footers are not known, each row group is a block."""
+    most = max(shuffle_rows // BLOCKS_PER_WINDOW, 1) if shuffle_rows else None
+    found: list[Block] = []
+    for fragment in snapshot.fragments:
+        size = (
+            snapshot.footers[fragment.file].row_group(fragment.row_group).total_byte_size
+            if snapshot.footers
+            else None
+        )
+        last = found[-1] if found else None
+        if (
+            last is not None
+            and size is not None
+            and last.file == fragment.file
+            and last.first + last.groups == fragment.row_group
+            and (most is None or last.rows + fragment.rows <= most)
+            and last.bytes + size <= BLOCK_BYTES
+        ):
+            found[-1] = Block(
+                last.file, last.first, last.groups + 1, last.rows + fragment.rows, last.bytes + size
+            )
+        else:
+            found.append(Block(fragment.file, fragment.row_group, 1, fragment.rows, size or 0))
+    return tuple(found)
+
+
 class Stream:
-    """One pinned snapshot of a table, read fragment by fragment (from any thread)."""
+    """One pinned snapshot of a table, read block by block (from any thread). Blocks are the
+    fragments the epoch's order shuffles and the loader reads ahead (order.py, loader.py)."""
 
     def __init__(self, source: TableSource, snapshot: Snapshot) -> None:
         self.source = source
         self.snapshot = snapshot
+        self.blocks = blocks(snapshot, source.shuffle_rows)
         self._local = threading.local()
 
     @property
     def counts(self) -> tuple[int, ...]:
-        return tuple(f.rows for f in self.snapshot.fragments)
+        return tuple(b.rows for b in self.blocks)
 
     def read(self, index: int) -> Pair:
-        """Fragment `index`'s rows as (inputs, target) tensors, batch first."""
-        fragment = self.snapshot.fragments[index]
-        url = self.snapshot.files[fragment.file]
-        where = f"{url}, row group {fragment.row_group}"
-        table = self._file(fragment).read_row_group(
-            fragment.row_group, columns=self.source.columns.read
+        """Block `index`'s rows as (inputs, target) tensors, batch first."""
+        block = self.blocks[index]
+        url = self.snapshot.files[block.file]
+        last = block.first + block.groups - 1
+        where = f"{url}, row group {block.first}" + (f" to {last}" if block.groups > 1 else "")
+        table = self._file(block.file).read_row_groups(
+            range(block.first, last + 1), columns=self.source.columns.read
         )
         return self.source.columns.tensors(table, where)
 
     def batch(self, inputs: torch.Tensor, target: torch.Tensor | None) -> Pair:
-        """Rows gathered from fragments, transformed into a batch of samples."""
+        """Rows gathered from blocks, transformed into a batch of samples."""
         row, whole = self.source.row_transform, self.source.transform
         if row is not None:
             pairs = [
@@ -121,7 +170,7 @@ class Stream:
         data, read once and evaluated like a map-style split."""
         parts: list[Pair] = []
         held = 0
-        for index in range(len(self.snapshot.fragments)):
+        for index in range(len(self.blocks)):
             if max_rows is not None and held >= max_rows:
                 break
             parts.append(self.read(index))
@@ -133,24 +182,24 @@ class Stream:
         assert y is not None
         return TensorDataset(x, y)
 
-    def _file(self, fragment: Fragment) -> pq.ParquetFile:
-        """The fragment's file, opened by this thread (a ParquetFile is not shared between
-        threads); the last few stay open, so the next row group of a file costs no footer."""
+    def _file(self, file: int) -> pq.ParquetFile:
+        """File `file`, opened by this thread (a ParquetFile is not shared between threads); the
+        last few stay open, so the next block of a file costs no footer."""
         opened: OrderedDict[int, pq.ParquetFile] = (
             getattr(self._local, "files", None) or OrderedDict()
         )
         self._local.files = opened
-        if fragment.file in opened:
-            opened.move_to_end(fragment.file)
-            return opened[fragment.file]
-        fs, path = url_to_fs(self.snapshot.files[fragment.file])
-        if self.snapshot.footers:  # known footer and size: a row group is one ranged read
-            handle = fs.open(path, "rb", cache_type="none", size=self.snapshot.sizes[fragment.file])
-            footer = self.snapshot.footers[fragment.file]
+        if file in opened:
+            opened.move_to_end(file)
+            return opened[file]
+        fs, path = url_to_fs(self.snapshot.files[file])
+        if self.snapshot.footers:  # known footer and size: a block is one ranged read
+            handle = fs.open(path, "rb", cache_type="none", size=self.snapshot.sizes[file])
+            footer = self.snapshot.footers[file]
             parquet = pq.ParquetFile(handle, metadata=footer, pre_buffer=True)
         else:
             parquet = pq.ParquetFile(fs.open(path, "rb"))
-        opened[fragment.file] = parquet
+        opened[file] = parquet
         if len(opened) > OPEN_FILES:
             opened.popitem(last=False)[1].close()
         return parquet
