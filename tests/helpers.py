@@ -407,3 +407,19 @@ def mlflow_server(root: Path) -> Iterator[int]:
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
+
+
+def shardwise_command(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
+    """`shardwise ARGS` as a user runs it, from the repository, with `env` added to this
+    process's environment; no stdin."""
+    return subprocess.run(
+        [SHARDWISE, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        stdin=subprocess.DEVNULL,
+    )

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+import helpers
 from helpers import free_port, session_processes
 from shardwise.training.tracking.metrics import read_metrics
 
@@ -23,16 +24,7 @@ BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[2]
 
 
-def shardwise(*args: str, env: dict[str, str] | None = None, timeout: float = 300):
-    return subprocess.run(
-        [str(BIN / "shardwise"), *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        stdin=subprocess.DEVNULL,
-    )
+shardwise = helpers.shardwise_command
 
 
 def test_digits_job_trains_tracks_and_resumes(tmp_path):
@@ -40,7 +32,7 @@ def test_digits_job_trains_tracks_and_resumes(tmp_path):
     job = ["train", "examples/digits.toml", "--nproc", "2", "--set", f"job.run_dir={run_dir}"]
     temp = tmp_path / "tmp"  # the run's temporary files: none are left behind
     temp.mkdir()
-    done = shardwise(*job, env={**os.environ, "TMPDIR": str(temp)})
+    done = shardwise(*job, env={"TMPDIR": str(temp)})
     assert done.returncode == 0, done.stderr
     cache = "torchinductor_"  # torch's compile cache, kept for every later run by design
     assert [p.name for p in temp.iterdir() if not p.name.startswith(cache)] == []

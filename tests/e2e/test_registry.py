@@ -46,16 +46,7 @@ def server(tmp_path_factory):
         yield f"http://127.0.0.1:{port}"
 
 
-def shardwise(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(BIN / "shardwise"), *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        stdin=subprocess.DEVNULL,
-        env={**os.environ, **(env or {})},
-    )
+shardwise = helpers.shardwise_command
 
 
 def train(job: str, run_dir: Path, nproc: int, *overrides: str) -> subprocess.CompletedProcess:

@@ -4,7 +4,6 @@ store's params, tags and artifacts), and an error line naming such a URI hides i
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,15 +30,7 @@ def holding(root: Path, text: str) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file() and text.encode() in p.read_bytes()]
 
 
-def shardwise(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(BIN / "shardwise"), *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        stdin=subprocess.DEVNULL,
-    )
+shardwise = helpers.shardwise_command
 
 
 def test_a_tracked_training_run_writes_the_password_nowhere(tmp_path, mlflow_server):
