@@ -1,7 +1,8 @@
 """The order a streamed table's rows are trained in: a function of the seed and the epoch only.
 
-The table is read in fragments (a Parquet file's row groups), numbered in the snapshot's order;
-a row's sample id is its position in that order (the rows of fragment 0, then of fragment 1, …).
+The table is read in fragments (blocks of a Parquet file's row groups: table.py), numbered in the
+snapshot's order; a row's sample id is its position in that order (the rows of fragment 0, then
+of fragment 1, …).
 
 Each epoch:
 1. the fragments are shuffled (seeded by seed and epoch) and grouped, in that order, into windows
@@ -36,15 +37,17 @@ def _generator(*keys: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class EpochOrder:
-    """One epoch's sequence of sample ids over fragments of `counts` rows (see the module)."""
+    """One epoch's sequence of sample ids over fragments of `counts` rows (see the module). Its
+    fields are not changed after it is made; it caches what it computes (starts, windows, the
+    latest windows' ids), so it is not a frozen value."""
 
     counts: tuple[int, ...]
     seed: int
     epoch: int
     shuffle_rows: int
-    _window_cache: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    _window_cache: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @cached_property
     def starts(self) -> torch.Tensor:
