@@ -8,3 +8,9 @@ class ConfigError(ValueError):
 
     The CLI prints the message as one line and exits with code 2.
     """
+
+
+def first_line(error: BaseException) -> str:
+    """What `error` says, in one line: its message's first line, or its type where it says
+    nothing."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]

@@ -237,21 +237,23 @@ def _open(
 
     client = MlflowClient(tracking_uri=uri)
     if run_id is None:
-        found = client.get_experiment_by_name(experiment)
-        experiment_id = (
-            found.experiment_id
-            if found
-            else client.create_experiment(
-                experiment,
-                artifact_location=artifact_dir.resolve().as_uri() if artifact_dir else None,
-            )
-        )
-        run_id = client.create_run(experiment_id, run_name=run_name).info.run_id
+        found = experiment_id(client, experiment, artifact_dir)
+        run_id = client.create_run(found, run_name=run_name).info.run_id
         if id_file is not None:
             id_file.write_text(run_id)
     else:
         client.update_run(run_id, status="RUNNING")
     return client, run_id
+
+
+def experiment_id(client: Any, name: str, artifact_dir: Path | None) -> str:
+    """The id of the experiment `name`, created where there is none yet (its artifacts in
+    `artifact_dir` where given; else where the store puts them)."""
+    found = client.get_experiment_by_name(name)
+    if found:
+        return str(found.experiment_id)
+    location = artifact_dir.resolve().as_uri() if artifact_dir else None
+    return str(client.create_experiment(name, artifact_location=location))
 
 
 def _log_params(client: Any, run_id: str, params: dict[str, str]) -> None:

@@ -11,6 +11,7 @@ as a new version of a named model with tags. Every failure of the store becomes 
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import logging
 import os
 from collections.abc import Iterator
@@ -18,7 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardwise.common.errors import ConfigError
+from shardwise.common.environment import environment
+from shardwise.common.errors import ConfigError, first_line
+from shardwise.common.mlflow import experiment_id
 from shardwise.common.redact import redact, redacting_output
 
 REACH_S = 10.0
@@ -58,8 +61,8 @@ class Destination:
 
 def log_pyfunc(destination: Destination, **model: Any) -> Registered:
     """Log `mlflow.pyfunc.log_model(name="model", **model)` to `destination`'s run and register
-    it under `destination.registered_name` (when given)."""
-    check_reachable(destination.uri)
+    it under `destination.registered_name` (when given). Callers `check_reachable` first, before
+    the work of making the model."""
     where = f"MLflow at {redact(destination.uri)}"
     with _store(destination.uri), _failures(where):
         import mlflow
@@ -99,12 +102,8 @@ def check_reachable(uri: str) -> None:
                 f"MLflow at {redact(uri)} answered {answer.status_code} to its health check; "
                 "check the server and its credentials"
             )
-    elif scheme == "sqlite":
-        folder = Path(uri.split(":///", 1)[-1]).parent
-        if not folder.is_dir():
-            raise RegistryError(f"MLflow store {uri}: no directory {folder}")
-    elif scheme == "file":
-        folder = Path(uri.removeprefix("file://")).parent
+    elif scheme in ("sqlite", "file"):
+        folder = (sqlite_file(uri) or Path(uri.removeprefix("file://"))).parent
         if not folder.is_dir():
             raise RegistryError(f"MLflow store {uri}: no directory {folder}")
 
@@ -115,8 +114,12 @@ def _store(uri: str) -> Iterator[None]:
     INFO logs) kept off the console; what it prints has credentials hidden."""
     import mlflow
 
-    saved = {k: os.environ.get(k) for k in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES",)}
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", _RETRIES)
+    quiet = {
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": os.environ.get(
+            "MLFLOW_HTTP_REQUEST_MAX_RETRIES", _RETRIES
+        ),
+        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+    }
     previous = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
@@ -124,32 +127,13 @@ def _store(uri: str) -> Iterator[None]:
     for name in levels:
         logging.getLogger(name).setLevel(logging.ERROR)
     try:
-        with redacting_output(), _quiet_progress():
+        with redacting_output(), environment(quiet):
             yield
     finally:
         mlflow.set_tracking_uri(previous[0])
         mlflow.set_registry_uri(previous[1])
         for name, level in levels.items():
             logging.getLogger(name).setLevel(level)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-@contextlib.contextmanager
-def _quiet_progress() -> Iterator[None]:
-    key = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
-    saved = os.environ.get(key)
-    os.environ[key] = "false"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = saved
 
 
 @contextlib.contextmanager
@@ -166,25 +150,24 @@ def _run(destination: Destination) -> Iterator[str]:
             yield destination.run_id
         client.set_terminated(destination.run_id, status=status)
         return
-    found = client.get_experiment_by_name(destination.experiment)
-    experiment_id = (
-        found.experiment_id
-        if found
-        else client.create_experiment(
-            destination.experiment, artifact_location=_artifacts_beside(destination.uri)
-        )
-    )
-    with mlflow.start_run(experiment_id=experiment_id, run_name=destination.run_name) as run:
+    # a new experiment in a local SQLite store keeps its artifacts beside the database, as a
+    # training run's do (MLflow's default is `./mlruns` wherever the command runs)
+    database = sqlite_file(destination.uri)
+    beside = database.parent / "artifacts" if database is not None else None
+    experiment = experiment_id(client, destination.experiment, beside)
+    with mlflow.start_run(experiment_id=experiment, run_name=destination.run_name) as run:
         yield run.info.run_id
 
 
-def _artifacts_beside(uri: str) -> str | None:
-    """A new experiment's artifacts in a local SQLite store: `artifacts/` beside the database, as
-    a training run keeps them (MLflow's default is `./mlruns` wherever the command runs); a
-    server places them itself."""
-    if not uri.startswith("sqlite:///"):
-        return None
-    return (Path(uri.removeprefix("sqlite:///")).parent / "artifacts").resolve().as_uri()
+def sqlite_file(uri: str) -> Path | None:
+    """The database file of a local SQLite store's URI; None for a server."""
+    return Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+
+
+def pinned(names: list[str]) -> list[str]:
+    """`name==version` of each installed distribution (a local build tag such as torch's `+cpu`
+    left out, which pip could not resolve): a logged model's requirements."""
+    return [f"{n}=={importlib.metadata.version(n).split('+')[0]}" for n in names]
 
 
 @contextlib.contextmanager
@@ -198,5 +181,5 @@ def _failures(where: str) -> Iterator[None]:
     except RegistryError:
         raise
     except (MlflowException, RequestException, OSError) as e:
-        first = redact(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+        first = redact(first_line(e))
         raise RegistryError(f"{where}: the model was not logged ({first[:300]})") from None

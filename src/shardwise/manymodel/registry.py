@@ -5,12 +5,17 @@ overall metrics. Serving it answers "what is the forecast of these series" by lo
 
 from __future__ import annotations
 
-import importlib.metadata
 from pathlib import Path
 
 import pandas as pd
 
-from shardwise.common.registry import Destination, Registered, log_pyfunc
+from shardwise.common.registry import (
+    Destination,
+    Registered,
+    check_reachable,
+    log_pyfunc,
+    pinned,
+)
 from shardwise.manymodel.config import ManyModelsConfig
 
 EXAMPLE_SERIES = 2
@@ -26,6 +31,7 @@ def register_forecasts(
 ) -> Registered:
     """Log `run_dir`'s chosen forecasts as a pyfunc and register them under
     `tracking.registered_model`; a `RegistryError` when the store cannot take them."""
+    check_reachable(config.tracking_uri)  # before the work: a registry that is down costs seconds
     import mlflow.pyfunc
     from mlflow.models import infer_signature
 
@@ -55,7 +61,5 @@ def register_forecasts(
         model_config=settings,
         signature=signature,
         input_example=example,
-        pip_requirements=[
-            f"{n}=={importlib.metadata.version(n)}" for n in ("pandas", "pyarrow", "shardwise")
-        ],
+        pip_requirements=pinned(["pandas", "pyarrow", "shardwise"]),
     )

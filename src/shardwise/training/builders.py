@@ -20,7 +20,7 @@ import difflib
 import inspect
 import typing
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F  # noqa: N812 (the conventional name)
@@ -39,11 +39,12 @@ from shardwise.training.data import iterable
 from shardwise.training.data.digits import build_digits
 from shardwise.training.data.sampling import enough
 from shardwise.training.data.stream.builtins import build_delta, build_iceberg, build_parquet
-from shardwise.training.data.stream.source import REACH_S, READ_ERRORS, data_problem, within
+from shardwise.training.data.stream.source import READ_ERRORS, data_problem
 from shardwise.training.data.stream.table import Stream, TableSource
 from shardwise.training.data.text import build_text
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+T = TypeVar("T")
 
 
 def model_output(outputs: Any) -> torch.Tensor:
@@ -159,14 +160,11 @@ def open_streams(config: JobConfig) -> tuple[Stream, Stream | None]:
     names what is wrong (unreachable storage within seconds, not a hang)."""
     train, held_out = build_datasets(config)
     assert isinstance(train, TableSource)
-    try:
-        opened = train.open()
-        opened.head(1)
-        held = held_out.open() if isinstance(held_out, TableSource) else None
-        if held is not None:
-            held.head(1)
-    except READ_ERRORS as e:
-        raise ConfigError(data_problem(e)) from None
+    opened = _reading(train.open)
+    _reading(lambda: opened.head(1))
+    held = _reading(held_out.open) if isinstance(held_out, TableSource) else None
+    if held is not None:
+        _reading(lambda: held.head(1))
     enough(opened.snapshot.rows, config.train.global_batch, f"data: {opened.snapshot.where}")
     return opened, held
 
@@ -175,10 +173,7 @@ def stream_version(config: JobConfig) -> dict[str, Any]:
     """What identifies the version of the data a streamed job reads now."""
     train, _ = build_datasets(config)
     assert isinstance(train, TableSource)
-    try:
-        return within(REACH_S, "listing the data", train.resolve).version
-    except READ_ERRORS as e:
-        raise ConfigError(data_problem(e)) from None
+    return _reading(train.listed).version
 
 
 def first_inputs(config: JobConfig, count: int) -> Any:
@@ -187,12 +182,20 @@ def first_inputs(config: JobConfig, count: int) -> Any:
     streamed table's first rows)."""
     train, _ = build_datasets(config)
     if isinstance(train, TableSource):
-        items: list[Any] = open_streams(config)[0].head(count)
+        items: list[Any] = _reading(lambda: train.open().head(count))
     elif isinstance(train, torch.utils.data.IterableDataset):
         items = iterable.head(train, count)
     else:
         items = [train[i] for i in range(min(count, len(train)))]  # type: ignore[arg-type]
     return torch.utils.data.default_collate([item[0] for item in items])
+
+
+def _reading(call: Callable[[], T]) -> T:
+    """`call()`, reading a streamed table: what the data is wrong about, as one line."""
+    try:
+        return call()
+    except READ_ERRORS as e:
+        raise ConfigError(data_problem(e)) from None
 
 
 def build_loss(config: JobConfig) -> LossFn:

@@ -31,11 +31,7 @@ def export_safetensors(checkpoint: str | Path, output: Path) -> dict[str, Any]:
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    if not is_complete(checkpoint):
-        raise ConfigError(
-            f"{checkpoint} is not a complete shardwise checkpoint (a step_NNNNNNNN directory "
-            "with shardwise.json and .metadata)"
-        )
+    require_complete(checkpoint)
     _check_output(output)
     wrong = problem(checkpoint)
     if wrong is not None:
@@ -71,6 +67,15 @@ def export_safetensors(checkpoint: str | Path, output: Path) -> dict[str, Any]:
         "step": manifest["step"],
         "dtype": str(next(iter(tensors.values())).dtype).removeprefix("torch.") if tensors else "",
     }
+
+
+def require_complete(checkpoint: str | Path) -> None:
+    """Refuse, in one line, what is not a complete shardwise checkpoint."""
+    if not is_complete(checkpoint):
+        raise ConfigError(
+            f"{checkpoint} is not a complete shardwise checkpoint (a step_NNNNNNNN directory "
+            "with shardwise.json and .metadata)"
+        )
 
 
 def _check_output(output: Path) -> None:

@@ -32,7 +32,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from shardwise.common.console import warn
 from shardwise.common.environment import environment
-from shardwise.common.errors import ConfigError
+from shardwise.common.errors import ConfigError, first_line
 from shardwise.common.job_files import apply_override
 from shardwise.training import builders
 from shardwise.training.checkpoint.export import check_weights
@@ -159,7 +159,7 @@ def launch(
         raise _first_failure(e) from None
     except (DistNetworkError, RendezvousError) as e:  # only across machines: ours is local
         assert nodes is not None
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        reason = first_line(e)
         raise ConfigError(
             f"the nodes could not meet at --rdzv-endpoint {nodes.endpoint} within "
             f"{time.monotonic() - started:.0f} s ({reason}); start "

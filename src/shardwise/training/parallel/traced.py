@@ -39,7 +39,7 @@ import torch
 from torch import fx, nn
 from torch.export.unflatten import InterpreterModule
 
-from shardwise.common.errors import ConfigError
+from shardwise.common.errors import ConfigError, first_line
 from shardwise.training.parallel.pipeline import balance, has_submodule, repeated_layers
 
 GUIDE = "see docs/training.md, 'Pipeline parallelism'"
@@ -127,7 +127,7 @@ def _pipeline(model: nn.Module, example: Any, split: list[str] | None) -> Any:
             return pipeline(model, (example,), split_spec=spec)
     except Exception as e:  # what torch.export raises varies: every failure is a refusal
         cause = e.__cause__ or e
-        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        first = first_line(cause)
         raise ConfigError(
             f"pipeline parallelism could not trace {type(model).__name__}'s forward with "
             f"torch.export ({type(cause).__name__}: {first[:200]}); make the forward "

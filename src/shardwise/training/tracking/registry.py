@@ -14,7 +14,6 @@ checkpoint exports on its own; an older checkpoint's run directory holds it as `
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import sys
 import sysconfig
@@ -30,10 +29,16 @@ from shardwise.common.errors import ConfigError
 from shardwise.common.imports import import_object
 from shardwise.common.job_files import shown
 from shardwise.common.redact import redact
-from shardwise.common.registry import Destination, Registered, check_reachable, log_pyfunc
+from shardwise.common.registry import (
+    Destination,
+    Registered,
+    check_reachable,
+    log_pyfunc,
+    pinned,
+)
 from shardwise.training import builders
-from shardwise.training.checkpoint.export import export_safetensors
-from shardwise.training.checkpoint.layout import is_complete, read_manifest
+from shardwise.training.checkpoint.export import export_safetensors, require_complete
+from shardwise.training.checkpoint.layout import read_manifest
 from shardwise.training.config.load import validate
 from shardwise.training.config.schema import JobConfig
 
@@ -53,11 +58,7 @@ def log_checkpoint(
     it as that model's next version. `uri`: the store (default: `MLFLOW_TRACKING_URI`, else the
     job's `tracking.uri` or its run's embedded store); `run_id`: the run to log into (default: a
     new run in the job's experiment); `metrics`: the version's tags besides step and checkpoint."""
-    if not is_complete(checkpoint):
-        raise ConfigError(
-            f"{checkpoint} is not a complete shardwise checkpoint (a step_NNNNNNNN directory "
-            "with shardwise.json and .metadata)"
-        )
+    require_complete(checkpoint)
     manifest = read_manifest(checkpoint)
     config = _job(checkpoint, manifest)
     store = uri or os.environ.get("MLFLOW_TRACKING_URI") or config.tracking_uri
@@ -151,5 +152,4 @@ def _requirements() -> list[str]:
     """What the logged model needs to load: torch, safetensors, numpy, shardwise, and the model's
     libraries that are loaded now (Hugging Face transformers)."""
     names = ["torch", "safetensors", "numpy", "shardwise"]
-    names += [n for n in ("transformers",) if n in sys.modules]
-    return [f"{n}=={importlib.metadata.version(n).split('+')[0]}" for n in names]
+    return pinned(names + [n for n in ("transformers",) if n in sys.modules])

@@ -30,11 +30,9 @@ from shardwise.training.data.iterable import IterableLoader
 from shardwise.training.data.sampling import GlobalBatchSampler, Loader, StepLoader, eval_loader
 from shardwise.training.data.stream.loader import StreamLoader
 from shardwise.training.data.stream.source import (
-    REACH_S,
     READ_ERRORS,
     Snapshot,
     data_problem,
-    within,
 )
 from shardwise.training.data.stream.table import Stream, TableSource
 from shardwise.training.parallel import compile
@@ -104,7 +102,7 @@ def build_run(
         optimizers=optimizers,
         schedulers=schedulers,
         scaler=grad_scaler(config.train.precision, device),
-        loader=data.loader(dp_rank, dp_size, pin_memory=device.type == "cuda"),
+        loader=data.loader(derived, dp_rank, dp_size, pin_memory=device.type == "cuda"),
         eval_data=None
         if held_out is None
         else eval_loader(
@@ -147,8 +145,8 @@ class RunData:
     inputs: list[dict[str, Any]] = field(default_factory=list)
     """What MLflow records of each streamed table (`Tracker.log_input`)."""
 
-    def loader(self, dp_rank: int, dp_size: int, *, pin_memory: bool) -> Loader:
-        config, derived = self.config, derive(self.config, dist.get_world_size())
+    def loader(self, derived: Derived, dp_rank: int, dp_size: int, *, pin_memory: bool) -> Loader:
+        config = self.config
         if isinstance(self.train, IterableDataset):
             return IterableLoader(
                 self.train,
@@ -246,7 +244,7 @@ def _shared_snapshot(source: TableSource) -> Snapshot:
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            box[0] = within(REACH_S, "listing the data", source.resolve)
+            box[0] = source.listed()
         except READ_ERRORS as e:
             box[0] = data_problem(e)
     dist.broadcast_object_list(box, src=0)

@@ -27,6 +27,8 @@ import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 from pyarrow import ArrowException
 
+from shardwise.common.errors import first_line
+
 REACH_S = 10.0
 """How long listing the data may take before it is reported unreachable."""
 GLOB = set("*?[")
@@ -44,7 +46,7 @@ a file that is not Parquet. Anything else is a bug, and keeps its traceback."""
 
 def data_problem(error: BaseException) -> str:
     """One of `READ_ERRORS` as the line the user sees."""
-    return f"data: {(str(error).strip().splitlines() or [type(error).__name__])[0]}"
+    return f"data: {first_line(error)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +156,7 @@ def delta_table(uri: str, *, version: int | None = None, timestamp: str | None =
     except TableNotFoundError:
         raise DataError(f"{uri}: no Delta table there") from None
     except Exception as e:  # delta-rs's errors for a version or time it does not have
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         asked = f"version {version}" if version is not None else f"timestamp {timestamp}"
         if version is not None or timestamp is not None:
             raise DataError(f"{uri}: cannot load {asked}: {first}") from None

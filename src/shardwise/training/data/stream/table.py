@@ -63,10 +63,15 @@ class TableSource:
     `snapshot_id`): written into the resolved config, so that re-running it reads the same
     data."""
 
+    def listed(self) -> Snapshot:
+        """The data listed and its version pinned now; a `DataError` when the storage has not
+        answered within `REACH_S` seconds."""
+        return within(REACH_S, "listing the data", self.resolve)
+
     def open(self, snapshot: Snapshot | None = None) -> Stream:
-        """The stream of `snapshot` (resolved now when not given), its columns checked."""
+        """The stream of `snapshot` (listed now when not given), its columns checked."""
         if snapshot is None:
-            snapshot = within(REACH_S, "listing the data", self.resolve)
+            snapshot = self.listed()
         self.columns.check(snapshot)
         return Stream(self, snapshot)
 
