@@ -183,10 +183,18 @@ class RunData:
         )
 
 
-def open_data(config: JobConfig, derived: Derived, dp_rank: int = 0, dp_size: int = 1) -> RunData:
+def open_data(
+    config: JobConfig,
+    derived: Derived,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    *,
+    held_out_too: bool = True,
+) -> RunData:
     """The job's datasets; a streamed table listed and pinned by rank 0 for every rank (so all
     read one version, even while someone writes the table), its held-out split read into
-    memory; a user's IterableDataset given this rank's data-parallel position (data/iterable.py)."""
+    memory (unless not `held_out_too`: a dry run shapes the model only); a user's
+    IterableDataset given this rank's data-parallel position (data/iterable.py)."""
     train, held_out = builders.build_datasets(config, dp_rank=dp_rank, dp_size=dp_size)
     if isinstance(train, IterableDataset):
         notes = []
@@ -211,7 +219,7 @@ def open_data(config: JobConfig, derived: Derived, dp_rank: int = 0, dp_size: in
     config = config.model_copy(update={"data": config.data.model_copy(update={"args": pinned})})
     held = None
     inputs = [_input(config, stream, "training")]
-    if isinstance(held_out, TableSource):
+    if isinstance(held_out, TableSource) and held_out_too:
         opened = held_out.open(_shared_snapshot(held_out))
         held = opened.materialize(config.eval.max_samples)
         inputs.append(_input(config, opened, "evaluation"))

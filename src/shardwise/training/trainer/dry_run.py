@@ -24,7 +24,8 @@ def dry_run(config: JobConfig, device: torch.device) -> None:
     derived = derive(config, dist.get_world_size())
     config = resolved(config, derived)
     mesh = build_mesh(derived.degrees, device.type)
-    samples = open_data(config, derived, *dp_position(mesh)).samples  # (a stream: its first rows)
+    # the model is shaped by the first samples (a stream's first rows); nothing is evaluated
+    samples = open_data(config, derived, *dp_position(mesh), held_out_too=False).samples
     layout = build_layout(
         config, derived, mesh, device, sample=samples[0], materialize_weights=False
     )
