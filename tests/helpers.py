@@ -30,13 +30,18 @@ from shardwise.common.job_files import validate_as
 from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.training.config.load import validate
 from shardwise.training.config.schema import JobConfig
+from shardwise.training.launch.forkserver import start_method
 
 REPO = Path(__file__).resolve().parents[1]
 
 
+_LONG_LIVED = (b"multiprocessing.resource_tracker", b"multiprocessing.forkserver")
+
+
 def children_of(pid: int) -> list[int]:
     """Live direct children of a process, from /proc, except multiprocessing's resource tracker
-    (one per parent process, started by the first spawn and meant to live as long as the parent)."""
+    and forkserver (one each per parent process, started by the first spawn or fork through the
+    server, and meant to live as long as the parent)."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -48,9 +53,24 @@ def children_of(pid: int) -> list[int]:
         fields = stat.rsplit(")", 1)[1].split()
         if int(fields[1]) == pid and fields[0] != "Z":
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            if b"multiprocessing.resource_tracker" not in cmdline:
+            if not any(m in cmdline for m in _LONG_LIVED):
                 found.append(int(entry))
     return found
+
+
+def ranks_of(launcher: int) -> list[int]:
+    """The ranks a `shardwise train` process started: the children of its forkserver (the
+    launcher forks its ranks from one: launch/forkserver.py)."""
+    servers = [
+        int(p)
+        for p in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+        if b"multiprocessing.forkserver" in Path(f"/proc/{p}/cmdline").read_bytes()
+    ]
+    return [
+        int(p)
+        for server in servers
+        for p in Path(f"/proc/{server}/task/{server}/children").read_text().split()
+    ]
 
 
 def _stats() -> dict[int, list[str]]:
@@ -264,9 +284,11 @@ def free_port() -> int:
 def run_distributed(
     fn: Callable[..., Any], nproc: int, *args: Any, timeout: float = 120
 ) -> list[Any]:
-    """Run `fn(*args)` in `nproc` spawned processes joined in one gloo process group through a file
-    rendezvous (no ports); return each rank's result, or raise with the failing rank's traceback."""
-    ctx = mp.get_context("spawn")
+    """Run `fn(*args)` in `nproc` processes joined in one gloo process group through a file
+    rendezvous (no ports); return each rank's result, or raise with the failing rank's traceback.
+    The processes start as shardwise's launcher starts its ranks (forked from a server that has
+    imported the trainer: launch/forkserver.py)."""
+    ctx = mp.get_context(start_method())
     results: Any = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")

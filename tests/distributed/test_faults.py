@@ -26,6 +26,7 @@ from helpers import (
     listening_sockets,
     load_params,
     losses,
+    ranks_of,
     write_job,
 )
 from shardwise.training.checkpoint.export import export_safetensors, load_exported
@@ -217,11 +218,10 @@ def test_sigterm_to_the_ranks_alone_stops_the_run_at_a_checkpoint(tmp_path):
     while not (tmp_path / "run" / "checkpoints" / "step_00000004").exists():
         assert time.monotonic() < deadline and launcher.poll() is None, launcher.communicate()
         time.sleep(0.1)
-    children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
-    ranks = [p for p in children if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    ranks = ranks_of(launcher.pid)
     assert len(ranks) == 2
     for pid in ranks:
-        os.kill(int(pid), signal.SIGTERM)
+        os.kill(pid, signal.SIGTERM)
     out, err = launcher.communicate(timeout=GRACE_S)
     assert launcher.returncode == 0, err
     assert "preempted (SIGTERM): stopped at step" in out

@@ -22,3 +22,14 @@ def environment(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+LAUNCHER_PID = "SHARDWISE_LAUNCHER_PID"
+"""Set by shardwise's launcher for its ranks: its own pid (a rank forked by multiprocessing's
+forkserver has the server as its parent, not the launcher)."""
+
+
+def launcher_pid() -> int:
+    """The pid of the process that launched this rank: `LAUNCHER_PID` where shardwise's launcher
+    set it, else the parent (torchrun's agent)."""
+    return int(os.environ.get(LAUNCHER_PID) or os.getppid())

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardwise.common.environment import launcher_pid
 from shardwise.common.errors import ConfigError
 
 ENV = "SHARDWISE_FAULT"
@@ -119,4 +120,4 @@ class FaultPlan:
             elif fault.kind == "stall":
                 time.sleep(fault.seconds if fault.seconds != float("inf") else 10**9)
             elif fault.kind == "sigterm":
-                os.kill(os.getppid(), signal.SIGTERM)  # the launcher (elastic agent)
+                os.kill(launcher_pid(), signal.SIGTERM)  # the launcher (elastic agent)

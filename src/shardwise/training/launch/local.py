@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -31,7 +32,7 @@ from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from shardwise.common.console import warn
-from shardwise.common.environment import environment
+from shardwise.common.environment import LAUNCHER_PID, environment
 from shardwise.common.errors import ConfigError, first_line
 from shardwise.common.job_files import apply_override
 from shardwise.training import builders
@@ -42,6 +43,7 @@ from shardwise.training.config.load import load_config, validate
 from shardwise.training.config.schema import JobConfig
 from shardwise.training.fault.watchdog import describe as describe_hang
 from shardwise.training.launch.env import detect
+from shardwise.training.launch.forkserver import start_method
 from shardwise.training.launch.stores import (
     LOOPBACK,
     RENDEZVOUS,
@@ -142,7 +144,6 @@ def launch(
         rdzv_configs=nodes.rendezvous_options() if nodes else {},
         local_addr=nodes.local_addr if nodes else None,
         max_restarts=max_restarts,
-        start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=logs.name),
     )
     # shardwise reports failures itself (WorkerFailed); the agent's own log would repeat them.
@@ -152,7 +153,9 @@ def launch(
     listen = contextlib.nullcontext() if nodes else loopback_collectives()
     started = time.monotonic()
     try:
-        with _fresh_worker_store(), listen, logs:
+        with _fresh_worker_store(), listen, logs, environment({LAUNCHER_PID: str(os.getpid())}):
+            # ranks forked from a server that imported torch and the trainer once (forkserver.py)
+            config.start_method = start_method()  # in this environment: the ranks inherit it
             results: dict[int, Any] = elastic_launch(config, entry)(*args)
         return results
     except ChildFailedError as e:
