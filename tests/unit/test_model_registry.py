@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from helpers import free_port
-from shardwise.common.registry import RegistryError, check_reachable
+from shardwise.common.registry import Destination, RegistryError, check_reachable, log_pyfunc
 from shardwise.training.tracking.registry import _code_paths, _requirements
 
 
@@ -37,3 +37,14 @@ def test_a_store_that_is_down_is_refused_within_seconds(tmp_path):
     with pytest.raises(RegistryError, match="no directory"):
         check_reachable(f"sqlite:///{tmp_path}/missing/mlflow.db")
     check_reachable(f"sqlite:///{tmp_path}/mlflow.db")  # a new store in an existing directory
+
+
+def test_a_damaged_local_store_is_one_line(tmp_path):
+    """A local store's database that cannot be read (SQLAlchemy's errors, not MLflow's) is a
+    RegistryError naming the store, not a traceback."""
+    database = tmp_path / "mlflow.db"
+    database.write_bytes(b"not a database" * 100)
+    destination = Destination(uri=f"sqlite:///{database}", experiment="e", run_name="r")
+    with pytest.raises(RegistryError, match=r"mlflow\.db: the model was not logged"):
+        log_pyfunc(destination, python_model=None)
+    assert database.read_bytes() == b"not a database" * 100

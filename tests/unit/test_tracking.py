@@ -1,10 +1,13 @@
+import signal
+import subprocess
+import sys
 import time
 import warnings
 
 from mlflow.tracking import MlflowClient
 
 from helpers import free_port
-from shardwise.common.mlflow import MlflowTracker
+from shardwise.common.mlflow import MlflowTracker, open_client
 from shardwise.training.tracking.metrics import JsonlTracker, read_metrics
 
 
@@ -122,3 +125,31 @@ def test_an_uneven_pipeline_is_told_how_to_balance():
     assert bubble_advice(ranks(0.3, 0.25), fix="use cost") is None  # near the theory
     assert bubble_advice(ranks(0.55, 0.5), fix=None) is None  # nothing to suggest
     assert bubble_advice([{"rank": 0}], fix="use cost") is None  # not a pipeline
+
+
+def test_a_store_whose_creator_was_killed_midway_opens(tmp_path):
+    """MLflow builds a new SQLite store's schema in some 60 migrations, seconds of work; a process
+    killed among them (a run stopped in its first seconds, a Spark stage cancelled) must not leave
+    a database that every later open refuses ("table … already exists")."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    killed_midway = f"""
+import os, signal
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+created = []
+@event.listens_for(Engine, "after_cursor_execute")
+def _kill(conn, cursor, statement, *args):
+    if statement.lstrip().upper().startswith("CREATE TABLE"):
+        created.append(statement)
+        if len(created) == 12:
+            os.kill(os.getpid(), signal.SIGKILL)
+from shardwise.common.mlflow import open_client
+open_client({uri!r})
+"""
+    done = subprocess.run([sys.executable, "-c", killed_midway], capture_output=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()
+    client = open_client(uri)
+    run = client.create_run(client.create_experiment("after-a-kill"))
+    client.log_metric(run.info.run_id, "loss", 1.0)
+    assert client.get_run(run.info.run_id).data.metrics == {"loss": 1.0}
+    assert [p.name for p in tmp_path.iterdir()] in (["mlflow.db"], ["mlflow.db", "artifacts"])

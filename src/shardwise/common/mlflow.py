@@ -229,13 +229,13 @@ def _open(
     run_id: str | None,
     id_file: Path | None,
 ) -> tuple[Any, str]:
-    from mlflow.tracking import MlflowClient
+    import mlflow  # noqa: F401
 
     # After the import: importing mlflow configures its loggers at INFO.
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     logging.getLogger("alembic").setLevel(logging.WARNING)
 
-    client = MlflowClient(tracking_uri=uri)
+    client = open_client(uri)
     if run_id is None:
         found = experiment_id(client, experiment, artifact_dir)
         run_id = client.create_run(found, run_name=run_name).info.run_id
@@ -244,6 +244,57 @@ def _open(
     else:
         client.update_run(run_id, status="RUNNING")
     return client, run_id
+
+
+def open_client(uri: str) -> Any:
+    """An `MlflowClient` of the store at `uri`; a local SQLite store that does not exist yet is
+    created whole (`create_sqlite_store`)."""
+    from mlflow.tracking import MlflowClient
+
+    create_sqlite_store(uri)
+    return MlflowClient(tracking_uri=uri)
+
+
+def create_sqlite_store(uri: str) -> None:
+    """Create the SQLite store of `uri` if there is none, at once. MLflow builds a new store's
+    schema in some 60 migrations (seconds); a process killed among them (a run stopped in its
+    first seconds, a Spark stage cancelled) would leave a database that every later open refuses
+    ("table … already exists"). So the schema is built in a file beside it and linked into place
+    when complete; where another process got there first, its database stays. A file left by a
+    builder that was killed is removed."""
+    path = sqlite_file(uri)
+    if path is None:
+        return
+    for left in path.parent.glob(f".{path.name}.*.creating"):
+        pid = left.name.rsplit(".", 2)[-2]
+        if pid.isdigit() and not _alive(int(pid)):
+            left.unlink(missing_ok=True)
+    if path.exists():
+        return
+    from mlflow.tracking import MlflowClient
+
+    building = path.with_name(f".{path.name}.{os.getpid()}.creating")
+    try:
+        MlflowClient(tracking_uri=f"sqlite:///{building}")  # runs the migrations
+        with contextlib.suppress(FileExistsError):
+            os.link(building, path)
+    finally:
+        building.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sqlite_file(uri: str) -> Path | None:
+    """The database file of a local SQLite store's URI; None for a server."""
+    return Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
 
 
 def experiment_id(client: Any, name: str, artifact_dir: Path | None) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 
 from shardwise.common.environment import environment
 from shardwise.common.errors import ConfigError, first_line
-from shardwise.common.mlflow import experiment_id
+from shardwise.common.mlflow import experiment_id, open_client, sqlite_file
 from shardwise.common.redact import redact, redacting_output
 
 REACH_S = 10.0
@@ -141,9 +141,8 @@ def _run(destination: Destination) -> Iterator[str]:
     """The destination's run, active: the existing one reopened (left as it was when done), or a
     new one (finished when done)."""
     import mlflow
-    from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(destination.uri)
+    client = open_client(destination.uri)
     if destination.run_id is not None:
         status = client.get_run(destination.run_id).info.status
         with mlflow.start_run(run_id=destination.run_id):
@@ -159,11 +158,6 @@ def _run(destination: Destination) -> Iterator[str]:
         yield run.info.run_id
 
 
-def sqlite_file(uri: str) -> Path | None:
-    """The database file of a local SQLite store's URI; None for a server."""
-    return Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
-
-
 def pinned(names: list[str]) -> list[str]:
     """`name==version` of each installed distribution (a local build tag such as torch's `+cpu`
     left out, which pip could not resolve): a logged model's requirements."""
@@ -175,11 +169,12 @@ def _failures(where: str) -> Iterator[None]:
     """Whatever the store raises, as one `RegistryError` line."""
     from mlflow.exceptions import MlflowException
     from requests import RequestException
+    from sqlalchemy.exc import SQLAlchemyError  # a local store's database
 
     try:
         yield
     except RegistryError:
         raise
-    except (MlflowException, RequestException, OSError) as e:
+    except (MlflowException, RequestException, SQLAlchemyError, OSError) as e:
         first = redact(first_line(e))
         raise RegistryError(f"{where}: the model was not logged ({first[:300]})") from None
