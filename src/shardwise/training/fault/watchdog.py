@@ -30,6 +30,18 @@ HANG_EXIT = 75
 _MARGIN_S = 3.0
 """How long a rank that detected a hang waits for the other ranks to write their reports."""
 
+AFTER_A_PEER = (
+    "closed by peer",
+    "reset by peer",
+    "remote worker crashing",
+    "remote process exited",
+    "broken pipe",
+    "failed to recv, got 0 bytes",
+    "communicator was aborted",
+)
+"""What a rank reports when another rank died under it (gloo, NCCL, the TCPStore): a
+consequence, not the cause, whenever a rank also failed for a reason of its own."""
+
 
 class Watchdog:
     def __init__(self, directory: Path, *, rank: int, timeout_s: float) -> None:
@@ -75,19 +87,31 @@ class Watchdog:
                 os._exit(HANG_EXIT)
             patience = self._patience_s
             if patience is not None and idle > patience and self._training:
-                where = (
-                    f"inside step {self.last_started}"
-                    if self.last_started > self.last_finished
-                    else f"after step {self.last_finished}"
-                )
-                print(
-                    f"rank {self.rank}: SIGTERM, but the rank has waited {idle:.0f} s {where}: a "
-                    "rank it waits for is gone; ending without a checkpoint (the newest saved "
-                    "one stays)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                os._exit(HANG_EXIT)
+                self._end(idle)
+
+    def peer_gone(self, error: BaseException) -> None:
+        """After SIGTERM, a step that failed because a rank it waited for is gone (gloo or NCCL
+        say so) ends the rank as running out of patience would have, saying the same. A rank
+        waiting in a collective cannot run Python's signal handler until the collective returns,
+        so its patience may start only when the peer's end breaks the collective."""
+        if self._patience_s is None or not self._training:
+            return
+        if any(p in str(error).lower() for p in AFTER_A_PEER):
+            self._end(time.monotonic() - self._beat)
+
+    def _end(self, idle: float) -> None:
+        where = (
+            f"inside step {self.last_started}"
+            if self.last_started > self.last_finished
+            else f"after step {self.last_finished}"
+        )
+        print(
+            f"rank {self.rank}: SIGTERM, but the rank has waited {idle:.0f} s {where}: a rank it "
+            "waits for is gone; ending without a checkpoint (the newest saved one stays)",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(HANG_EXIT)
 
     def _report(self, idle: float) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)

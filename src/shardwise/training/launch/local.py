@@ -41,6 +41,7 @@ from shardwise.training.checkpoint.resume import resume_point
 from shardwise.training.config.derive import derive
 from shardwise.training.config.load import load_config, validate
 from shardwise.training.config.schema import JobConfig
+from shardwise.training.fault.watchdog import AFTER_A_PEER
 from shardwise.training.fault.watchdog import describe as describe_hang
 from shardwise.training.launch.env import detect
 from shardwise.training.launch.forkserver import start_method
@@ -181,19 +182,6 @@ def _fresh_worker_store() -> contextlib.AbstractContextManager[None]:
     return environment({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
 
 
-_AFTER_A_PEER = (
-    "closed by peer",
-    "reset by peer",
-    "remote worker crashing",
-    "remote process exited",
-    "broken pipe",
-    "failed to recv, got 0 bytes",
-    "communicator was aborted",
-)
-"""What a rank reports when another rank died under it (gloo, NCCL, the TCPStore): a
-consequence, not the cause, whenever a rank also failed for a reason of its own."""
-
-
 def _first_failure(error: ChildFailedError) -> Exception:
     """The failure to report: the earliest, preferring a rank's own error to one caused by a
     peer's death (the error files' timestamps have whole seconds, so a crash and its echo on the
@@ -201,7 +189,7 @@ def _first_failure(error: ChildFailedError) -> Exception:
 
     def order(item: tuple[int, ProcessFailure]) -> tuple[bool, int, int]:
         rank, failure = item
-        echo = any(p in _failure_message(failure).lower() for p in _AFTER_A_PEER)
+        echo = any(p in _failure_message(failure).lower() for p in AFTER_A_PEER)
         return echo, failure.timestamp, rank
 
     rank, failure = min(error.failures.items(), key=order)

@@ -206,6 +206,9 @@ def _session(
             # below once MLflow (closed with the report logged) has said its run id
             (config.run_dir / "summary.json").write_text(to_json(asdict(summary)))
             display.run_report(reporter, config.run_dir)
+    except BaseException as error:
+        watchdog.peer_gone(error)  # after SIGTERM: ends the rank, saying why
+        raise
     finally:
         watchdog.close()
         health.close()
