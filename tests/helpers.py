@@ -339,7 +339,7 @@ def _train_each(jobs: list[tuple[str, dict[str, Any], str | None]]) -> dict[str,
     return failures
 
 
-def _entry(fn, rank, world_size, store, results, args):  # runs in each spawned process
+def _entry(fn, rank, world_size, store, results, args):  # runs in each started process
     import gc
 
     import torch.distributed as dist

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import sys
 from multiprocessing import forkserver
 
 import pytest
 
-from shardwise.training.launch.forkserver import start_method
+from shardwise.common.environment import LAUNCHER_PID
+from shardwise.training.launch.forkserver import restore_sigterm, start_method
 
 pytestmark = pytest.mark.slow
 
@@ -40,3 +42,24 @@ def test_ranks_see_the_launchers_environment_and_start_with_the_trainer_imported
     monkeypatch.setenv(name, "second")
     assert _started_child(name) == ("second", True)
     assert forkserver._forkserver._forkserver_pid != server  # started again for the new value
+
+
+def _terminated(results) -> None:
+    restore_sigterm()
+    results.put(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+
+
+def test_the_server_outlives_a_sigterm_to_the_whole_job_and_ranks_restore_it(monkeypatch):
+    """Slurm and systemd send SIGTERM to every process of a job: the server ignores it (the
+    launcher learns through it how ranks that are still saving end), a rank does not."""
+    monkeypatch.setenv(LAUNCHER_PID, str(os.getpid()))
+    ctx = mp.get_context(start_method())
+    results = ctx.Queue()
+    for signalled in (False, True):  # the first rank: the server has done its imports
+        if signalled:
+            os.kill(forkserver._forkserver._forkserver_pid, signal.SIGTERM)
+        child = ctx.Process(target=_terminated, args=(results,))
+        child.start()
+        assert results.get(timeout=120) is True
+        child.join()
+        assert child.exitcode == 0

@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import sys
 from multiprocessing import forkserver
 from typing import Any
 
+from shardwise.common.environment import LAUNCHER_PID
+
 PRELOAD = (
+    "shardwise.training.launch.server_signals",
     "torch._dynamo",
     "shardwise.training.launch.worker",
     "shardwise.training.trainer.loop",
@@ -44,6 +48,16 @@ def start_method() -> str:
         server: Any = forkserver._forkserver
         server._stop()  # the running one, if any: its children keep running
         forkserver.set_forkserver_preload(list(PRELOAD))
-        forkserver.ensure_running()
+        try:
+            forkserver.ensure_running()
+        except OSError:  # its socket's path under a long TMPDIR is over the 107 bytes allowed
+            return "spawn"
         _started_with = wanted
     return "forkserver"
+
+
+def restore_sigterm() -> None:
+    """In a rank of shardwise's launcher, forked from the server: SIGTERM's default action again
+    (the server ignores it: server_signals.py), until the trainer installs its handler."""
+    if LAUNCHER_PID in os.environ and signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)

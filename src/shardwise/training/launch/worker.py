@@ -20,6 +20,7 @@ from shardwise.common.redact import redacting_output
 from shardwise.training.checkpoint.resume import start_point
 from shardwise.training.config.schema import JobConfig
 from shardwise.training.launch.env import WorkerEnv, detect, visible_cpus
+from shardwise.training.launch.forkserver import restore_sigterm
 from shardwise.training.launch.stores import worker_store
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ def run_worker(
     torchrun/Slurm, the user's `--resume` request, which rank 0 resolves for everyone.
     `store_host`: shardwise's own launcher has rank 0 host the workers' store on that address
     only (loopback on one machine; "" for the address the agent gives, across machines)."""
+    restore_sigterm()
     with redacting_output(), one_line_warnings():  # what this rank prints, as the CLI does
         env = detect()
         assert env is not None, "run_worker runs under torch elastic or Slurm"
