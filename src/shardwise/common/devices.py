@@ -20,9 +20,10 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn.functional as F  # noqa: N812 (the conventional name)
+if TYPE_CHECKING:  # torch is imported where it is used: the CLI's parser reads this module
+    import torch
 
 DATASHEET_TFLOPS = {"h200": 989.0, "h100": 989.0, "a100": 312.0, "l40s": 362.0}
 """Dense bf16/fp16 tensor-core TFLOP/s from NVIDIA's data sheets (H100 SXM and H200: 989;
@@ -36,6 +37,8 @@ def datasheet(device: torch.device) -> tuple[str, float] | None:
     """The GPU's name and its data sheet's dense 16-bit FLOP/s, where shardwise knows it."""
     if device.type != "cuda":
         return None
+    import torch
+
     name = torch.cuda.get_device_name(device)
     for key, tflops in DATASHEET_TFLOPS.items():
         if key in name.lower():
@@ -45,6 +48,8 @@ def datasheet(device: torch.device) -> tuple[str, float] | None:
 
 def device_name(device: torch.device) -> str:
     """What a calibrated profile records as its device: the GPU's name, or "cpu"."""
+    import torch
+
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
@@ -53,6 +58,9 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...]
     the device by default), each the best of five bursts of three after a warm-up; one call
     after the warm-up where a call takes over 50 ms (a slow path: its peak is not in doubt, and
     a run should not wait seconds for it)."""
+    import torch
+    import torch.nn.functional as F  # noqa: N812 (the conventional name)
+
     best = 0.0
     for n in sizes or SIZES.get(device.type, SIZES["cuda"]):
         a = torch.randn(n, n, device=device).to(dtype)
@@ -76,12 +84,16 @@ def profile_path() -> Path:
 def profile_dtype(device: str) -> torch.dtype:
     """The precision a calibrated profile's peak was measured in: bf16 on a GPU, fp32 on a CPU
     core."""
+    import torch
+
     return torch.float32 if device == "cpu" else torch.bfloat16
 
 
 def calibrated_peak(device: torch.device, dtype: torch.dtype) -> float | None:
     """The calibrated profile's peak, where it was measured on this device in `dtype` (on a CPU:
     per core, so only for a rank of one thread); None otherwise."""
+    import torch
+
     path = profile_path()
     try:
         profile = json.loads(path.read_text())
@@ -104,6 +116,8 @@ def best_seconds(
 ) -> float:
     """The fastest of `repeats` runs of `inner` calls, per call, after one to warm up; on a CUDA
     `device`, from the queue empty to the last kernel done."""
+    import torch
+
     cuda = device is not None and device.type == "cuda"
     fn()
     times = []
