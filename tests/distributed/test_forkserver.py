@@ -19,10 +19,12 @@ pytestmark = pytest.mark.slow
 
 
 def _seen(name: str, results) -> None:
-    results.put((os.environ.get(name), "shardwise.training.trainer.loop" in sys.modules))
+    results.put(
+        (os.environ.get(name), "shardwise.training.trainer.loop" in sys.modules, os.getcwd())
+    )
 
 
-def _started_child(name: str) -> tuple[str | None, bool]:
+def _started_child(name: str) -> tuple[str | None, bool, str]:
     ctx = mp.get_context(start_method())
     results = ctx.Queue()
     child = ctx.Process(target=_seen, args=(name, results))
@@ -32,16 +34,21 @@ def _started_child(name: str) -> tuple[str | None, bool]:
     return seen
 
 
-def test_ranks_see_the_launchers_environment_and_start_with_the_trainer_imported(monkeypatch):
+def test_ranks_see_the_launchers_environment_and_start_with_the_trainer_imported(
+    monkeypatch, tmp_path
+):
     name = "SHARDWISE_TEST_FORKSERVER"
+    here = os.getcwd()
     monkeypatch.setenv(name, "first")
-    assert _started_child(name) == ("first", True)  # forked from a preloaded server
+    assert _started_child(name) == ("first", True, here)  # forked from a preloaded server
     server = forkserver._forkserver._forkserver_pid
-    assert _started_child(name) == ("first", True)
+    assert _started_child(name) == ("first", True, here)
     assert forkserver._forkserver._forkserver_pid == server  # reused while nothing changed
     monkeypatch.setenv(name, "second")
-    assert _started_child(name) == ("second", True)
+    assert _started_child(name) == ("second", True, here)
     assert forkserver._forkserver._forkserver_pid != server  # started again for the new value
+    monkeypatch.chdir(tmp_path)
+    assert _started_child(name) == ("second", True, str(tmp_path))
 
 
 def _terminated(results) -> None:

@@ -9,10 +9,10 @@ ranks, 7.4 CPU-s and 6.1 s with forked ones; a node of 8 ranks saves 7 imports p
 
 The server is a clean process (started by exec, not forked from the launcher, whose threads it does
 not inherit); it imports modules only, and initialises neither CUDA nor OpenMP's thread pool, so
-the forked ranks start as spawned ones do. Its children inherit the environment and `sys.path` it
-was started with: when either has changed since (a Python caller that launches twice with
-different variables), the server is started again, so a rank always sees the launching process's
-environment, as a spawned one does.
+the forked ranks start as spawned ones do. Its children inherit the environment, `sys.path` and
+working directory it was started with: when one has changed since (a Python caller that launches
+twice with different variables, or from another directory), the server is started again, so a
+rank always sees the launching process's, as a spawned one does.
 """
 
 from __future__ import annotations
@@ -34,16 +34,17 @@ PRELOAD = (
 )
 """What every rank imports before its first step (the trainer imports DTensor and the layouts)."""
 
-_started_with: tuple[dict[str, str], tuple[str, ...]] | None = None
+_started_with: tuple[dict[str, str], tuple[str, ...], str] | None = None
 
 
 def start_method() -> str:
     """The start method for this launch's ranks: "forkserver", its server running with this
-    process's current environment and `sys.path`; "spawn" where forkserver does not exist."""
+    process's current environment, `sys.path` and working directory; "spawn" where forkserver
+    does not exist."""
     global _started_with
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
-    wanted = (dict(os.environ), tuple(sys.path))
+    wanted = (dict(os.environ), tuple(sys.path), os.getcwd())
     if _started_with != wanted:
         server: Any = forkserver._forkserver
         server._stop()  # the running one, if any: its children keep running
