@@ -13,6 +13,7 @@ A rank holds its share of two windows: about `2 · shuffle_rows / dp` rows.
 
 from __future__ import annotations
 
+import itertools
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -146,9 +147,11 @@ class StreamLoader:
         mine = rank_slice(ids.sort(dim=1).values.T, self.dp_rank, self.dp_size).T.contiguous()
         fragments, rows = (t.view(steps, -1).numpy() for t in self._order.locate(mine.view(-1)))
         for i in range(steps):
-            cuts = np.flatnonzero(np.diff(fragments[i])) + 1
-            used = fragments[i][np.concatenate(([0], cuts))].tolist()
-            self._plans[first + i] = (used, [torch.from_numpy(r) for r in np.split(rows[i], cuts)])
+            cuts = (np.flatnonzero(np.diff(fragments[i])) + 1).tolist()
+            used = fragments[i][[0, *cuts]].tolist()
+            bounds = [0, *cuts, len(rows[i])]  # slices: np.split is ten times slower here
+            parts = [torch.from_numpy(rows[i][a:b]) for a, b in itertools.pairwise(bounds)]
+            self._plans[first + i] = (used, parts)
             for f in used:
                 self._last_use[f] = first + i
                 self._fetch(f)
