@@ -84,6 +84,8 @@ def test_under_torchrun_with_a_restart(tmp_path):
                 "2",
                 "--max-restarts",
                 "1",
+                "--log-dir",  # torchrun's default: a new /tmp/torchelastic_* per run, kept
+                str(tmp_path / "torchrun"),
             ),
             *("-m", "shardwise", "train", "examples/digits.toml"),
             *("--set", f"job.run_dir={tmp_path}", "--set", "train.steps=30"),
