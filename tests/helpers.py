@@ -35,42 +35,41 @@ from shardwise.training.launch.forkserver import start_method
 REPO = Path(__file__).resolve().parents[1]
 
 
-_LONG_LIVED = (b"multiprocessing.resource_tracker", b"multiprocessing.forkserver")
+_SERVER = b"multiprocessing.forkserver"
+_LONG_LIVED = (b"multiprocessing.resource_tracker", _SERVER)
 
 
 def children_of(pid: int) -> list[int]:
-    """Live direct children of a process, from /proc, except multiprocessing's resource tracker
-    and forkserver (one each per parent process, started by the first spawn or fork through the
-    server, and meant to live as long as the parent)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == pid and fields[0] != "Z":
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            if not any(m in cmdline for m in _LONG_LIVED):
-                found.append(int(entry))
-    return found
+    """Live children of a process, from /proc, except multiprocessing's resource tracker and
+    forkserver (one each per parent process, meant to live as long as the parent); the processes
+    its forkserver forked for it (ranks) count as its own."""
+    direct, forked = _children(pid)
+    return direct + forked
 
 
 def ranks_of(launcher: int) -> list[int]:
-    """The ranks a `shardwise train` process started: the children of its forkserver (the
-    launcher forks its ranks from one: launch/forkserver.py)."""
-    servers = [
-        int(p)
-        for p in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
-        if b"multiprocessing.forkserver" in Path(f"/proc/{p}/cmdline").read_bytes()
+    """The ranks a `shardwise train` process started: its forkserver's children (the launcher
+    forks its ranks from one: launch/forkserver.py)."""
+    return _children(launcher)[1]
+
+
+def _children(pid: int) -> tuple[list[int], list[int]]:
+    """A process's live children that are not long-lived, and those its forkserver forked."""
+    live = {p: int(stat[1]) for p, stat in _stats().items() if stat[0] != "Z"}
+    servers = {p for p, parent in live.items() if parent == pid and _SERVER in _cmdline(p)}
+    direct = [
+        p
+        for p, parent in live.items()
+        if parent == pid and not any(m in _cmdline(p) for m in _LONG_LIVED)
     ]
-    return [
-        int(p)
-        for server in servers
-        for p in Path(f"/proc/{server}/task/{server}/children").read_text().split()
-    ]
+    return direct, [p for p, parent in live.items() if parent in servers]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def _stats() -> dict[int, list[str]]:

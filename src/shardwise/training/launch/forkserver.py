@@ -48,6 +48,7 @@ def start_method() -> str:
     if _started_with != wanted:
         server: Any = forkserver._forkserver
         server._stop()  # the running one, if any: its children keep running
+        _started_with = None
         forkserver.set_forkserver_preload(list(PRELOAD))
         try:
             forkserver.ensure_running()
