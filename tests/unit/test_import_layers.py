@@ -182,3 +182,28 @@ def test_a_rank_imports_pipelining_only_for_a_pipeline():
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
     )
     assert done.stdout.strip() == "[]"
+
+
+def test_a_data_parallel_launcher_imports_neither_dtensor_nor_the_trainer():
+    """The launcher checks the job on the meta device and reads rank 0's summary: for a
+    data-parallel job neither needs DTensor (which DCP, the pipeline and the tensor-parallel
+    code import: 0.5 s) or the trainer (0.5 s), which every `shardwise train` paid before
+    starting its ranks."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import pickle, sys; "
+        "from shardwise.training.config.load import load_config; "
+        "from shardwise.training.launch.local import check_job; "
+        "from shardwise.training.trainer.summary import TrainSummary; "
+        "check_job(load_config('examples/digits.toml'), 2, 2); "
+        "pickle.loads(pickle.dumps(TrainSummary(1, {}, None, 'runs/x', None, 1.0))); "
+        "print(sorted(m for m in sys.modules if m.startswith(('torch.distributed.tensor', "
+        "'torch.distributed.checkpoint', 'shardwise.training.trainer.loop'))))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True, text=True, check=True, timeout=120, cwd=SOURCE.parents[1],
+    )  # fmt: skip
+    assert done.stdout.strip() == "[]"

@@ -12,21 +12,15 @@
 from __future__ import annotations
 
 import math
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import torch
 import torch.nn.functional as F  # noqa: N812 (the conventional name)
 from pydantic import Field, PositiveInt
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-)
+
+if TYPE_CHECKING:  # DTensor's import takes 0.5 s: imported where a plan is made (the ranks)
+    from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput
 
 
 class Embed(nn.Module):
@@ -173,6 +167,15 @@ class GPT(nn.Module):
         second layer by input rows, one all-reduce after each. With sequence parallelism
         (Korthikanti et al., 2022) the norms and dropouts between them work on a slice of the
         sequence instead of a replica, and the all-reduces become reduce-scatter + all-gather."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            PrepareModuleOutput,
+            RowwiseParallel,
+            SequenceParallel,
+        )
+
         seq = Shard(1)
         plan: dict[str, ParallelStyle] = {}
         if self.embed is not None:
@@ -220,6 +223,9 @@ class GPT(nn.Module):
 
 
 def _gather_sequence() -> PrepareModuleInput:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
     return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
 
 

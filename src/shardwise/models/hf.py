@@ -1,26 +1,19 @@
-"""Hugging Face models (`transformers.PreTrainedModel`, built from a config: no download) under
-every layout. transformers is an optional extra (`pip install shardwise[hf]`); nothing here
-imports it unless the model in hand is a Hugging Face one, which means it is imported already.
+"""Tensor parallelism for Hugging Face models (`transformers.PreTrainedModel`, built from a
+config: no download): GPT-2-style models, whose layers are `Conv1D` (a linear layer with its
+weight stored transposed, (in, out)) and whose query, key and value are one fused projection,
+get `gpt2_tp_plan`, chosen automatically when the job names no plan. transformers is an
+optional extra (`pip install shardwise[hf]`); nothing here imports it unless the model in hand
+is a Hugging Face one, which means it is imported already.
 
-What a stock model needs, and gets:
-- initialisation on the meta device with Hugging Face's own scheme: `_init_weights(module)` for
-  a module, then for each module above it (Hugging Face initialises children before parents,
-  and a parent may initialise a child again: GPT-2 scales its residual projections by
-  1/sqrt(2·layers));
-- no generation cache while training (`config.use_cache = False`: it only holds memory);
-- the loss and evaluation read the `.logits` of the `ModelOutput` its forward returns
-  (`builders.model_output`);
-- tensor parallelism for GPT-2-style models, whose layers are `Conv1D` (a linear layer with its
-  weight stored transposed, (in, out)) and whose query, key and value are one fused projection:
-  `gpt2_tp_plan`, chosen automatically when the job names no plan.
-
-FSDP finds the decoder layers itself (parallel.pipeline.repeated_layers), and pipelines trace
-the model (parallel/traced.py); tied input and output embeddings stay tied (parallel/ties.py).
+What else a stock model needs (its own initialisation on the meta device, no generation cache)
+is models/hf_init.py, apart from DTensor; the loss and evaluation read the `.logits` of the
+`ModelOutput` its forward returns (`builders.model_output`). FSDP finds the decoder layers
+itself (parallel.pipeline.repeated_layers), and pipelines trace the model (parallel/traced.py);
+tied input and output embeddings stay tied (parallel/ties.py).
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -36,36 +29,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardwise.common.errors import ConfigError
-
-
-def is_hf(model: nn.Module) -> bool:
-    """Whether `model` is a Hugging Face `PreTrainedModel`."""
-    transformers = sys.modules.get("transformers")
-    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
-
-
-def prepare(model: nn.Module) -> None:
-    """Training settings a stock model needs: no generation cache."""
-    config: Any = getattr(model, "config", None)
-    if is_hf(model) and getattr(config, "use_cache", False):
-        config.use_cache = False
-
-
-def initializer(model: nn.Module) -> Callable[[str], None] | None:
-    """Hugging Face's initialisation of the module named `name`: its `_init_weights` on that
-    module, then on every module above it, nearest first (None for other models). On a model
-    built on the meta device only the module being initialised has storage, so the parents'
-    calls touch nothing else."""
-    if not is_hf(model):
-        return None
-    init_weights: Callable[[nn.Module], None] = getattr(model, "_init_weights")  # noqa: B009
-
-    def init(name: str) -> None:
-        parts = name.split(".") if name else []
-        for depth in range(len(parts), -1, -1):
-            init_weights(model.get_submodule(".".join(parts[:depth])))
-
-    return init
+from shardwise.models.hf_init import is_hf
 
 
 class Conv1DColwise(ColwiseParallel):

@@ -31,7 +31,7 @@ from torch.utils.data import Dataset
 from shardwise.common.errors import ConfigError
 from shardwise.common.imports import import_object
 from shardwise.common.job_files import accepts_bool, accepts_str, kind_of
-from shardwise.models import hf
+from shardwise.models import hf_init
 from shardwise.models.gpt import build_gpt
 from shardwise.models.vision import build_cnn, build_mlp, build_resnet
 from shardwise.training.config.schema import JobConfig
@@ -120,7 +120,7 @@ def build_model(config: JobConfig) -> nn.Module:
             f"model builder {config.model.name} returned {type(model).__name__}; "
             "it must return a torch.nn.Module"
         )
-    hf.prepare(model)
+    hf_init.prepare(model)
     return model
 
 

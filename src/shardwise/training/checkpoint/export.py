@@ -17,11 +17,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
 from shardwise.common.errors import ConfigError
 from shardwise.common.redact import redact
-from shardwise.training.checkpoint import safe
 from shardwise.training.checkpoint.layout import is_complete, problem, read_manifest
 
 
@@ -30,6 +28,9 @@ def export_safetensors(checkpoint: str | Path, output: Path) -> dict[str, Any]:
     written (tensors, bytes, step)."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    from shardwise.training.checkpoint import safe  # DCP, DTensor: not for the launcher's checks
 
     require_complete(checkpoint)
     _check_output(output)

@@ -22,7 +22,6 @@ from shardwise.training.checkpoint.layout import (
     problem,
     read_manifest,
 )
-from shardwise.training.checkpoint.safe import check_metadata
 from shardwise.training.config.schema import JobConfig
 from shardwise.training.data.stream.loader import changed_message
 
@@ -63,7 +62,7 @@ def resume_point(config: JobConfig, resume: str) -> str | None:
         raise ConfigError(
             f"--resume {resume}: {wrong}; use --resume auto to pick the newest good checkpoint"
         )
-    check_metadata(path)
+    _check_metadata(path)
     check_model(path, config)
     check_data(path, config)
     return path
@@ -116,8 +115,15 @@ def _newest_good(config: JobConfig) -> str | None:
     for message in skipped:
         warn(f"{message}; resuming from {name_of(path) if path else 'the start'}", stacklevel=3)
     if path is not None:
-        check_metadata(path)
+        _check_metadata(path)
     return path
+
+
+def _check_metadata(path: str) -> None:
+    # imported here: DCP imports DTensor (0.5 s), which a launcher starting afresh never needs
+    from shardwise.training.checkpoint.safe import check_metadata
+
+    check_metadata(path)
 
 
 def start_point(config: JobConfig, resume: str | None, restarts: int, decided: bool) -> str | None:

@@ -55,7 +55,7 @@ from shardwise.training.launch.worker import PREEMPTED_EXIT, check_devices, run_
 from shardwise.training.parallel.checks import check_layout
 
 if TYPE_CHECKING:
-    from shardwise.training.trainer.loop import TrainSummary
+    from shardwise.training.trainer.summary import TrainSummary
 
 
 @dataclass
@@ -340,7 +340,7 @@ def check_job(
 
 def _preempted_summary(config: JobConfig, *, since: float) -> TrainSummary | None:
     """The summary rank 0 wrote when it stopped on SIGTERM during this launch, if it did."""
-    from shardwise.training.trainer.loop import TrainSummary
+    from shardwise.training.trainer.summary import TrainSummary
 
     path = config.run_dir / "summary.json"
     if not path.exists() or path.stat().st_mtime < since:

@@ -29,7 +29,7 @@ from shardwise.training.launch.targets import (
 )
 
 if TYPE_CHECKING:
-    from shardwise.training.trainer.loop import TrainSummary
+    from shardwise.training.trainer.summary import TrainSummary
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ weights, and peak memory is this rank's shard plus the largest single module.
 
 A module is initialised by its own `reset_parameters()` (every torch layer has one) and then, if
 the model defines `init_weights(module)`, by that (the built-in GPT does: GPT-2's init); a
-Hugging Face model by its own `_init_weights` (models/hf.py).
+Hugging Face model by its own `_init_weights` (models/hf_init.py).
 This module must not decide the layout; it fills in whatever layout `parallelize` produced.
 """
 
@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from shardwise.models.hf import initializer as hf_initializer
+from shardwise.models.hf_init import initializer as hf_initializer
 from shardwise.training.parallel.ties import aliases, clean_name, retie, tied_groups
 
 

@@ -19,7 +19,12 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from shardwise.common.errors import ConfigError
@@ -85,3 +90,64 @@ def apply_activation_checkpointing(model: nn.Module, blocks: list[str], mode: st
         block = parent._modules.get(leaf)
         if block is not None:
             parent._modules[leaf] = checkpoint_wrapper(block, **kwargs)
+
+
+def check_plan(model: nn.Module, plan: dict[str, Any], tp: int) -> None:
+    """One line before launch for a plan that cannot split `model` over `tp` ranks: heads or
+    widths that `tp` does not divide, a layer the plan names but the model lacks, a style on a
+    layer type it cannot split."""
+    for module in model.modules():
+        heads = getattr(module, "heads", getattr(module, "num_heads", None))
+        if isinstance(heads, int) and heads % tp:
+            raise ConfigError(
+                f"parallel.tp = {tp} does not divide the {heads} attention heads: each rank must "
+                f"hold whole heads; use a tp that divides {heads}"
+            )
+    for name, style in plan.items():
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            raise ConfigError(
+                f"the tensor-parallel plan names '{name}', which the model does not have"
+            ) from None
+        _check_style_fits(name, module, style)
+        dim = getattr(
+            style, "weight_dim", {ColwiseParallel: 0, RowwiseParallel: 1}.get(type(style))
+        )
+        weight = getattr(module, "weight", None)
+        if dim is None or weight is None or weight.dim() < 2:
+            continue
+        if isinstance(module, nn.Embedding):
+            dim = 0 if isinstance(style, RowwiseParallel) else 1
+        size = weight.shape[dim] // getattr(style, "fused", 1)
+        if size % tp:
+            raise ConfigError(
+                f"parallel.tp = {tp} does not divide {name}'s {size} "
+                f"{'output' if dim == 0 else 'input'} features; pick a tp that divides the "
+                "model's widths"
+            )
+
+
+# The layer types torch's row- and column-wise styles split (their `_apply` raises otherwise).
+_LINEAR_STYLES = (ColwiseParallel, RowwiseParallel)
+_SPLITS = (nn.Linear, nn.Embedding)
+
+
+def _check_style_fits(name: str, module: nn.Module, style: Any) -> None:
+    """A row- or column-wise style on a layer type it cannot split fails in every rank after
+    launch with torch's NotImplementedError; here it is one line. A style of its own names the
+    types it splits in `layer_types`."""
+    if not isinstance(style, _LINEAR_STYLES):
+        return
+    types = getattr(style, "layer_types", _SPLITS)
+    if isinstance(module, types):
+        return
+    kind = type(style).__name__
+    names = " and ".join(
+        f"nn.{t.__name__}" if t.__module__.startswith("torch.nn") else t.__name__ for t in types
+    )
+    raise ConfigError(
+        f"the tensor-parallel plan applies {kind} to '{name}', a {type(module).__name__}; "
+        f"{kind} splits {names} only: leave '{name}' out of the plan or give it a style for "
+        "its type"
+    )

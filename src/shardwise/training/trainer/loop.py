@@ -37,27 +37,7 @@ from shardwise.training.trainer.persist import (
 )
 from shardwise.training.trainer.profile import StepProfiler, data_range, phase
 from shardwise.training.trainer.step import Run, Stepped, evaluate, mean_loss, train_step
-
-
-@dataclass
-class TrainSummary:
-    """What `shardwise.train` returns (from rank 0)."""
-
-    step: int
-    metrics: dict[str, float]
-    checkpoint: str | None
-    run_dir: str
-    mlflow_run_id: str | None
-    samples_per_second: float
-    resumed_from: int | None = None
-    preempted: bool = False
-    """The run stopped early on SIGTERM, after saving a checkpoint."""
-    memory: list[dict[str, Any]] = field(default_factory=list)
-    """Per rank: parameter, gradient and optimizer-state bytes, peak memory, pipeline bubble."""
-    model_uri: str | None = None
-    """Where `tracking.log_model` logged the final model (`models:/NAME/VERSION` if registered)."""
-    model_error: str | None = None
-    """Why it was not logged (the MLflow store was down); the checkpoint is intact."""
+from shardwise.training.trainer.summary import TrainSummary
 
 
 def train(
