@@ -62,6 +62,11 @@ def test_user_builders_by_import_path(tmp_path, repo_cwd):
         ),
         ({"train": {"loss": "crossentropy"}}, "did you mean 'cross_entropy'?"),
         (
+            {"train": {"compile": True, "compile_backend": "aot-eager"}},
+            "train.compile_backend = 'aot-eager' is not a torch.compile backend; use one of: "
+            "cudagraphs, inductor, .*, or to debug, aot_eager or eager",
+        ),
+        (
             {
                 "model": {"name": "gpt", "args": {"seq_len": 16}},
                 "data": {"name": "text", "args": {"seq_len": 32}},

@@ -375,23 +375,26 @@ def test_a_hugging_face_model_is_checked_before_launch(tmp_path, repo_cwd):
         ({"dp_shard": 2}, 2, "one at a time (FSDP2 gathers and reduces around each block: they"),
         ({"pp": 2}, 2, "one at a time (the pipeline runs stages of blocks: they need"),
         ({"activation_checkpoint": "full"}, 1, "(activation checkpointing recomputes each block"),
+        ({"backend": "aot_eager"}, 1, "torch.compile (aot_eager) compiles GPT whole"),
     ],
 )
 def test_train_compile_says_whether_it_compiles_the_model_whole_or_block_by_block(
     tmp_path, parallel, world, words
 ):
     """Whole where nothing wraps the blocks (one process, DDP), per block where a wrapper needs
-    them; the start-up line says which."""
+    them; the start-up line says which, and names a backend other than inductor."""
     from shardwise.training import builders
     from shardwise.training.parallel.apply import data_parallel_wrapper, describe
     from shardwise.training.parallel.compile import whole_model
     from shardwise.training.parallel.pipeline import model_blocks
 
+    parallel = dict(parallel)
+    backend = parallel.pop("backend", "inductor")
     config = gpt_job(tmp_path, parallel=parallel, train={"compile": True})
     degrees = derive(config, world).degrees
     wrapper = data_parallel_wrapper(degrees)
     whole = whole_model(degrees, config.parallel.activation_checkpoint, wrapper)
-    assert whole == (words.startswith("torch.compile compiles GPT whole"))
+    assert whole == (words.startswith("torch.compile") and "compiles GPT whole" in words)
     built = builders.build_model(config)
     lines = describe(
         built,
@@ -400,6 +403,7 @@ def test_train_compile_says_whether_it_compiles_the_model_whole_or_block_by_bloc
         config.parallel,
         wrapper,
         compiled="whole" if whole else "blocks",
+        backend=backend,
     )
     assert any(words in line for line in lines), lines
 

@@ -103,6 +103,8 @@ def check(config: JobConfig) -> None:
         open_streams(config)
     if config.parallel.tp_plan:
         resolve(config.parallel.tp_plan, {}, "parallel.tp_plan")
+    if config.train.compile and config.train.compile_backend != "inductor":
+        _check_compile_backend(config.train.compile_backend)
     if config.model.name == "gpt" and config.data.name == "text":
         model_len = model.get("seq_len", 128)
         data_len = data.get("seq_len", 128)
@@ -111,6 +113,16 @@ def check(config: JobConfig) -> None:
                 f"data.args.seq_len ({data_len}) is longer than model.args.seq_len ({model_len}); "
                 "the GPT cannot see past its position table, so make them equal"
             )
+
+
+def _check_compile_backend(backend: str) -> None:
+    import torch._dynamo  # 1.8 s to import: only for a backend other than the default
+
+    if backend not in torch._dynamo.list_backends(exclude_tags=()):
+        raise ConfigError(
+            f"train.compile_backend = {backend!r} is not a torch.compile backend; use one of: "
+            f"{', '.join(torch._dynamo.list_backends())}, or to debug, aot_eager or eager"
+        )
 
 
 def build_model(config: JobConfig) -> nn.Module:

@@ -138,6 +138,11 @@ class TrainSection(Section):
     compile: bool = False
     """torch.compile each block's forward (parallel/compile.py); composes with every layout.
     The first step compiles (its time is reported as compile/seconds, apart from step times)."""
+    compile_backend: str = Field("inductor", min_length=1)
+    """`train.compile`'s backend, by torch.compile's name for it: `inductor` generates fused
+    kernels; `aot_eager` captures the same graphs (forward and backward) and runs them with
+    torch's own kernels, which is torch's first step when a compiled run fails or differs, and
+    checks graph breaks and recompilation without inductor's code generation."""
     loss: str = "cross_entropy"
     """A built-in loss (`cross_entropy`, `mse`) or `package.module:function`."""
     sync: Literal["every_step", "local_sgd", "diloco", "async"] = "every_step"

@@ -77,6 +77,8 @@ class Layout:
     compiled: str = ""
     """`train.compile`: `whole` (the model compiled whole, by the trainer with its loss) or
     `blocks` (each block's forward compiled here); "" when not compiled."""
+    backend: str = ""
+    """The torch.compile backend where compiled (`train.compile_backend`)."""
 
 
 def data_parallel_wrapper(degrees: dict[str, int], *, every_step: bool = True) -> str:
@@ -103,11 +105,12 @@ def parallelize(
     block_costs: list[float] | None = None,
     example: Any = None,
     every_step: bool = True,
-    compile: bool = False,
+    compile: str | None = None,
 ) -> Layout:
     """`example` is one micro-batch of inputs, which a pipeline traces models that are not a
     sequence of blocks with; `every_step` false leaves replicas unwrapped (train.sync);
-    `compile` compiles each block (train.compile)."""
+    `compile`: the torch.compile backend to compile the blocks with (train.compile), None not
+    to compile them."""
     degrees = derived.degrees
     ties = tied_groups(model)
     all_blocks = model_blocks(model)
@@ -120,11 +123,11 @@ def parallelize(
     parts = [pipe.modules[i] for i in sorted(pipe.modules)] if pipe else [model]
     wrapper = data_parallel_wrapper(degrees, every_step=every_step)
     held = [b for part in parts for b in all_blocks if has_submodule(part, b)]
-    compiled = ""
+    compiled, backend = "", compile or ""
     if compile:
         whole = whole_model(degrees, parallel.activation_checkpoint, wrapper)
         compiled = "whole" if whole else "blocks"
-    applied = describe(model, held, degrees, parallel, wrapper, compiled=compiled)
+    applied = describe(model, held, degrees, parallel, wrapper, compiled=compiled, backend=backend)
     if pipe is not None:  # before compiling: the graphs trace the forward it gets
         applied += _statistics_apart(parts)
     for part in parts:
@@ -138,7 +141,7 @@ def parallelize(
         # 3. Activation checkpointing.
         apply_activation_checkpointing(part, blocks, parallel.activation_checkpoint)
         if compiled == "blocks":
-            apply_compile(part, blocks)
+            apply_compile(part, blocks, backend=backend)
         # 4a. FSDP2 or its replicate mode.
         if wrapper in ("fsdp", "replicate"):
             shard(part, blocks, mesh, degrees, parallel, param_dtype=param_dtype)
@@ -158,7 +161,14 @@ def parallelize(
         ]
     if pipe is not None:
         pipe.modules = dict(zip(sorted(pipe.modules), parts, strict=True))
-    return Layout(parts=parts, pipeline=pipe, wrapper=wrapper, applied=applied, compiled=compiled)
+    return Layout(
+        parts=parts,
+        pipeline=pipe,
+        wrapper=wrapper,
+        applied=applied,
+        compiled=compiled,
+        backend=backend,
+    )
 
 
 def describe(
@@ -169,10 +179,12 @@ def describe(
     wrapper: str,
     *,
     compiled: str = "",
+    backend: str = "inductor",
 ) -> list[str]:
     """One line per transform: what it applies to on this rank (nothing is silently skipped)."""
     units = _units(model, blocks)
     name = type(model).__name__
+    compiler = "torch.compile" if backend == "inductor" else f"torch.compile ({backend})"
     lines = []
     if degrees["tp"] > 1:
         if parallel.tp_plan:
@@ -188,14 +200,14 @@ def describe(
         )
     if compiled == "whole":
         inside = " inside DDP, split at its gradient buckets" if wrapper == "ddp" else ""
-        lines.append(f"torch.compile compiles {name} whole{inside}")
+        lines.append(f"{compiler} compiles {name} whole{inside}")
     elif compiled:
         needs = _needs(degrees, parallel, wrapper)
         lines.append(
-            f"torch.compile compiles the forward of {units} one at a time ({needs} the blocks "
+            f"{compiler} compiles the forward of {units} one at a time ({needs} the blocks "
             "eager around their graphs); the rest runs eagerly"
             if units
-            else f"torch.compile compiles {name} whole, since it has no blocks"
+            else f"{compiler} compiles {name} whole, since it has no blocks"
         )
     if wrapper == "fsdp":
         zero = "ZeRO-3" if parallel.reshard_after_forward else "ZeRO-2"

@@ -48,38 +48,47 @@ def whole_model(degrees: dict[str, int], activation_checkpoint: str, wrapper: st
     return plain and wrapper in ("none", "ddp")
 
 
-def apply_compile(part: nn.Module, blocks: list[str]) -> list[str]:
+def apply_compile(part: nn.Module, blocks: list[str], *, backend: str) -> list[str]:
     """Compile the forward of each of `blocks` held by `part` (the whole part's when it holds
-    none); returns the names compiled."""
+    none) with torch.compile's `backend`; returns the names compiled."""
     names = [b for b in blocks if has_submodule(part, b)] or [""]
     for name in names:
         module = part.get_submodule(name) if name else part
         while isinstance(module, CheckpointWrapper):
             module = module._checkpoint_wrapped_module
-        module.forward = torch.compile(module.forward)
+        module.forward = torch.compile(module.forward, backend=backend)
     return names
 
 
 def forward_loss(
-    part: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], *, compiled: str, builtin: bool
+    part: nn.Module,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    *,
+    compiled: str,
+    builtin: bool,
+    backend: str,
 ) -> ForwardLoss:
     """The callable a training step runs per micro-batch: `part`'s forward and the loss,
     compiled as `compiled` says (`whole`, or `blocks`: compiled by `apply_compile`; "" not at
-    all); `builtin`: the loss is shardwise's own, and is compiled with the model or apart."""
+    all) with torch.compile's `backend`; `builtin`: the loss is shardwise's own, and is
+    compiled with the model or apart."""
     if not compiled:
         return lambda inputs, target: loss_fn(part(inputs), target)
     inner = part.module if isinstance(part, DistributedDataParallel) else part
     if compiled == "whole" and builtin and inner is part:  # one graph: model and loss
-        return torch.compile(lambda inputs, target: loss_fn(part(inputs), target))
+        return torch.compile(lambda inputs, target: loss_fn(part(inputs), target), backend=backend)
     if compiled == "whole":
-        inner.compile()  # in place: the same module, its names unchanged for checkpoints
-    loss = compiled_loss(loss_fn, builtin=builtin)
+        inner.compile(backend=backend)  # in place: the same module, its names unchanged
+    loss = compiled_loss(loss_fn, builtin=builtin, backend=backend)
     return lambda inputs, target: loss(part(inputs), target)
 
 
-def compiled_loss(loss_fn: Callable[[Any, Any], torch.Tensor], *, builtin: bool) -> Any:
-    """A built-in loss compiled in a graph of its own; a user's as it is."""
-    return torch.compile(loss_fn) if builtin else loss_fn
+def compiled_loss(
+    loss_fn: Callable[[Any, Any], torch.Tensor], *, builtin: bool, backend: str
+) -> Any:
+    """A built-in loss compiled in a graph of its own (with torch.compile's `backend`); a
+    user's as it is."""
+    return torch.compile(loss_fn, backend=backend) if builtin else loss_fn
 
 
 def describe_loss(loss: str, *, compiled: str, one_graph: bool, builtin: bool) -> str:

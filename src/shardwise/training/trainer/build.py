@@ -74,7 +74,9 @@ def build_run(
     utilisation = _utilisation(config, derived, layout, loss_fn, train_set, device)
     config, saving = _checkpoint_mode(config, layout, device)
     if layout.pipeline is not None:
-        stage_loss = compile.compiled_loss(loss_fn, builtin=builtin and bool(layout.compiled))
+        stage_loss = compile.compiled_loss(
+            loss_fn, builtin=builtin and bool(layout.compiled), backend=layout.backend
+        )
         layout.pipeline.start(stage_loss, device)
     # Each data-parallel rank its own dropout stream; tensor-parallel and pipeline peers share it.
     train_state.reseed(config.job.seed, 0, dp_rank)
@@ -97,7 +99,11 @@ def build_run(
         layout=layout,
         loss_fn=loss_fn,
         forward_loss=compile.forward_loss(
-            layout.parts[0], loss_fn, compiled=layout.compiled, builtin=builtin
+            layout.parts[0],
+            loss_fn,
+            compiled=layout.compiled,
+            builtin=builtin,
+            backend=layout.backend,
         ),
         optimizers=optimizers,
         schedulers=schedulers,
@@ -397,7 +403,7 @@ def build_layout(
         block_costs=costs,
         example=example,
         every_step=config.train.sync == "every_step",
-        compile=config.train.compile,
+        compile=config.train.compile_backend if config.train.compile else None,
     )
 
 
