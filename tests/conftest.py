@@ -1,9 +1,13 @@
-"""Fixtures shared by every test: small job configs, and a guard that fails any test that leaves
-a child process behind."""
+"""Fixtures shared by every test: small job configs, a guard that fails any test that leaves
+a child process behind, and one temporary directory for the session's processes, removed at its
+end."""
 
 from __future__ import annotations
 
+import multiprocessing.util
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -12,6 +16,32 @@ import pytest
 from helpers import children_of
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_files(tmp_path_factory):
+    """Every temporary file of the session, the libraries' included, goes to one directory
+    that is removed at the end (TMPDIR, which Python's tempfile, Ray and torch read): MLflow's
+    database locks, torch's error files and compile cache, torchrun's logs, Ray's sessions,
+    MLflow's downloaded models were left in /tmp by every run before. Each pytest worker has
+    its own, so torch's compile cache starts cold as it does on a fresh machine. A short path:
+    Ray puts Unix sockets in it (107 bytes at most). pytest's own directory is fixed first, to
+    stay where it is and be kept for inspection."""
+    tmp_path_factory.getbasetemp()
+    # multiprocessing's own directory (its sockets) stays where it is too: it removes it itself
+    # when this process exits, after the session's directory is gone
+    multiprocessing.util.get_temp_dir()
+    before = os.environ.get("TMPDIR")
+    root = tempfile.mkdtemp(prefix="sw-tests-")
+    os.environ["TMPDIR"] = root
+    tempfile.tempdir = None  # read TMPDIR again
+    yield
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before
+    tempfile.tempdir = None
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
