@@ -168,8 +168,11 @@ def test_list_columns_become_tensors_and_next_token_shifts_sequences(tmp_path):
         pa.table({"tokens": tokens, "pixels": pixels, "y": range(16)}), tmp_path / "a.parquet"
     )
     train, _ = build_parquet(path=str(tmp_path), inputs="tokens", transform="next_token")
-    x, y = train.open().head(2)[1]
+    stream = train.open()
+    x, y = stream.head(2)[1]
     assert x.tolist() == [1, 2, 3] and y.tolist() == [2, 3, 4] and x.dtype == torch.int64
+    # a fragment keeps the stored width (a step gathers a quarter of the bytes of int64's)
+    assert stream.read(0)[0].dtype == torch.int32
     train, _ = build_parquet(path=str(tmp_path / "a.parquet"), inputs="pixels", target="y")
     x, y = train.open().head(1)[0]
     assert x.shape == (6,) and x.dtype == torch.float32 and y.dtype == torch.int64

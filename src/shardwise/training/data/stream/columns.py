@@ -100,10 +100,22 @@ def to_tensor(column: pa.ChunkedArray, name: str, where: str) -> torch.Tensor:
         array = values
     numbers = array.to_numpy(zero_copy_only=False)
     if pa.types.is_integer(array.type):
-        numbers = numbers.astype(np.int64, copy=False)
+        # as narrow as stored (token ids are often int16): a step gathers its rows from the
+        # fragment in that width, and `widened` makes the batch int64
+        if numbers.dtype not in NARROW_INTEGERS:
+            numbers = numbers.astype(np.int64)
     else:
         numbers = numbers.astype(np.float32, copy=False)
     return torch.from_numpy(np.require(numbers, requirements=["C", "W"])).reshape(-1, *shape)
+
+
+NARROW_INTEGERS = tuple(np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.int32, np.int64))
+"""The integer widths a fragment keeps as read (the ones torch gathers); others become int64."""
+
+
+def widened(values: torch.Tensor) -> torch.Tensor:
+    """Integers as int64, what embeddings and losses take; floats as they are."""
+    return values if values.is_floating_point() else values.long()
 
 
 def _is_list(kind: pa.DataType) -> bool:

@@ -22,7 +22,7 @@ import torch
 from fsspec.core import url_to_fs
 from torch.utils.data import TensorDataset
 
-from shardwise.training.data.stream.columns import Columns
+from shardwise.training.data.stream.columns import Columns, widened
 from shardwise.training.data.stream.source import (
     REACH_S,
     DataError,
@@ -145,7 +145,9 @@ class Stream:
         return self.source.columns.tensors(table, where)
 
     def batch(self, inputs: torch.Tensor, target: torch.Tensor | None) -> Pair:
-        """Rows gathered from blocks, transformed into a batch of samples."""
+        """Rows gathered from blocks (integers as narrow as stored), transformed into a batch
+        of samples (integers as int64)."""
+        inputs, target = widened(inputs), None if target is None else widened(target)
         row, whole = self.source.row_transform, self.source.transform
         if row is not None:
             pairs = [
