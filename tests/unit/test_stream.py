@@ -100,6 +100,26 @@ def test_global_batches_hold_the_same_samples_on_any_number_of_ranks(tmp_path):
     assert x.dtype == torch.float32 and x.shape == (8,)
 
 
+@pytest.mark.parametrize("assemble_bytes", [1, 200, 2**20])
+def test_each_step_holds_its_planned_samples_in_order(tmp_path, monkeypatch, assemble_bytes):
+    """Steps are gathered a run at a time (`ASSEMBLE_BYTES`: here one step, three, or the rest
+    of a window): over two epochs, each rank's share of step k is the slice of the epoch's
+    sorted ids of step k, in that order."""
+    from shardwise.training.data.stream import loader as loader_module
+    from shardwise.training.data.stream.order import rank_slice
+
+    monkeypatch.setattr(loader_module, "ASSEMBLE_BYTES", assemble_bytes)
+    path = write_ids(tmp_path / "t")
+    for dp in (1, 2):
+        for r in range(dp):
+            rank = loader(path, dp_rank=r, dp_size=dp, shuffle_rows=20)
+            for epoch in range(2):
+                order = EpochOrder(rank.stream.counts, 5, epoch, 20)
+                for k in range(12):
+                    want = rank_slice(order.step_ids(k, 8), r, dp).tolist()
+                    assert ids_of(rank.next_step()) == want, (dp, r, epoch, k)
+
+
 def test_each_rank_reads_only_the_fragments_its_samples_are_in(tmp_path):
     """A window of about 40 rows over 2 ranks: sorted ids split by position, so each rank reads
     about half of the window's fragments, not all of them."""

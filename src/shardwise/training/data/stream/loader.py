@@ -9,6 +9,12 @@ them. Reading threads (`read_threads`) fetch and decode the fragments (pyarrow r
 of this window and the next while the model trains; each fragment is read once per epoch by the
 one rank (and the one thread) that needs it, and kept decoded until the last step that uses it.
 A rank holds its share of two windows: about `2 · shuffle_rows / dp` rows.
+
+Assembling. The steps' rows are gathered from the fragments a run of steps at a time (up to
+`ASSEMBLE_BYTES` of int64 rows, within one window): a handful of tensor operations per run instead
+of several per step. Each operation lets go of the interpreter lock, which the reading threads
+(fsspec's requests are Python) then hold for a while: per step, that waiting was most of a
+step's cost in bench/stream_read.py.
 """
 
 from __future__ import annotations
@@ -22,8 +28,13 @@ import torch
 
 from shardwise.common.errors import ConfigError
 from shardwise.training.data.sampling import enough
+from shardwise.training.data.stream.columns import widened
 from shardwise.training.data.stream.order import EpochOrder, rank_slice
 from shardwise.training.data.stream.table import Pair, Stream
+
+ASSEMBLE_BYTES = 1 * 2**20
+"""The most a run of assembled steps holds (its rows as int64 or float32): one step of long
+token sequences, dozens of short ones."""
 
 
 class StreamLoader:
@@ -68,23 +79,9 @@ class StreamLoader:
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         step = self.offset // self.global_batch
         self._plan_through(step)
-        fragments, rows = self._plans.pop(step)
-        parts = [self._read[f].result() for f in fragments]
-        # index_select: a few times faster than indexing with a tensor, for these small gathers
-        inputs = torch.cat(
-            [part[0].index_select(0, r) for part, r in zip(parts, rows, strict=True)]
-        )
-        targets = [part[1] for part in parts]
-        target = (
-            None
-            if targets[0] is None
-            else torch.cat(
-                [t.index_select(0, r) for t, r in zip(targets, rows, strict=True)]  # type: ignore[union-attr]
-            )
-        )
-        for fragment in fragments:  # read no more: free it
-            if self._last_use.get(fragment) == step:
-                self._read.pop(fragment, None)
+        if step not in self._ready:
+            self._assemble(step)
+        inputs, target = self._ready.pop(step)
         batches = []
         for begin in range(0, len(inputs), self.micro_batch):
             end = begin + self.micro_batch
@@ -122,10 +119,12 @@ class StreamLoader:
         self._order = EpochOrder(
             self.stream.counts, self.seed, self.epoch, self.stream.source.shuffle_rows
         )
-        self._plans: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
+        # per planned step: the fragment and the row in it of each of this rank's samples
+        self._plans: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._planned = self.offset // self.global_batch  # the next step to plan
         self._last_use: dict[int, int] = {}
         self._read: dict[int, Future[Pair]] = {}
+        self._ready: dict[int, Pair] = {}  # assembled steps
 
     def _plan_through(self, step: int) -> None:
         """Plan, and start reading for, every step to the end of the window after the one that
@@ -147,15 +146,50 @@ class StreamLoader:
         mine = rank_slice(ids.sort(dim=1).values.T, self.dp_rank, self.dp_size).T.contiguous()
         fragments, rows = (t.view(steps, -1).numpy() for t in self._order.locate(mine.view(-1)))
         for i in range(steps):
-            cuts = (np.flatnonzero(np.diff(fragments[i])) + 1).tolist()
-            used = fragments[i][[0, *cuts]].tolist()
-            bounds = [0, *cuts, len(rows[i])]  # slices: np.split is ten times slower here
-            parts = [torch.from_numpy(rows[i][a:b]) for a, b in itertools.pairwise(bounds)]
-            self._plans[first + i] = (used, parts)
-            for f in used:
+            self._plans[first + i] = (fragments[i], rows[i])
+            cuts = np.flatnonzero(np.diff(fragments[i])) + 1  # sorted ids: grouped by fragment
+            for f in fragments[i][[0, *cuts.tolist()]].tolist():
                 self._last_use[f] = first + i
                 self._fetch(f)
         self._planned = through + 1
+
+    def _assemble(self, step: int) -> None:
+        """Gather the rows of `step` and of the planned steps after it in its window, up to
+        `ASSEMBLE_BYTES`, from their fragments (waiting for the reads): per fragment one gather
+        of all its rows these steps use, then one to put them in the steps' order. The rows, and
+        their order, are each step's as planned."""
+        window_end = next(e for e in self._order.window_ends if e >= (step + 1) * self.global_batch)
+        last = min((window_end // self.global_batch) - 1, self._planned - 1)
+        fragments, rows = self._plans[step]
+        first = self._read[int(fragments[0])].result()[0]
+        per_row = first[0].numel() * 8 if first.dim() > 1 else 8
+        count = max(1, min(last - step + 1, ASSEMBLE_BYTES // max(per_row * len(rows), 1)))
+        plans = [self._plans.pop(s) for s in range(step, step + count)]
+        where = np.concatenate([f for f, _ in plans])
+        which = np.concatenate([r for _, r in plans])
+        order = np.argsort(where, kind="stable")  # grouped by fragment, each group in step order
+        used, begins = np.unique(where[order], return_index=True)
+        bounds = [*begins.tolist(), len(order)]
+        parts = [self._read[int(f)].result() for f in used]
+        picks = [torch.from_numpy(which[order[a:b]]) for a, b in itertools.pairwise(bounds)]
+        back = torch.from_numpy(np.argsort(order, kind="stable"))  # to the steps' order
+        inputs = widened(
+            torch.cat([p[0].index_select(0, r) for p, r in zip(parts, picks, strict=True)])
+        )
+        inputs = inputs.index_select(0, back)
+        target = None
+        if parts[0][1] is not None:
+            target = torch.cat([p[1].index_select(0, r) for p, r in zip(parts, picks, strict=True)])  # type: ignore[union-attr]
+            target = widened(target).index_select(0, back)
+        share = len(rows)
+        for k in range(count):
+            self._ready[step + k] = (
+                inputs[k * share : (k + 1) * share],
+                None if target is None else target[k * share : (k + 1) * share],
+            )
+        for f in used.tolist():  # read no more: free it
+            if self._last_use.get(f, -1) < step + count:
+                self._read.pop(f, None)
 
     def _fetch(self, fragment: int) -> None:
         if fragment not in self._read:
