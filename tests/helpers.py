@@ -56,12 +56,9 @@ def ranks_of(launcher: int) -> list[int]:
 def _children(pid: int) -> tuple[list[int], list[int]]:
     """A process's live children that are not long-lived, and those its forkserver forked."""
     live = {p: int(stat[1]) for p, stat in _stats().items() if stat[0] != "Z"}
-    servers = {p for p, parent in live.items() if parent == pid and _SERVER in _cmdline(p)}
-    direct = [
-        p
-        for p, parent in live.items()
-        if parent == pid and not any(m in _cmdline(p) for m in _LONG_LIVED)
-    ]
+    mine = {p: _cmdline(p) for p, parent in live.items() if parent == pid}
+    servers = {p for p, cmdline in mine.items() if _SERVER in cmdline}
+    direct = [p for p, cmdline in mine.items() if not any(m in cmdline for m in _LONG_LIVED)]
     return direct, [p for p, parent in live.items() if parent in servers]
 
 

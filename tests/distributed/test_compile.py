@@ -45,17 +45,12 @@ TWO = {
 }
 WHOLE = ("compiled", "ddp")
 """The layouts where the model is compiled whole."""
+DYNAMO = {"compile": True, "compile_backend": "aot_eager"}
+"""The runs that check what dynamo captures, not inductor's numbers."""
 # a GPT whose data lasts 4 steps (the epoch turns twice), evaluated and checkpointed every 4
 EPOCHS = {
     "data": {"args": {"seq_len": 16, "max_bytes": 600}},
-    "train": {
-        "steps": 12,
-        "global_batch": 8,
-        "micro_batch": 4,
-        "lr": 3e-3,
-        "compile": True,
-        "compile_backend": "aot_eager",
-    },
+    "train": {"steps": 12, "global_batch": 8, "micro_batch": 4, "lr": 3e-3, **DYNAMO},
     "eval": {"every_steps": 4, "max_samples": 16},
     "checkpoint": {"every_steps": 4},
     "tracking": {"log_every": 2},
@@ -63,13 +58,7 @@ EPOCHS = {
 RESNET = {  # ResNet-18, narrow, on 32×32 digits
     "model": {"name": "resnet", "args": {"depth": 18, "width": 8}},
     "data": {"name": "digits", "args": {"image_size": 32, "channels": 3}},
-    "train": {
-        "steps": 6,
-        "global_batch": 8,
-        "micro_batch": 4,
-        "compile": True,
-        "compile_backend": "aot_eager",
-    },
+    "train": {"steps": 6, "global_batch": 8, "micro_batch": 4, **DYNAMO},
     "eval": {"every_steps": 3, "max_samples": 16},
     "checkpoint": {"every_steps": 6},
     "tracking": {"log_every": 1},
@@ -185,7 +174,7 @@ def _hand_loop_breaks(steps: int) -> tuple[int, int]:
     counters.clear()
     config = _gpt2_job(Path("unused"))
     model = builders.build_model(config)
-    compiled = torch.compile(model, backend="aot_eager")
+    compiled = torch.compile(model, backend=DYNAMO["compile_backend"])
     optimizer = torch.optim.AdamW(model.parameters())
     train, _ = builders.build_datasets(config)
     loss_fn = builders.build_loss(config)
@@ -214,13 +203,7 @@ def test_a_hugging_face_gpt2_breaks_no_more_than_under_torch_compile_in_a_hand_l
     try:
         config = _gpt2_job(
             tmp_path / "run",
-            train={
-                "steps": 6,
-                "global_batch": 4,
-                "micro_batch": 4,
-                "compile": True,
-                "compile_backend": "aot_eager",
-            },
+            train={"steps": 6, "global_batch": 4, "micro_batch": 4, **DYNAMO},
             eval={"every_steps": 3, "max_samples": 8},
             tracking={"log_every": 1},
         )

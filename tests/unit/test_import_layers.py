@@ -166,22 +166,30 @@ def _strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
     return found
 
 
-def test_a_rank_imports_pipelining_only_for_a_pipeline():
-    """torch.distributed.pipelining imports TorchDynamo: half a second of every rank's start,
-    which a run without a pipeline never uses (parallel/stage.py)."""
+def _imported(statements: str, prefixes: tuple[str, ...]) -> list[str]:
+    """The modules under `prefixes` a fresh interpreter has imported after `statements`, run
+    from the repository's root."""
+    import json
     import subprocess
     import sys
 
-    probe = (
-        "import sys; import shardwise.training.launch.worker, shardwise.training.trainer.loop, "
-        "shardwise.training.trainer.dry_run; "
-        "print(sorted(m for m in sys.modules if m.startswith(('torch.distributed.pipelining', "
-        "'torch._dynamo'))))"
-    )
+    found = f"sorted(m for m in sys.modules if m.startswith({prefixes!r}))"
+    probe = f"import json, sys\n{statements}\nprint(json.dumps({found}))"
     done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
+        [sys.executable, "-c", probe],
+        capture_output=True, text=True, check=True, timeout=120, cwd=SOURCE.parents[1],
+    )  # fmt: skip
+    return json.loads(done.stdout)
+
+
+def test_a_rank_imports_pipelining_only_for_a_pipeline():
+    """torch.distributed.pipelining imports TorchDynamo: half a second of every rank's start,
+    which a run without a pipeline never uses (parallel/stage.py)."""
+    statements = (
+        "import shardwise.training.launch.worker, shardwise.training.trainer.loop, "
+        "shardwise.training.trainer.dry_run"
     )
-    assert done.stdout.strip() == "[]"
+    assert _imported(statements, ("torch.distributed.pipelining", "torch._dynamo")) == []
 
 
 def test_a_data_parallel_launcher_imports_neither_dtensor_nor_the_trainer():
@@ -189,21 +197,17 @@ def test_a_data_parallel_launcher_imports_neither_dtensor_nor_the_trainer():
     data-parallel job neither needs DTensor (which DCP, the pipeline and the tensor-parallel
     code import: 0.5 s) or the trainer (0.5 s), which every `shardwise train` paid before
     starting its ranks."""
-    import subprocess
-    import sys
-
-    probe = (
-        "import pickle, sys; "
-        "from shardwise.training.config.load import load_config; "
-        "from shardwise.training.launch.local import check_job; "
-        "from shardwise.training.trainer.summary import TrainSummary; "
-        "check_job(load_config('examples/digits.toml'), 2, 2); "
-        "pickle.loads(pickle.dumps(TrainSummary(1, {}, None, 'runs/x', None, 1.0))); "
-        "print(sorted(m for m in sys.modules if m.startswith(('torch.distributed.tensor', "
-        "'torch.distributed.checkpoint', 'shardwise.training.trainer.loop'))))"
+    statements = (
+        "import pickle\n"
+        "from shardwise.training.config.load import load_config\n"
+        "from shardwise.training.launch.local import check_job\n"
+        "from shardwise.training.trainer.summary import TrainSummary\n"
+        "check_job(load_config('examples/digits.toml'), 2, 2)\n"
+        "pickle.loads(pickle.dumps(TrainSummary(1, {}, None, 'runs/x', None, 1.0)))"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe],
-        capture_output=True, text=True, check=True, timeout=120, cwd=SOURCE.parents[1],
-    )  # fmt: skip
-    assert done.stdout.strip() == "[]"
+    heavy = (
+        "torch.distributed.tensor",
+        "torch.distributed.checkpoint",
+        "shardwise.training.trainer.loop",
+    )
+    assert _imported(statements, heavy) == []

@@ -68,6 +68,10 @@ class Columns:
         return inputs, target
 
 
+NARROW_INTEGERS = tuple(np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.int32, np.int64))
+"""The integer widths a fragment keeps as read (the ones torch gathers); others become int64."""
+
+
 def to_tensor(column: pa.ChunkedArray, name: str, where: str) -> torch.Tensor:
     """A column as a tensor of shape (rows, *value shape)."""
     array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
@@ -107,10 +111,6 @@ def to_tensor(column: pa.ChunkedArray, name: str, where: str) -> torch.Tensor:
     else:
         numbers = numbers.astype(np.float32, copy=False)
     return torch.from_numpy(np.require(numbers, requirements=["C", "W"])).reshape(-1, *shape)
-
-
-NARROW_INTEGERS = tuple(np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.int32, np.int64))
-"""The integer widths a fragment keeps as read (the ones torch gathers); others become int64."""
 
 
 def widened(values: torch.Tensor) -> torch.Tensor:

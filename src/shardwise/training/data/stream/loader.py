@@ -161,9 +161,8 @@ class StreamLoader:
         window_end = next(e for e in self._order.window_ends if e >= (step + 1) * self.global_batch)
         last = min((window_end // self.global_batch) - 1, self._planned - 1)
         fragments, rows = self._plans[step]
-        first = self._read[int(fragments[0])].result()[0]
-        per_row = first[0].numel() * 8 if first.dim() > 1 else 8
-        count = max(1, min(last - step + 1, ASSEMBLE_BYTES // max(per_row * len(rows), 1)))
+        row_bytes = self._read[int(fragments[0])].result()[0][0].numel() * 8  # int64, or less
+        count = max(1, min(last - step + 1, ASSEMBLE_BYTES // (row_bytes * len(rows))))
         plans = [self._plans.pop(s) for s in range(step, step + count)]
         where = np.concatenate([f for f, _ in plans])
         which = np.concatenate([r for _, r in plans])
@@ -188,7 +187,7 @@ class StreamLoader:
                 None if target is None else target[k * share : (k + 1) * share],
             )
         for f in used.tolist():  # read no more: free it
-            if self._last_use.get(f, -1) < step + count:
+            if self._last_use[f] < step + count:
                 self._read.pop(f, None)
 
     def _fetch(self, fragment: int) -> None:
