@@ -1,6 +1,7 @@
 """Ranks are forked from a server that has imported the trainer (launch/forkserver.py): one
-server per launching process, started again when the environment changed, so that a rank sees the
-variables of the process that launched it, as a spawned one does."""
+server per launching process, started again when the environment changed in a way its imports
+could have read, and a rank sees the variables of the process that launched it as they are at
+the launch, as a spawned one does."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ from multiprocessing import forkserver
 import pytest
 
 from shardwise.common.environment import LAUNCHER_PID
-from shardwise.training.launch.forkserver import restore_sigterm, start_method
+from shardwise.training.launch.forkserver import (
+    _in_environment,
+    forked,
+    restore_sigterm,
+    start_method,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +33,8 @@ def _seen(name: str, results) -> None:
 def _started_child(name: str) -> tuple[str | None, bool, str]:
     ctx = mp.get_context(start_method())
     results = ctx.Queue()
-    child = ctx.Process(target=_seen, args=(name, results))
+    target, args = forked(_seen, (name, results))
+    child = ctx.Process(target=target, args=args)
     child.start()
     seen = results.get(timeout=120)
     child.join()
@@ -37,7 +44,7 @@ def _started_child(name: str) -> tuple[str | None, bool, str]:
 def test_ranks_see_the_launchers_environment_and_start_with_the_trainer_imported(
     monkeypatch, tmp_path
 ):
-    name = "SHARDWISE_TEST_FORKSERVER"
+    name = "TEST_FORKSERVER_VARIABLE"  # any variable: what the server imported may read it
     here = os.getcwd()
     monkeypatch.setenv(name, "first")
     assert _started_child(name) == ("first", True, here)  # forked from a preloaded server
@@ -49,6 +56,36 @@ def test_ranks_see_the_launchers_environment_and_start_with_the_trainer_imported
     assert forkserver._forkserver._forkserver_pid != server  # started again for the new value
     monkeypatch.chdir(tmp_path)
     assert _started_child(name) == ("second", True, str(tmp_path))
+
+
+def test_variables_read_only_as_ranks_run_reach_them_from_the_same_server(monkeypatch):
+    """shardwise's own (SHARDWISE_FAULT …) and pytest's marker of the running test, which
+    changes with every test: set, changed and unset, each rank sees them as the launcher has
+    them, and the server that imported torch stays."""
+    name = "SHARDWISE_TEST_FORKSERVER"
+    monkeypatch.setenv(name, "first")
+    assert _started_child(name)[0] == "first"
+    server = forkserver._forkserver._forkserver_pid
+    monkeypatch.setenv(name, "second")
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test")
+    assert _started_child(name)[0] == "second"
+    assert _started_child("PYTEST_CURRENT_TEST")[0] == "another test"
+    monkeypatch.delenv(name)
+    assert _started_child(name)[0] is None
+    assert forkserver._forkserver._forkserver_pid == server
+
+
+def test_a_variable_set_for_the_rank_itself_is_kept(monkeypatch):
+    """torch elastic sets each rank's RANK, MASTER_PORT … in the forked process before the
+    entry runs: the launcher's changes since the server started do not undo them (here a
+    launcher that itself runs under torchrun, whose MASTER_PORT changed)."""
+    monkeypatch.setenv("MASTER_PORT", "40000")  # as elastic set it in the rank
+    monkeypatch.setenv("SHARDWISE_TEST_CHANGED", "server")
+    changes = {"MASTER_PORT": ("29500", "29501"), "SHARDWISE_TEST_CHANGED": ("server", "now")}
+    seen = _in_environment(
+        changes, lambda: (os.environ["MASTER_PORT"], os.environ["SHARDWISE_TEST_CHANGED"])
+    )
+    assert seen == ("40000", "now")
 
 
 def _terminated(results) -> None:
@@ -65,7 +102,8 @@ def test_the_server_outlives_a_sigterm_to_the_whole_job_and_ranks_restore_it(mon
     for signalled in (False, True):  # the first rank: the server has done its imports
         if signalled:
             os.kill(forkserver._forkserver._forkserver_pid, signal.SIGTERM)
-        child = ctx.Process(target=_terminated, args=(results,))
+        target, args = forked(_terminated, (results,))
+        child = ctx.Process(target=target, args=args)
         child.start()
         assert results.get(timeout=120) is True
         child.join()

@@ -9,10 +9,17 @@ ranks, 7.4 CPU-s and 6.1 s with forked ones; a node of 8 ranks saves 7 imports p
 
 The server is a clean process (started by exec, not forked from the launcher, whose threads it does
 not inherit); it imports modules only, and initialises neither CUDA nor OpenMP's thread pool, so
-the forked ranks start as spawned ones do. Its children inherit the environment, `sys.path` and
-working directory it was started with: when one has changed since (a Python caller that launches
-twice with different variables, or from another directory), the server is started again, so a
-rank always sees the launching process's, as a spawned one does.
+the forked ranks start as spawned ones do.
+
+A rank sees the launching process's environment, `sys.path` and working directory, as a spawned
+one does. multiprocessing hands each forked child the last two; the environment is the server's,
+from when it started, so a rank first applies what has changed in the launcher since
+(`forked`). What the server imported may have read the environment, though (torch reads
+`TORCH_*` variables as it imports, numpy its BLAS settings), so when a variable changes, or
+`sys.path` or the directory, the server is started again, unless the variable is one that is
+read only as a rank runs (`RUNTIME_ONLY`). A Python caller that launches many times (a sweep, a
+test suite: pytest marks each test in `PYTEST_CURRENT_TEST`) then keeps its server: in this
+project's suite a new server per test cost about 3 CPU-s each.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import multiprocessing
 import os
 import signal
 import sys
+from collections.abc import Callable
 from multiprocessing import forkserver
 from typing import Any
 
@@ -34,17 +42,27 @@ PRELOAD = (
 )
 """What every rank imports before its first step (the trainer imports DTensor and the layouts)."""
 
+RUNTIME_ONLY = ("SHARDWISE_", "PYTEST_CURRENT_TEST")
+"""Variables (or prefixes) that nothing reads at import: shardwise's own (`SHARDWISE_FAULT`, the
+launcher's pid), which a rank reads as it runs, and pytest's name of the running test. A change
+of these reaches the ranks without starting the server again."""
+
+Changes = dict[str, tuple[str | None, str | None]]
+"""Environment variables that changed since the server started: the value then and now (None:
+unset)."""
+
 _started_with: tuple[dict[str, str], tuple[str, ...], str] | None = None
+_server_environment: dict[str, str] = {}
 
 
 def start_method() -> str:
     """The start method for this launch's ranks: "forkserver", its server running with this
-    process's current environment, `sys.path` and working directory; "spawn" where forkserver
-    does not exist."""
-    global _started_with
+    process's `sys.path`, working directory and environment (but for `RUNTIME_ONLY` variables,
+    which `forked` hands on); "spawn" where forkserver does not exist."""
+    global _started_with, _server_environment
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
-    wanted = (dict(os.environ), tuple(sys.path), os.getcwd())
+    wanted = (_read_at_import(os.environ), tuple(sys.path), os.getcwd())
     if _started_with != wanted:
         server: Any = forkserver._forkserver
         server._stop()  # the running one, if any: its children keep running
@@ -55,7 +73,38 @@ def start_method() -> str:
         except OSError:  # its socket's path under a long TMPDIR is over the 107 bytes allowed
             return "spawn"
         _started_with = wanted
+        _server_environment = dict(os.environ)
     return "forkserver"
+
+
+def forked(entry: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Callable[..., Any], tuple]:
+    """The target and arguments of a process that runs `entry(*args)` forked from the server
+    `start_method` started, in this process's environment as it is now."""
+    now = dict(os.environ)
+    changes = {
+        name: (_server_environment.get(name), now.get(name))
+        for name in _server_environment.keys() | now.keys()
+        if _server_environment.get(name) != now.get(name)
+    }
+    return _in_environment, (changes, entry, *args)
+
+
+def _in_environment(changes: Changes, entry: Callable[..., Any], *args: Any) -> Any:
+    """In a forked rank: the launcher's changes to the environment since the server started,
+    then `entry(*args)`. A variable that no longer has the server's value was set for this rank
+    (torch elastic's RANK, MASTER_PORT, …) and is kept."""
+    for name, (then, now) in changes.items():
+        if os.environ.get(name) != then:
+            continue
+        if now is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = now
+    return entry(*args)
+
+
+def _read_at_import(environment: Any) -> dict[str, str]:
+    return {k: v for k, v in environment.items() if not k.startswith(RUNTIME_ONLY)}
 
 
 def restore_sigterm() -> None:

@@ -44,7 +44,7 @@ from shardwise.training.config.schema import JobConfig
 from shardwise.training.fault.watchdog import AFTER_A_PEER
 from shardwise.training.fault.watchdog import describe as describe_hang
 from shardwise.training.launch.env import detect
-from shardwise.training.launch.forkserver import start_method
+from shardwise.training.launch.forkserver import forked, start_method
 from shardwise.training.launch.stores import (
     LOOPBACK,
     RENDEZVOUS,
@@ -156,8 +156,9 @@ def launch(
     try:
         with _fresh_worker_store(), listen, logs, environment({LAUNCHER_PID: str(os.getpid())}):
             # ranks forked from a server that imported torch and the trainer once (forkserver.py)
-            config.start_method = start_method()  # in this environment: the ranks inherit it
-            results: dict[int, Any] = elastic_launch(config, entry)(*args)
+            config.start_method = start_method()
+            target, target_args = forked(entry, args)  # in this environment, as it is now
+            results: dict[int, Any] = elastic_launch(config, target)(*target_args)
         return results
     except ChildFailedError as e:
         raise _first_failure(e) from None
