@@ -59,15 +59,16 @@ def test_ranks_see_the_launchers_environment_and_start_with_the_trainer_imported
 
 
 def test_variables_read_only_as_ranks_run_reach_them_from_the_same_server(monkeypatch):
-    """shardwise's own (SHARDWISE_FAULT …) and pytest's marker of the running test, which
-    changes with every test: set, changed and unset, each rank sees them as the launcher has
-    them, and the server that imported torch stays."""
+    """shardwise's own (SHARDWISE_FAULT …), torch elastic's and pytest's marker of the running
+    test, which changes with every test: set, changed and unset, each rank sees them as the
+    launcher has them, and the server that imported torch stays."""
     name = "SHARDWISE_TEST_FORKSERVER"
     monkeypatch.setenv(name, "first")
     assert _started_child(name)[0] == "first"
     server = forkserver._forkserver._forkserver_pid
     monkeypatch.setenv(name, "second")
     monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test")
+    monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM")  # as elastic's first launch
     assert _started_child(name)[0] == "second"
     assert _started_child("PYTEST_CURRENT_TEST")[0] == "another test"
     monkeypatch.delenv(name)

@@ -42,10 +42,11 @@ PRELOAD = (
 )
 """What every rank imports before its first step (the trainer imports DTensor and the layouts)."""
 
-RUNTIME_ONLY = ("SHARDWISE_", "PYTEST_CURRENT_TEST")
+RUNTIME_ONLY = ("SHARDWISE_", "TORCHELASTIC_", "PYTEST_CURRENT_TEST")
 """Variables (or prefixes) that nothing reads at import: shardwise's own (`SHARDWISE_FAULT`, the
-launcher's pid), which a rank reads as it runs, and pytest's name of the running test. A change
-of these reaches the ranks without starting the server again."""
+launcher's pid), which a rank reads as it runs; torch elastic's, which its agent reads and sets
+(it sets `TORCHELASTIC_SIGNALS_TO_HANDLE` in the launcher at its first launch); and pytest's name
+of the running test. A change of these reaches the ranks without starting the server again."""
 
 Changes = dict[str, tuple[str | None, str | None]]
 """Environment variables that changed since the server started: the value then and now (None:
