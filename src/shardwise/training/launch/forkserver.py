@@ -53,18 +53,18 @@ Changes = dict[str, tuple[str | None, str | None]]
 unset)."""
 
 _started_with: tuple[dict[str, str], tuple[str, ...], str] | None = None
-_server_environment: dict[str, str] = {}
+"""The environment, `sys.path` and directory the running server started with."""
 
 
 def start_method() -> str:
     """The start method for this launch's ranks: "forkserver", its server running with this
     process's `sys.path`, working directory and environment (but for `RUNTIME_ONLY` variables,
     which `forked` hands on); "spawn" where forkserver does not exist."""
-    global _started_with, _server_environment
+    global _started_with
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
-    wanted = (_read_at_import(os.environ), tuple(sys.path), os.getcwd())
-    if _started_with != wanted:
+    now = (dict(os.environ), tuple(sys.path), os.getcwd())
+    if _started_with is None or _read_at_import(_started_with) != _read_at_import(now):
         server: Any = forkserver._forkserver
         server._stop()  # the running one, if any: its children keep running
         _started_with = None
@@ -73,19 +73,18 @@ def start_method() -> str:
             forkserver.ensure_running()
         except OSError:  # its socket's path under a long TMPDIR is over the 107 bytes allowed
             return "spawn"
-        _started_with = wanted
-        _server_environment = dict(os.environ)
+        _started_with = now
     return "forkserver"
 
 
 def forked(entry: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Callable[..., Any], tuple]:
     """The target and arguments of a process that runs `entry(*args)` forked from the server
     `start_method` started, in this process's environment as it is now."""
-    now = dict(os.environ)
+    then, now = _started_with[0] if _started_with else {}, dict(os.environ)
     changes = {
-        name: (_server_environment.get(name), now.get(name))
-        for name in _server_environment.keys() | now.keys()
-        if _server_environment.get(name) != now.get(name)
+        name: (then.get(name), now.get(name))
+        for name in then.keys() | now.keys()
+        if then.get(name) != now.get(name)
     }
     return _in_environment, (changes, entry, *args)
 
@@ -104,8 +103,12 @@ def _in_environment(changes: Changes, entry: Callable[..., Any], *args: Any) -> 
     return entry(*args)
 
 
-def _read_at_import(environment: Any) -> dict[str, str]:
-    return {k: v for k, v in environment.items() if not k.startswith(RUNTIME_ONLY)}
+def _read_at_import(
+    started: tuple[dict[str, str], tuple[str, ...], str],
+) -> tuple[dict[str, str], tuple[str, ...], str]:
+    """What the server's imports could have read of an environment, `sys.path` and directory."""
+    environment, path, directory = started
+    return {k: v for k, v in environment.items() if not k.startswith(RUNTIME_ONLY)}, path, directory
 
 
 def restore_sigterm() -> None:
