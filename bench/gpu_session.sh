@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
-# Every GPU measurement issue 34 asks for, in one prepared run on a lent GPU machine (see
+# Every GPU measurement and check, in one prepared run on a lent GPU machine (see
 # ../shared/gpu/README.md for what that machine lacks and the wheels to bring in .whl/), each step
-# under its own timeout, everything written to $OUT. About 9 minutes on one H200:
+# under its own timeout, everything written to $OUT. About 9 minutes on one H200 for all steps;
+# GPU_SESSION_STEPS names the ones to run (default: all, in this order):
+#   forked_ranks     ranks forked from the launcher's server train on the GPU, twice and resumed
+#   stream_step      the GPT example's step streamed from a local S3 server against in memory
+#                    (needs moto, s3fs and their dependencies among the wheels)
+#   calibrate        `shardwise plan --calibrate`: the profile the planner and the runs' MFU read
+#   throughput_86m   tokens/s against the hand loop, eager and compiled, 3 repeats interleaved
+#   throughput_1.2b  the same at 1.2B, eager
+#   checkpoint       a 304M state saved from the GPU: sync, async, torch.save
 #
 #   OUT=/tmp/out bash bench/gpu_session.sh            # on the device machine
 #   GPU_SESSION_QUICK=1 OUT=/tmp/out bash bench/gpu_session.sh   # its plumbing, on a CPU (~3 min)
@@ -21,7 +29,8 @@ BIN=$(dirname "$($PY -c 'import sys; print(sys.executable)')")
     > "$BIN/shardwise"
   chmod +x "$BIN/shardwise"
 }
-export SHARDWISE_CACHE=$OUT/cache  # the calibration below, for this session only
+WORK=${WORK:-/tmp/gpu-session}  # run folders and the cache: what comes back is in $OUT alone
+export SHARDWISE_CACHE=$WORK/cache  # the calibration below, for this session only
 step() {  # name, seconds, command…
   local name=$1 limit=$2; shift 2
   echo "== $name (limit ${limit}s)" | tee -a "$OUT/steps.txt"
@@ -35,17 +44,28 @@ if [ -n "${GPU_SESSION_QUICK:-}" ]; then
   step calibrate 300 "$BIN/shardwise" plan --calibrate
   exit 0
 fi
-nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
-# the profile (with the host's cost per dispatch) the planner and the runs' MFU read
-step calibrate 150 "$BIN/shardwise" plan --calibrate
-cp "$SHARDWISE_CACHE/this-machine.json" "$OUT/h200-calibrated-profile.json" 2>/dev/null
+STEPS=${GPU_SESSION_STEPS:-forked_ranks stream_step calibrate throughput_86m throughput_1.2b checkpoint}
+wanted() { [[ " $STEPS " == *" $1 "* ]]; }
+DEVICE=${GPU_SESSION_DEVICE:-cuda}  # cpu: the first two steps' plumbing, on a CPU
+command -v nvidia-smi > /dev/null && nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+if wanted forked_ranks || wanted stream_step; then
+  $PY examples/make_tables.py --tables tokens > "$OUT/make_tables.txt" 2>&1  # runs/data/tokens{,-eval}
+fi
+wanted forked_ranks && step forked_ranks 120 $PY bench/gpu_forked_ranks.py "$WORK/forked" \
+  --device "$DEVICE"
+wanted stream_step && step stream_step 200 $PY bench/stream_step.py --nproc 1 --repeats 3 \
+  --warmup 20 --steps 120 --set job.device="$DEVICE"
+if wanted calibrate; then  # the profile (with the host's cost per dispatch) for the planner, MFU
+  step calibrate 150 "$BIN/shardwise" plan --calibrate
+  cp "$SHARDWISE_CACHE/this-machine.json" "$OUT/calibrated-profile.json" 2>/dev/null
+fi
 # tokens/s against the hand loop, eager and compiled, 3 repeats interleaved; with shardwise
 # without its profile window (what CUPTI left attached cost); the planner beside each size
-step throughput_86m 240 $PY bench/gpu_throughput.py --sizes 86M --repeats 3 --unprofiled \
-  --steps 50 --warmup 20
-step throughput_1.2b 200 $PY bench/gpu_throughput.py --sizes 1.2B --repeats 3 --no-compile \
-  --steps 45 --warmup 15
+wanted throughput_86m && step throughput_86m 240 $PY bench/gpu_throughput.py --sizes 86M \
+  --repeats 3 --unprofiled --steps 50 --warmup 20
+wanted throughput_1.2b && step throughput_1.2b 200 $PY bench/gpu_throughput.py --sizes 1.2B \
+  --repeats 3 --no-compile --steps 45 --warmup 15
 # a 304M state (3.6 GB with AdamW's moments) saved from the GPU: sync, async, torch.save
-step checkpoint 90 $PY bench/checkpoint_save.py --device cuda --layers 24 --hidden 1024 \
-  --repeats 2
+wanted checkpoint && step checkpoint 90 $PY bench/checkpoint_save.py --device cuda --layers 24 \
+  --hidden 1024 --repeats 2
 ls -la "$OUT"

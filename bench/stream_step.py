@@ -10,6 +10,7 @@ are printed with their ratio (target: streaming within 3% of memory).
 
     python bench/stream_step.py
     python bench/stream_step.py --repeats 5 --steps 80
+    python bench/stream_step.py --nproc 1 --set job.device=cuda   # on one GPU
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--nproc", type=int, default=2, help="ranks (one per GPU on GPUs)")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="more job overrides"
+    )
     args = parser.parse_args()
 
     with local_s3() as fs:
@@ -61,14 +66,16 @@ def main() -> None:
             import subprocess
 
             subprocess.run(
-                [sys.executable, "examples/make_tables.py", "--out", tmp], cwd=REPO, check=True
+                [sys.executable, "examples/make_tables.py", "--out", tmp, "--tables", "tokens"],
+                cwd=REPO,
+                check=True,
             )
             fs.put(f"{tmp}/tokens", "bench/tokens", recursive=True)
             fs.put(f"{tmp}/tokens-eval", "bench/tokens-eval", recursive=True)
         common = [
             "train.precision=fp32", "eval.every_steps=0", "checkpoint.every_steps=0",
             "tracking.mlflow=false", "tracking.log_every=1", "tracking.report=false",
-            f"train.steps={args.steps}",
+            f"train.steps={args.steps}", *args.set,
         ]  # fmt: skip
         contenders = {
             "streamed from S3": [f"data.args.path={URL}", f"data.args.eval_path={EVAL}"],
@@ -86,7 +93,8 @@ def main() -> None:
                     flags = [a for s in [*common, *sets, f"job.run_dir={run_dir}"]
                              for a in ("--set", s)]  # fmt: skip
                     cmd = [str(Path(sys.executable).parent / "shardwise"), "train",
-                           "examples/gpt-parquet.toml", "--nproc", "2", *flags]  # fmt: skip
+                           "examples/gpt-parquet.toml", "--nproc", str(args.nproc),
+                           *flags]  # fmt: skip
                     step, _ = timed(cmd, args.warmup, args.steps)
                     times[name].append(step)
                     print(

@@ -9,6 +9,7 @@
 
     python examples/make_tables.py            # into runs/data
     python examples/make_tables.py --out s3://bucket/data   # any fsspec URL (Delta: delta-rs's)
+    python examples/make_tables.py --tables tokens          # the token shards only
 """
 
 from __future__ import annotations
@@ -61,9 +62,13 @@ def digits_delta(out: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/data", help="a directory or fsspec URL")
+    tables = ["tokens", "digits-delta"]
+    parser.add_argument("--tables", nargs="+", choices=tables, default=tables)
     args = parser.parse_args()
-    token_shards(args.out)
-    digits_delta(args.out)
+    if "tokens" in args.tables:
+        token_shards(args.out)
+    if "digits-delta" in args.tables:
+        digits_delta(args.out)
 
 
 if __name__ == "__main__":
