@@ -103,18 +103,13 @@ class CheckpointManager:
         # The copy an asynchronous save writes from: kept from one save to the next (no
         # allocation, no page faults after the first), pinned for the copy from a GPU.
         cuda = torch.cuda.is_available()
-        self._stager = (
-            DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=cuda,
-                    use_shared_memory=False,
-                    use_async_staging=False,
-                    use_non_blocking_copy=cuda,
-                )
-            )
-            if asynchronous
-            else None
+        self._staging = StagingOptions(
+            use_pinned_memory=cuda,
+            use_shared_memory=False,
+            use_async_staging=False,
+            use_non_blocking_copy=cuda,
         )
+        self._stager = DefaultStager(self._staging) if asynchronous else None
         # Rank 0 deletes what retention retires in the background (big files take a while).
         self._remover = ThreadPoolExecutor(1, thread_name_prefix="shardwise-retention")
         self._retention: list[Future[Any]] = []
@@ -153,7 +148,7 @@ class CheckpointManager:
                 state,
                 storage_writer=parallel_writer(target),
                 process_group=self._async_group,
-                async_stager=self._stager,
+                async_stager=self._open_stager(),
                 planner=FirstHolderPlanner(first_holder),
             )
             assert isinstance(future, Future)
@@ -178,6 +173,16 @@ class CheckpointManager:
         }
         dist.barrier()
         return final
+
+    def _open_stager(self) -> DefaultStager:
+        """The stager kept from the last save, or a new one where torch closed it: torch 2.11's
+        DefaultStager closes its copier (dropping the pinned copies) at the end of every stage,
+        and a closed one fails on the next save (`KeyError: <class 'type'>`, seen on an H100);
+        2.13's keeps it for the next save."""
+        copier = getattr(self._stager, "_state_dict_stager", None)
+        if self._stager is None or not getattr(copier, "_deepcopy_dispatch", True):
+            self._stager = DefaultStager(self._staging)
+        return self._stager
 
     def _final(self, step: int) -> str:
         return join(self.directory, f"step_{step:08d}")
