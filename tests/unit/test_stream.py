@@ -181,6 +181,21 @@ def test_a_resume_on_changed_data_is_refused_unless_allowed(tmp_path):
     allowed.load_state_dict(state)
 
 
+def test_every_batch_is_contiguous_for_a_copy_to_the_gpu_that_does_not_wait(tmp_path):
+    """`next_token` cuts each row into two overlapping views. A view copied to a GPU goes
+    through an unpinned contiguous copy, and a copy from unpinned memory waits for the device:
+    on an H100 the streamed GPT example's step was 1.07x the in-memory one's. The loader's
+    micro-batches (and so what it pins) are contiguous."""
+    tokens = pa.array([[i, i + 1, i + 2, i + 3] for i in range(32)], pa.list_(pa.int16(), 4))
+    pq.write_table(pa.table({"tokens": tokens}), tmp_path / "a.parquet")
+    train, _ = build_parquet(path=str(tmp_path), inputs="tokens", transform="next_token")
+    stream = StreamLoader(train.open(), global_batch=8, micro_batch=4, dp_rank=0, dp_size=1, seed=5)
+    for _ in range(4):
+        for x, y in stream.next_step():
+            assert x.is_contiguous() and y.is_contiguous()
+            assert torch.equal(x[:, 1:], y[:, :-1]) and x.shape == (4, 3)
+
+
 def test_list_columns_become_tensors_and_next_token_shifts_sequences(tmp_path):
     tokens = pa.array([[i, i + 1, i + 2, i + 3] for i in range(16)], pa.list_(pa.int32(), 4))
     pixels = pa.array([[float(i)] * 6 for i in range(16)])  # a plain list of one length

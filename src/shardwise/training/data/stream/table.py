@@ -146,7 +146,9 @@ class Stream:
 
     def batch(self, inputs: torch.Tensor, target: torch.Tensor | None) -> Pair:
         """Rows gathered from blocks (integers as narrow as stored), transformed into a batch
-        of samples (integers as int64)."""
+        of samples (integers as int64), each tensor contiguous: a transform's views (as
+        `next_token`'s) copied to a GPU would go through an unpinned copy, and a copy from
+        unpinned memory makes the host wait for the device."""
         inputs, target = widened(inputs), None if target is None else widened(target)
         row, whole = self.source.row_transform, self.source.transform
         if row is not None:
@@ -162,7 +164,7 @@ class Stream:
                 "the data has no target: name data.args.target, or a transform that makes one "
                 "(next_token for token sequences)"
             )
-        return inputs, target
+        return inputs.contiguous(), target.contiguous()
 
     def head(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The first `rows` samples (at most a fragment's), as a map-style dataset's items: what
