@@ -57,4 +57,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except shardwise.WorkerFailed as e:  # where in the rank it failed, not its last line only
+        print(f"{e}\n{e.traceback}", file=sys.stderr, flush=True)
+        sys.exit(1)
