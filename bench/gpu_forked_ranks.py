@@ -1,8 +1,10 @@
 """Ranks forked from the launcher's server train on the GPU: two launches from one Python process
 (the second reuses the server its first started), each a short `examples/gpt-parquet.toml` run on
-`job.device = "cuda"`, and a resume of the first from its checkpoint. Prints each run's device,
-steps and loss; exits 1 when a run did not train on the GPU. A check, not a benchmark: run it on
-a GPU machine (bench/gpu_session.sh does), after `python examples/make_tables.py`.
+`job.device = "cuda"`, and a resume of the first from its checkpoint. Prints each run's steps
+and metrics, whether the server was reused, and a failed rank's traceback; exits 1 when a run
+did not end where it should (a job on `cuda` refuses to start without a GPU). A check, not a
+benchmark: run it on a GPU machine (bench/gpu_session.sh does), after
+`python examples/make_tables.py --tables tokens`.
 
     python bench/gpu_forked_ranks.py RUN_DIR [--device cpu]
 """
@@ -41,7 +43,7 @@ def main() -> None:
         servers.append(forkserver._started_with)  # the same record: the server was reused
         print(f"{launch} launch: step {summary.step}, metrics {summary.metrics}", flush=True)
         if summary.step != 20 or not summary.memory or not summary.memory[0].get("peak"):
-            print(f"{launch} launch did not train 20 steps on the GPU: {summary}", flush=True)
+            print(f"{launch} launch did not train 20 steps: {summary}", flush=True)
             sys.exit(1)
     resumed = shardwise.train(
         "examples/gpt-parquet.toml",
