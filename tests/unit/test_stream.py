@@ -127,9 +127,37 @@ def test_each_rank_reads_only_the_fragments_its_samples_are_in(tmp_path):
     ranks = [loader(path, dp_rank=r, dp_size=2, shuffle_rows=40) for r in range(2)]
     for rank in ranks:
         rank.next_step()
-    read = [set(rank._read) | {f for f, u in rank._last_use.items()} for rank in ranks]
+    read = [rank._requested for rank in ranks]
     first_window = set(ranks[0]._order.windows[0])
     assert len(read[0] & first_window) < len(first_window)
+
+
+def counted_reads(rank: StreamLoader) -> list[tuple[int, int]]:
+    """(epoch, fragment) of every read `rank` makes from now on."""
+    reads: list[tuple[int, int]] = []
+    read = rank.stream.read
+
+    def counting(fragment: int):
+        reads.append((rank.epoch, fragment))
+        return read(fragment)
+
+    rank.stream.read = counting  # type: ignore[method-assign]
+    return reads
+
+
+@pytest.mark.parametrize("shuffle_rows", [0, 20])
+def test_each_fragment_is_read_once_an_epoch_and_a_rank_holds_two_windows(tmp_path, shuffle_rows):
+    """A window's fragments are joined when its first step is due and let go after its last:
+    over two epochs on 2 ranks, no fragment is read twice in an epoch, and a rank never holds
+    more than two joined windows (the one a step spans from and the one it spans into)."""
+    path = write_ids(tmp_path / "t")
+    for r in range(2):
+        rank = loader(path, dp_rank=r, dp_size=2, shuffle_rows=shuffle_rows)
+        reads = counted_reads(rank)
+        for _ in range(24):
+            rank.next_step()
+            assert len(rank._windows) <= 2
+        assert len(reads) == len(set(reads)) and {e for e, _ in reads} == {0, 1}
 
 
 def test_consecutive_row_groups_of_a_file_are_read_as_one_block(tmp_path):

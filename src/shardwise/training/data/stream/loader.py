@@ -7,19 +7,18 @@ step and restored, the run goes on with the very next sample, on any number of r
 Reading. A rank plans its steps a window ahead: which fragments each step needs and which rows of
 them. Reading threads (`read_threads`) fetch and decode the fragments (pyarrow releases the GIL)
 of this window and the next while the model trains; each fragment is read once per epoch by the
-one rank (and the one thread) that needs it, and kept decoded until the last step that uses it.
-A rank holds its share of two windows: about `2 · shuffle_rows / dp` rows.
+one rank (and the one thread) that needs it.
 
-Assembling. The steps' rows are gathered from the fragments a run of steps at a time (up to
-`ASSEMBLE_BYTES` of int64 rows, within one window): a handful of tensor operations per run instead
-of several per step. Each operation lets go of the interpreter lock, which the reading threads
-(fsspec's requests are Python) then hold for a while: per step, that waiting was most of a
-step's cost in bench/stream_read.py.
+Assembling. When a window's first step is due, the rank's fragments of that window are joined
+into one tensor (integers as narrow as stored), and the steps' rows are gathered from it a run of
+steps at a time (up to `ASSEMBLE_BYTES` of int64 rows): one gather per run, already in the steps'
+order. Per step, gathering from each fragment and reordering cost more than the copy the join
+makes once per window (bench/stream_read.py). A rank holds its share of two windows, about
+`2 · shuffle_rows / dp` rows, and of a third while it joins the next one.
 """
 
 from __future__ import annotations
 
-import itertools
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -122,14 +121,18 @@ class StreamLoader:
         # per planned step: the fragment and the row in it of each of this rank's samples
         self._plans: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._planned = self.offset // self.global_batch  # the next step to plan
-        self._last_use: dict[int, int] = {}
-        self._read: dict[int, Future[Pair]] = {}
+        self._read: dict[int, Future[Pair]] = {}  # fragments read or being read
+        self._requested: set[int] = set()  # every fragment this epoch asked for
+        self._windows: dict[int, Pair] = {}  # joined windows: this rank's fragments of each
+        self._offset = np.zeros(len(self.stream.counts), dtype=np.int64)  # a fragment's first
+        # row in its joined window
         self._ready: dict[int, Pair] = {}  # assembled steps
 
     def _plan_through(self, step: int) -> None:
         """Plan, and start reading for, every step to the end of the window after the one that
         holds `step`'s samples: the next window's row groups arrive while this one trains, and
-        each fragment planned has its every use in this epoch known (its last use frees it)."""
+        every window up to that one has all its steps planned (so it is known which of its
+        fragments this rank reads, once each)."""
         last = self.steps_per_epoch - 1
         end = (min(step, last) + 1) * self.global_batch
         ends = self._order.window_ends
@@ -147,52 +150,89 @@ class StreamLoader:
         fragments, rows = (t.view(steps, -1).numpy() for t in self._order.locate(mine.view(-1)))
         for i in range(steps):
             self._plans[first + i] = (fragments[i], rows[i])
-            cuts = np.flatnonzero(np.diff(fragments[i])) + 1  # sorted ids: grouped by fragment
-            for f in fragments[i][[0, *cuts.tolist()]].tolist():
-                self._last_use[f] = first + i
-                self._fetch(f)
+        needed, at = np.unique(fragments, return_index=True)
+        for f in needed[np.argsort(at, kind="stable")].tolist():  # in the order steps need them
+            if f not in self._requested:
+                self._requested.add(f)
+                self._read[f] = self._pool.submit(self.stream.read, f)
         self._planned = through + 1
+
+    def _window(self, index: int) -> Pair:
+        """Window `index`'s fragments that this rank reads, joined into one tensor (waiting
+        for their reads), and each one's first row in it: a run of steps is then one gather.
+        Their blocks are let go; the window is, once its last step is assembled."""
+        joined = self._windows.get(index)
+        if joined is not None:
+            return joined
+        last_step = min((self._order.window_ends[index] - 1) // self.global_batch,
+                        self.steps_per_epoch - 1)  # fmt: skip
+        assert self._planned > last_step, "a window is joined once all its steps are planned"
+        mine = [f for f in self._order.windows[index] if f in self._read]
+        parts = [self._read.pop(f).result() for f in mine]
+        sizes = [len(p[0]) for p in parts]
+        self._offset[mine] = np.cumsum([0, *sizes[:-1]])
+        inputs = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+        target = None
+        if parts[0][1] is not None:
+            targets = [p[1] for p in parts]
+            target = torch.cat(targets) if len(parts) > 1 else targets[0]  # type: ignore[arg-type]
+        joined = self._windows[index] = (inputs, target)
+        return joined
 
     def _assemble(self, step: int) -> None:
         """Gather the rows of `step` and of the planned steps after it in its window, up to
-        `ASSEMBLE_BYTES`, from their fragments (waiting for the reads): per fragment one gather
-        of all its rows these steps use, then one to put them in the steps' order. The rows, and
-        their order, are each step's as planned."""
-        window_end = next(e for e in self._order.window_ends if e >= (step + 1) * self.global_batch)
+        `ASSEMBLE_BYTES`, from their windows: one gather per run (one per window where its
+        first step spans windows). The rows, and their order, are each step's as
+        planned."""
+        window_ends = self._order.window_ends
+        window_end = next(e for e in window_ends if e >= (step + 1) * self.global_batch)
         last = min((window_end // self.global_batch) - 1, self._planned - 1)
+        for index, end in enumerate(window_ends):  # windows every later step is past
+            if index in self._windows and (end - 1) // self.global_batch < step:
+                del self._windows[index]
         fragments, rows = self._plans[step]
-        row_bytes = self._read[int(fragments[0])].result()[0][0].numel() * 8  # int64, or less
+        row_bytes = self._window(int(self._order.window_of[fragments[0]]))[0][0].numel() * 8
         count = max(1, min(last - step + 1, ASSEMBLE_BYTES // (row_bytes * len(rows))))
         plans = [self._plans.pop(s) for s in range(step, step + count)]
         where = np.concatenate([f for f, _ in plans])
-        which = np.concatenate([r for _, r in plans])
-        order = np.argsort(where, kind="stable")  # grouped by fragment, each group in step order
-        used, begins = np.unique(where[order], return_index=True)
-        bounds = [*begins.tolist(), len(order)]
-        parts = [self._read[int(f)].result() for f in used]
-        picks = [torch.from_numpy(which[order[a:b]]) for a, b in itertools.pairwise(bounds)]
-        back = torch.from_numpy(np.argsort(order, kind="stable"))  # to the steps' order
-        inputs = widened(
-            torch.cat([p[0].index_select(0, r) for p, r in zip(parts, picks, strict=True)])
-        )
-        inputs = inputs.index_select(0, back)
-        target = None
-        if parts[0][1] is not None:
-            target = torch.cat([p[1].index_select(0, r) for p, r in zip(parts, picks, strict=True)])  # type: ignore[union-attr]
-            target = widened(target).index_select(0, back)
+        windows = self._order.window_of[where]
+        for index in np.unique(windows).tolist():
+            self._window(index)
+        at = torch.from_numpy(self._offset[where] + np.concatenate([r for _, r in plans]))
+        inputs, target = self._gather(windows, at)
         share = len(rows)
         for k in range(count):
             self._ready[step + k] = (
                 inputs[k * share : (k + 1) * share],
                 None if target is None else target[k * share : (k + 1) * share],
             )
-        for f in used.tolist():  # read no more: free it
-            if self._last_use[f] < step + count:
-                self._read.pop(f, None)
 
-    def _fetch(self, fragment: int) -> None:
-        if fragment not in self._read:
-            self._read[fragment] = self._pool.submit(self.stream.read, fragment)
+    def _gather(self, windows: np.ndarray, at: torch.Tensor) -> Pair:
+        """The rows at `at` of the joined windows `windows` (one per row), widened."""
+        first = int(windows[0])
+        if (windows == first).all():
+            inputs, target = self._windows[first]
+            return widened(inputs.index_select(0, at)), (
+                None if target is None else widened(target.index_select(0, at))
+            )
+        pieces = [  # a run whose first step spans windows
+            (torch.from_numpy(np.flatnonzero(windows == w)), self._windows[w])
+            for w in np.unique(windows).tolist()
+        ]
+        gathered: list[torch.Tensor | None] = []
+        for side in (0, 1):
+            if pieces[0][1][side] is None:
+                gathered.append(None)
+                continue
+            out: torch.Tensor | None = None
+            for positions, joined in pieces:
+                values = joined[side].index_select(0, at[positions])  # type: ignore[union-attr]
+                if out is None:
+                    out = values.new_empty((len(at), *values.shape[1:]))
+                out[positions] = values
+            gathered.append(widened(out))  # type: ignore[arg-type]
+        assert gathered[0] is not None
+        return gathered[0], gathered[1]
 
 
 def changed_message(saved: Any, now: dict[str, Any]) -> str:

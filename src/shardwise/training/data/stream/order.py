@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import numpy as np
 import torch
 
 _MIX = (1_000_003, 998_244_353)
@@ -72,6 +73,14 @@ class EpochOrder:
             windows[-1].append(fragment)
             held += self.counts[fragment]
         return windows
+
+    @cached_property
+    def window_of(self) -> np.ndarray:
+        """The window each fragment is in."""
+        of = np.zeros(len(self.counts), dtype=np.int64)
+        for index, window in enumerate(self.windows):
+            of[window] = index
+        return of
 
     @cached_property
     def window_ends(self) -> list[int]:
