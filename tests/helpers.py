@@ -246,13 +246,72 @@ def write_job(config: JobConfig, job: Path) -> Path:
 
 
 def launch_on_two_nodes(
-    target: str, config: JobConfig, job: Path, *flags: str, env: dict[str, str]
+    target: str,
+    config: JobConfig,
+    job: Path,
+    *flags: str,
+    env: dict[str, str],
+    listening: dict[tuple[str, int], str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """`shardwise launch TARGET` of `config` (written to `job`) on two nodes of one rank each,
-    their storage shared, from the repository as a user runs it."""
+    their storage shared, from the repository as a user runs it. With `listening`, every socket
+    that listens in the launch or a process below it at any time while it runs goes into it:
+    (address, port) -> the command line of its process."""
     command = [SHARDWISE, "launch", target, str(write_job(config, job))]
     command += ["--nodes", "2", "--nproc-per-node", "1", "--shared-storage", *flags]
-    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    if listening is None:
+        return subprocess.run(
+            command, cwd=REPO, capture_output=True, text=True, timeout=300, env=env
+        )
+    return run_listening(command, listening, env=env, timeout=300)
+
+
+def run_listening(
+    command: list[str],
+    listening: dict[tuple[str, int], str],
+    *,
+    env: dict[str, str],
+    timeout: float,
+) -> subprocess.CompletedProcess[str]:
+    """`command` run to its end (as subprocess.run with captured output), while every socket
+    that listens in it or a process below it is recorded in `listening` (read from /proc every
+    0.2 s: what `ss -ltnp` shows), with its process's command line."""
+    import threading
+
+    process = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    outputs: list[str] = []
+    reader = threading.Thread(target=lambda: outputs.extend(process.communicate()), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout
+    while reader.is_alive() and time.monotonic() < deadline:
+        for address, port, pid in listening_sockets(process.pid):
+            if (address, port) not in listening:
+                with contextlib.suppress(OSError):
+                    listening[address, port] = (
+                        Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+                    )
+        reader.join(0.2)
+    if reader.is_alive():
+        process.kill()
+        reader.join()
+        raise subprocess.TimeoutExpired(command, timeout, *outputs)
+    return subprocess.CompletedProcess(command, process.returncode, *outputs)
+
+
+def not_on_loopback(addresses: Iterator[tuple[str, int]] | Any) -> list[tuple[str, int]]:
+    """The (address, port)s of `addresses` that listen on an address other than loopback."""
+    import ipaddress
+
+    found = []
+    for address, port in addresses:
+        ip = ipaddress.ip_address(address)
+        mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+        if not (ip.is_loopback or (mapped is not None and mapped.is_loopback)):
+            found.append((address, port))
+    return found
 
 
 def kill_session(sid: int) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from helpers import free_port, kill_session, session_processes
+from helpers import free_port, kill_session, not_on_loopback, run_listening, session_processes
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -31,10 +31,18 @@ def environment() -> dict[str, str]:
 
 
 def many_models(
-    *args: str, timeout: float = 600, env: dict[str, str] | None = None
+    *args: str,
+    timeout: float = 600,
+    env: dict[str, str] | None = None,
+    listening: dict[tuple[str, int], str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
+    """`shardwise many-models ARGS`; with `listening`, what listens while it runs goes into it
+    (helpers.run_listening)."""
+    command = [str(BIN / "shardwise"), "many-models", *args]
+    if listening is not None:
+        return run_listening(command, listening, env=env or environment(), timeout=timeout)
     return subprocess.run(
-        [str(BIN / "shardwise"), "many-models", *args],
+        command,
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -45,12 +53,15 @@ def many_models(
 
 
 def test_us_employment_with_spark_features(tmp_path):
-    """From the user's own Parquet file, which Spark's executors read themselves (issue 19)."""
+    """From the user's own Parquet file, which Spark's executors read themselves (issue 19).
+    Its own Ray and Spark listen on loopback only (read from /proc all through the run, as
+    `ss -ltnp` shows it)."""
     from shardwise.manymodel import datasets
 
     source = tmp_path / "employment.parquet"
     datasets.us_employment().frame.write_parquet(source)
     run_dir = tmp_path / "emp"
+    listening: dict[tuple[str, int], str] = {}
     done = many_models(
         "examples/us-employment.toml",
         "--set", f"job.run_dir={run_dir}",
@@ -64,8 +75,11 @@ def test_us_employment_with_spark_features(tmp_path):
         "--spark-master", "local[2]",
         "--set", "backtest.levels=[80]",
         "--plot",
+        listening=listening,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
+    # at least Ray's GCS, the raylet's two servers, the driver and one worker; Spark's driver
+    assert len(listening) >= 5 and not_on_loopback(listening) == [], listening
     # Ray's own logging (the token-authentication notice) goes to the run's log (issue 35)
     assert "Token authentication" not in done.stderr + done.stdout
     assert "Token authentication is enabled" in (run_dir / "ray.log").read_text()

@@ -1,11 +1,11 @@
-"""A run on one machine listens on loopback only: the rendezvous store, rank 0's store, gloo,
-many-models' local Ray and Spark, and `launch spark`'s local cluster, measured from /proc while
-the job runs (what `ss -ltnp` shows)."""
+"""A training run on one machine listens on loopback only: the rendezvous store, rank 0's store
+and gloo, measured from /proc while the job runs (what `ss -ltnp` shows). The same is checked
+during the runs of other tests: many-models' local Ray and Spark in
+tests/e2e/test_cli_many_models.py (`test_us_employment_with_spark_features`), `launch spark`'s
+local cluster in tests/e2e/test_launch_spark.py."""
 
 from __future__ import annotations
 
-import contextlib
-import ipaddress
 import os
 import signal
 import subprocess
@@ -15,30 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from helpers import listening_sockets
+from helpers import listening_sockets, not_on_loopback
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[2]
 
 
-def exposed(sockets: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
-    """The sockets listening on an address other than loopback."""
-    found = []
-    for address, port, pid in sockets:
-        ip = ipaddress.ip_address(address)
-        mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1
-        if not (ip.is_loopback or (mapped is not None and mapped.is_loopback)):
-            found.append((address, port, pid))
-    return found
-
-
-def sockets_while_running(
-    command: list[str], ready: str, expect: int, commands: dict[int, str] | None = None
-) -> list:
+def sockets_while_running(command: list[str], ready: str, expect: int) -> list:
     """Start `command`, wait for a line containing `ready` and then for at least `expect`
-    listening sockets, and return them (and, in `commands`, the command line of each process
-    they belong to); the job is stopped."""
+    listening sockets, and return them; the job is stopped."""
     proc = subprocess.Popen(
         command,
         cwd=REPO,
@@ -58,9 +44,6 @@ def sockets_while_running(
         while len(found) < expect and time.monotonic() < deadline:
             time.sleep(0.5)
             found = listening_sockets(proc.pid)
-        for pid in {pid for _, _, pid in found} if commands is not None else ():
-            with contextlib.suppress(OSError):
-                commands[pid] = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
         return found
     finally:
         os.killpg(proc.pid, signal.SIGINT)
@@ -92,49 +75,4 @@ def test_a_training_run_listens_on_loopback_only(tmp_path):
         expect=3,  # at least the rendezvous store, rank 0's store and gloo
     )
     assert len(found) >= 3, found
-    assert exposed(found) == [], found
-
-
-def test_many_models_with_local_ray_and_spark_listens_on_loopback_only(tmp_path):
-    found = sockets_while_running(
-        [
-            str(BIN / "shardwise"),
-            "many-models",
-            "examples/retail-synthetic.toml",
-            "--set",
-            f"job.run_dir={tmp_path}",
-            "--set",
-            "tracking.mlflow=false",
-            "--features-backend",
-            "spark",
-            "--spark-master",
-            "local[1]",
-        ],
-        ready="features (spark",  # "(spark, from the driver's copy)" for a built-in source
-        expect=5,  # at least Ray's GCS, the raylet's two servers, the driver and one worker
-    )
-    assert len(found) >= 5, found
-    assert exposed(found) == [], found
-
-
-def test_a_spark_launch_on_a_local_cluster_listens_on_loopback_only(tmp_path):
-    """Spark's master, workers and executors (their RPC servers and block managers) bound to
-    the host's network address, some to every address; TorchDistributor then checked the free
-    port for the ranks' store on loopback alone, so that store could collide with them. Two
-    servers pyspark and torchrun start still listen on every address (docs/launchers.md:
-    `launch spark`): TorchDistributor's log server in the driver and torchrun's rendezvous
-    store."""
-    commands: dict[int, str] = {}
-    found = sockets_while_running(
-        [str(BIN / "shardwise"), "launch", "spark", "examples/digits.toml", "--nodes", "2",
-         "--nproc-per-node", "1", "--shared-storage", "--set", f"job.run_dir={tmp_path}",
-         "--set", "train.steps=1000000", "--set", "tracking.log_every=10",
-         "--set", "tracking.mlflow=false"],
-        ready="step ",
-        expect=12,  # Spark's driver, master, worker and executors, the stores and gloo
-        commands=commands,
-    )  # fmt: skip
-    assert len(found) >= 12, found
-    known = ("shardwise launch spark", "torch.distributed.run")
-    unknown = [s for s in exposed(found) if not any(k in commands.get(s[2], "") for k in known)]
-    assert unknown == [], (unknown, commands)
+    assert not_on_loopback((a, p) for a, p, _ in found) == [], found
