@@ -44,7 +44,11 @@ typecheck: $(STAMP)
 # every tier; plain `pytest` runs the fast one only (pyproject.toml). Two pytest workers, each
 # taking whole files (a module's shared fixtures run once): many tests wait on process start-up,
 # rendezvous, Slurm, Ray and Spark more than they compute (tests/DURATIONS.md).
+# compileall first: this machine and CI set PYTHONDONTWRITEBYTECODE, so without it every process
+# (each launcher, forkserver and CLI run of the tests) compiles shardwise's sources again, about
+# 0.3 s for the trainer's imports (pip compiled the installed packages already).
 test: lint typecheck
+	$(BIN)/python -m compileall -q src tests examples > /dev/null
 	$(BIN)/pytest -n 2 --dist loadfile -m "slow or not slow"
 
 bench: $(STAMP)
