@@ -52,6 +52,18 @@ class Slurm:
         out = self.run("scontrol", "--oneliner", "show", "job", job_id)
         return dict(field.split("=", 1) for field in out.split() if "=" in field)
 
+    def controller_log(self, job_id: str, lines: int = 60) -> str:
+        """The last `lines` lines of slurmctld's log about job `job_id` (why it was signalled,
+        requeued, started or ended), for a failing test's message."""
+        log = self.root / "log" / "slurmctld.log"
+        mine = [
+            line
+            for line in log.read_text(errors="replace").splitlines()
+            if f"JobId={job_id} " in line or f"JobId={job_id}\n" in line + "\n"
+            or f"job {job_id}" in line or f"StepId={job_id}." in line
+        ]  # fmt: skip
+        return "\n".join(mine[-lines:])
+
     def wait(self, job_id: str, states: set[str], timeout: float) -> dict[str, str]:
         deadline = time.monotonic() + timeout
         while True:

@@ -141,7 +141,11 @@ def test_the_time_limit_warning_saves_and_the_script_requeues_the_job(cluster, t
     job = cluster.wait(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
     log = output(run_dir, job_id)
     keys = ("JobState", "Reason", "ExitCode", "Restarts", "RunTime", "TimeLimit", "BatchHost")
-    assert job["JobState"] == "COMPLETED", ({k: job.get(k) for k in keys}, log[-3000:])
+    assert job["JobState"] == "COMPLETED", (
+        {k: job.get(k) for k in keys},
+        log[-3000:],
+        cluster.controller_log(job_id),
+    )
     stopped = re.search(r"SIGTERM: saved \S+ at step (\d+) and stopping", log)
     assert stopped and int(stopped.group(1)) < STEPS, log
     assert f"resuming after step {stopped.group(1)}" in log
