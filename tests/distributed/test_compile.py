@@ -26,7 +26,9 @@ import pytest
 from helpers import assert_same_training, digits_job, gpt_job, outcome, train_in_workers
 from shardwise.training.tracking.metrics import read_metrics
 
-pytestmark = pytest.mark.slow
+# the module's runs share one fixture (compiled with a cold inductor cache), set up within its
+# first test's time limit: 99 s on the development machine, 207 s on one half as fast
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 STEPS = 8
 MODEL = {"layers": 2, "heads": 4, "hidden": 32, "seq_len": 16, "mlp_ratio": 2, "dropout": 0.0}
 BASE = {
