@@ -182,3 +182,48 @@ def test_a_failed_spark_stage_names_the_rank_whose_task_failed():
     assert _stage_failed(RuntimeError("Python worker exited")).rank == 0  # no task named
     bad = ConfigError("bad job")
     assert _stage_failed(bad) is bad
+
+
+STUBS = {
+    # the job's step: runs until it is signalled (as the ranks stop once they have saved)
+    "srun": 'echo $$ > "$STUBS/srun.pid"; trap "exit 143" TERM; while :; do sleep 0.05; done',
+    # the forwarder's scancel signals the step, as Slurm would
+    "scancel": 'echo "scancel $*" >> "$STUBS/calls"; kill -TERM "$(cat "$STUBS/srun.pid")"',
+    # Slurm sends the batch shell SIGTERM when it requeues the running job
+    "scontrol": 'echo "scontrol $*" >> "$STUBS/calls"; kill -TERM "$PPID"; sleep 0.3',
+}
+
+
+def test_the_scripts_requeue_starts_no_forwarder_that_would_signal_the_next_attempt(
+    job, capsys, tmp_path
+):
+    """Slurm's warning (SIGTERM to the batch shell) is forwarded to the step once; the script's
+    own `scontrol requeue` brings Slurm's SIGTERM again, after the step has ended. A forwarder
+    started then outlived the script, and under load its retries reached the next attempt's
+    step (the Slurm time-limit test's second attempt was cancelled at its start). Slurm's
+    commands here are stand-ins that record their calls; the script is the one written."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    assert launch(capsys, str(job))[0] == 0
+    script = tmp_path / "run" / "launch" / "slurm.sbatch"
+    stubs = tmp_path / "stubs"
+    stubs.mkdir()
+    for name, body in STUBS.items():
+        (stubs / name).write_text(f"#!/bin/bash\n{body}\n")
+        (stubs / name).chmod(0o755)
+    env = {**os.environ, "STUBS": str(stubs), "PATH": f"{stubs}:{os.environ['PATH']}",
+           "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1"}  # fmt: skip
+    shell = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 10
+    while not (stubs / "srun.pid").exists():
+        assert time.monotonic() < deadline, "the step did not start"
+        time.sleep(0.05)
+    shell.send_signal(signal.SIGTERM)  # Slurm's warning before the time limit
+    out, _ = shell.communicate(timeout=10)
+    assert shell.returncode == 0 and "requeueing job 7" in out, out
+    time.sleep(0.5)  # what a forwarder started at the end would have recorded by now
+    calls = (stubs / "calls").read_text().splitlines()
+    assert calls == ["scancel --signal=TERM 7", "scontrol requeue 7"], calls
