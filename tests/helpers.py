@@ -16,7 +16,7 @@ import time
 import traceback
 import urllib.request
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -301,7 +301,7 @@ def run_listening(
     return subprocess.CompletedProcess(command, process.returncode, *outputs)
 
 
-def not_on_loopback(addresses: Iterator[tuple[str, int]] | Any) -> list[tuple[str, int]]:
+def not_on_loopback(addresses: Iterable[tuple[str, int]]) -> list[tuple[str, int]]:
     """The (address, port)s of `addresses` that listen on an address other than loopback."""
     import ipaddress
 

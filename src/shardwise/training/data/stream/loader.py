@@ -169,13 +169,9 @@ class StreamLoader:
         assert self._planned > last_step, "a window is joined once all its steps are planned"
         mine = [f for f in self._order.windows[index] if f in self._read]
         parts = [self._read.pop(f).result() for f in mine]
-        sizes = [len(p[0]) for p in parts]
-        self._offset[mine] = np.cumsum([0, *sizes[:-1]])
-        inputs = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
-        target = None
-        if parts[0][1] is not None:
-            targets = [p[1] for p in parts]
-            target = torch.cat(targets) if len(parts) > 1 else targets[0]  # type: ignore[arg-type]
+        self._offset[mine] = np.cumsum([0, *(len(p[0]) for p in parts[:-1])])
+        inputs = _joined([p[0] for p in parts])
+        target = None if parts[0][1] is None else _joined([p[1] for p in parts])  # type: ignore[misc]
         joined = self._windows[index] = (inputs, target)
         return joined
 
@@ -187,9 +183,8 @@ class StreamLoader:
         window_ends = self._order.window_ends
         window_end = next(e for e in window_ends if e >= (step + 1) * self.global_batch)
         last = min((window_end // self.global_batch) - 1, self._planned - 1)
-        for index, end in enumerate(window_ends):  # windows every later step is past
-            if index in self._windows and (end - 1) // self.global_batch < step:
-                del self._windows[index]
+        for index in [i for i in self._windows if (window_ends[i] - 1) // self.global_batch < step]:
+            del self._windows[index]  # every later step is past it
         fragments, rows = self._plans[step]
         row_bytes = self._window(int(self._order.window_of[fragments[0]]))[0][0].numel() * 8
         count = max(1, min(last - step + 1, ASSEMBLE_BYTES // (row_bytes * len(rows))))
@@ -233,6 +228,10 @@ class StreamLoader:
             gathered.append(widened(out))  # type: ignore[arg-type]
         assert gathered[0] is not None
         return gathered[0], gathered[1]
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def changed_message(saved: Any, now: dict[str, Any]) -> str:
