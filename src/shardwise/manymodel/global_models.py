@@ -60,7 +60,7 @@ class Worker:
         """This actor's address and two free ports (LightGBM's, torch.distributed's)."""
         import ray
 
-        host: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        host: str = ray.util.get_node_ip_address()
         return host, _free_port(host), _free_port(host)
 
     def rows(self, label: str, window: int) -> pl.DataFrame:

@@ -99,7 +99,7 @@ def start_ray(config: ManyModelsConfig) -> tuple[Any, bool]:
             f"runner.ray_address = '{address}': {str(e).strip().splitlines()[0]}; check that a "
             f"Ray {ray.__version__} cluster runs there"
         ) from None
-    node: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+    node: str = ray.util.get_node_ip_address()
     if not address and not ipaddress.ip_address(node).is_loopback:
         warn(
             f"the local Ray instance listens on {node}, not only on loopback: ray was "

@@ -16,7 +16,7 @@ import mlflow.pyfunc
 import pandas as pd
 
 
-class ChosenForecasts(mlflow.pyfunc.PythonModel):  # type: ignore[misc,name-defined]
+class ChosenForecasts(mlflow.pyfunc.PythonModel):  # type: ignore[misc]
     """Artifacts: `forecasts`, the run's forecasts.parquet. Model config: `ids` (the id
     columns) and `horizon`. MLflow loads it from its code (served_forecasts.py)."""
 
@@ -57,4 +57,5 @@ def _refused(message: str) -> Exception:
     from mlflow.exceptions import MlflowException
     from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
-    return MlflowException(message, error_code=INVALID_PARAMETER_VALUE)
+    refused: Exception = MlflowException(message, error_code=INVALID_PARAMETER_VALUE)
+    return refused

@@ -131,7 +131,8 @@ def default_tp_plan(model: nn.Module) -> Callable[..., dict[str, ParallelStyle]]
 def _conv1d() -> type[nn.Module]:
     from transformers.pytorch_utils import Conv1D
 
-    return Conv1D
+    conv1d: type[nn.Module] = Conv1D
+    return conv1d
 
 
 def _distribute(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement]) -> None:

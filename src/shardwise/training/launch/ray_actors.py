@@ -53,7 +53,7 @@ class Rank:
         """This actor's node address and the GPUs Ray gave it."""
         import ray
 
-        node: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        node: str = ray.util.get_node_ip_address()
         return node, [int(g) for g in ray.get_gpu_ids()]
 
     def free_port(self) -> int:

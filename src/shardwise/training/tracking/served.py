@@ -19,7 +19,7 @@ import mlflow.pyfunc
 import numpy as np
 
 
-class TrainedModel(mlflow.pyfunc.PythonModel):  # type: ignore[misc,name-defined]
+class TrainedModel(mlflow.pyfunc.PythonModel):  # type: ignore[misc]
     """A shardwise checkpoint's model, as MLflow loads and serves it (artifacts: `job`, the job
     file; `weights`, the exported safetensors file)."""
 
