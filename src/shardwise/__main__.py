@@ -2,8 +2,7 @@
 
 import sys
 
-from shardwise.cli import main, owned_process
+from shardwise.cli import main
 
 if __name__ == "__main__":
-    owned_process()
     sys.exit(main())

@@ -147,6 +147,9 @@ def launch(
         max_restarts=max_restarts,
         logs_specs=DefaultLogsSpecs(log_dir=logs.name),
     )
+    # shardwise reports failures itself (WorkerFailed); the agent's own log would repeat them.
+    for name in ("torch.distributed.elastic", "torchelastic-events-null"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     register_rendezvous()
     listen = contextlib.nullcontext() if nodes else loopback_collectives()
     started = time.monotonic()
@@ -155,11 +158,6 @@ def launch(
             # ranks forked from a server that imported torch and the trainer once (forkserver.py)
             config.start_method = start_method()
             target, target_args = forked(entry, args)  # in this environment, as it is now
-            # shardwise reports failures itself (WorkerFailed); the agent's own log would repeat
-            # them (set after the server starts, which may be a fork of this process: the ranks
-            # keep torch elastic's own log levels)
-            for name in ("torch.distributed.elastic", "torchelastic-events-null"):
-                logging.getLogger(name).setLevel(logging.CRITICAL)
             results: dict[int, Any] = elastic_launch(config, target)(*target_args)
         return results
     except ChildFailedError as e:
