@@ -41,8 +41,8 @@ _LONG_LIVED = (b"multiprocessing.resource_tracker", _SERVER)
 
 def children_of(pid: int) -> list[int]:
     """Live children of a process, from /proc, except multiprocessing's resource tracker and
-    forkserver (one each per parent process, meant to live as long as the parent); the processes
-    its forkserver forked for it (ranks) count as its own."""
+    the ranks' server (one each per parent process, meant to live as long as the parent); the
+    processes its server forked for it (ranks) count as its own."""
     direct, forked = _children(pid)
     return direct + forked
 
@@ -54,11 +54,18 @@ def ranks_of(launcher: int) -> list[int]:
 
 
 def _children(pid: int) -> tuple[list[int], list[int]]:
-    """A process's live children that are not long-lived, and those its forkserver forked."""
+    """A process's live children that are not long-lived, and those its forkserver forked. A
+    `shardwise` command forks its server from itself (launch/forkserver.py): a child with the
+    parent's own command line is that server."""
     live = {p: int(stat[1]) for p, stat in _stats().items() if stat[0] != "Z"}
+    own = _cmdline(pid)
     mine = {p: _cmdline(p) for p, parent in live.items() if parent == pid}
-    servers = {p for p, cmdline in mine.items() if _SERVER in cmdline}
-    direct = [p for p, cmdline in mine.items() if not any(m in cmdline for m in _LONG_LIVED)]
+    servers = {p for p, cmdline in mine.items() if _SERVER in cmdline or cmdline == own}
+    direct = [
+        p
+        for p, cmdline in mine.items()
+        if p not in servers and not any(m in cmdline for m in _LONG_LIVED)
+    ]
     return direct, [p for p, parent in live.items() if parent in servers]
 
 

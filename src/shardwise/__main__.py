@@ -2,7 +2,8 @@
 
 import sys
 
-from shardwise.cli import main
+from shardwise.cli import main, owned_process
 
 if __name__ == "__main__":
+    owned_process()
     sys.exit(main())

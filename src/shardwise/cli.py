@@ -292,4 +292,13 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def entry() -> None:  # pragma: no cover - the console script
+    owned_process()
     sys.exit(main())
+
+
+def owned_process() -> None:
+    """This process is a `shardwise` command's own (the console script, `python -m shardwise`),
+    not a caller's: its launcher may fork the ranks' server from itself (forkserver.py)."""
+    from shardwise.training.launch.forkserver import fork_servers_from_this_process
+
+    fork_servers_from_this_process()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import subprocess
 import sys
 from multiprocessing import forkserver
 
@@ -109,3 +110,71 @@ def test_the_server_outlives_a_sigterm_to_the_whole_job_and_ranks_restore_it(mon
         assert results.get(timeout=120) is True
         child.join()
         assert child.exitcode == 0
+
+
+FORKED_BY_A_COMMAND = """
+import multiprocessing as mp, os, signal, sys, threading
+from multiprocessing import forkserver
+import torch
+from shardwise.cli import owned_process
+from shardwise.training.launch.forkserver import forked, restore_sigterm, start_method
+
+def seen(results):
+    restore_sigterm()
+    main = sys.modules["__main__"]
+    results.put((
+        os.environ.get("TEST_FORKSERVER_VARIABLE"), os.getcwd(),
+        "shardwise.training.trainer.loop" in sys.modules, sys.argv, hasattr(main, "__file__"),
+        signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+        sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
+    ))
+
+def rank(ctx):
+    results = ctx.Queue()
+    target, args = forked(seen, (results,))
+    child = ctx.Process(target=target, args=args)
+    child.start()
+    got = results.get(timeout=120)
+    child.join()
+    assert child.exitcode == 0
+    return got
+
+if __name__ == "__main__":
+    if sys.argv[1] == "command":
+        owned_process()  # what the console script and `python -m shardwise` do
+    else:
+        threading.Thread(target=threading.Event().wait, daemon=True).start()
+    os.environ["SHARDWISE_LAUNCHER_PID"] = str(os.getpid())
+    os.environ["TEST_FORKSERVER_VARIABLE"] = "set"
+    ctx = mp.get_context(start_method())
+    server = forkserver._forkserver._forkserver_pid
+    command = open(f"/proc/{server}/cmdline").read().split("\\0")
+    print(repr((any("forkserver import main" in part for part in command), rank(ctx))))
+"""
+
+
+@pytest.mark.parametrize("caller", ["command", "threaded"])
+def test_a_shardwise_command_forks_its_server_from_itself_and_its_ranks_start_as_before(
+    tmp_path, caller
+):
+    """Under a `shardwise` command (one Python thread, a CPU build of torch) the server is a fork
+    of the launcher, which has imported torch already, not a new interpreter; a caller with
+    threads of its own gets a new interpreter. Either way a rank sees the same: the launcher's
+    environment, directory, arguments and `__main__` (multiprocessing's own preparation of a
+    rank), the trainer imported, SIGTERM's and SIGINT's defaults, and no descriptor of the
+    launcher's."""
+    script = tmp_path / "launcher.py"
+    script.write_text(FORKED_BY_A_COMMAND)
+    done = subprocess.run(
+        [sys.executable, str(script), caller], capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr
+    execd, (variable, directory, preloaded, argv, main_file, term, interrupt, fds) = eval(
+        done.stdout.strip().splitlines()[-1]
+    )
+    assert execd is (caller == "threaded")
+    assert (variable, directory, preloaded) == ("set", os.getcwd(), True)
+    assert argv == [str(script), caller] and main_file and term and interrupt  # as spawned
+    # standard streams, the pipes multiprocessing gave the rank, the queue's, the tracker's
+    assert len(fds) < 12, fds

@@ -7,9 +7,11 @@ multiprocessing's forkserver pays it once: the server imports `PRELOAD` when it 
 each rank from that state. A 2-rank digits run of 4 steps took 10.5 CPU-s and 8.5 s with spawned
 ranks, 7.4 CPU-s and 6.1 s with forked ones; a node of 8 ranks saves 7 imports per launch.
 
-The server is a clean process (started by exec, not forked from the launcher, whose threads it does
-not inherit); it imports modules only, and initialises neither CUDA nor OpenMP's thread pool, so
-the forked ranks start as spawned ones do.
+The server imports modules only, and initialises neither CUDA nor OpenMP's thread pool, so the
+forked ranks start as spawned ones do. It is a new interpreter (started by exec, as
+multiprocessing does), except under a `shardwise` command on a CPU-only build of torch, where
+the launcher forks it from itself before it checks the job or starts its agent
+(`_fork_server`): the server then starts with torch imported instead of importing it again.
 
 A rank sees the launching process's environment, `sys.path` and working directory, as a spawned
 one does. multiprocessing hands each forked child the last two; the environment is the server's,
@@ -27,9 +29,11 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import socket
 import sys
+import threading
 from collections.abc import Callable
-from multiprocessing import forkserver
+from multiprocessing import connection, forkserver, resource_tracker
 from typing import Any
 
 from shardwise.common.environment import LAUNCHER_PID
@@ -42,11 +46,20 @@ PRELOAD = (
 )
 """What every rank imports before its first step (the trainer imports DTensor and the layouts)."""
 
-RUNTIME_ONLY = ("SHARDWISE_", "TORCHELASTIC_", "PYTEST_CURRENT_TEST")
+RUNTIME_ONLY = (
+    "SHARDWISE_",
+    "TORCHELASTIC_",
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+    "GLOO_SOCKET_IFNAME",
+    "NCCL_SOCKET_IFNAME",
+    "PYTEST_CURRENT_TEST",
+)
 """Variables (or prefixes) that nothing reads at import: shardwise's own (`SHARDWISE_FAULT`, the
 launcher's pid), which a rank reads as it runs; torch elastic's, which its agent reads and sets
-(it sets `TORCHELASTIC_SIGNALS_TO_HANDLE` in the launcher at its first launch); and pytest's name
-of the running test. A change of these reaches the ranks without starting the server again."""
+(it sets `TORCHELASTIC_SIGNALS_TO_HANDLE` in the launcher at its first launch); those the
+launcher sets for its ranks' rendezvous and collectives (local.py, stores.py), read when they
+meet; and pytest's name of the running test. A change of these reaches the ranks without
+starting the server again."""
 
 Changes = dict[str, tuple[str | None, str | None]]
 """Environment variables that changed since the server started: the value then and now (None:
@@ -70,11 +83,93 @@ def start_method() -> str:
         _started_with = None
         forkserver.set_forkserver_preload(list(PRELOAD))
         try:
-            forkserver.ensure_running()
+            if not _fork_server(server):
+                forkserver.ensure_running()
         except OSError:  # its socket's path under a long TMPDIR is over the 107 bytes allowed
             return "spawn"
         _started_with = now
     return "forkserver"
+
+
+_SERVER_FIELDS = frozenset(
+    {
+        "_forkserver_address",
+        "_forkserver_alive_fd",
+        "_forkserver_pid",
+        "_inherited_fds",
+        "_lock",
+        "_preload_modules",
+    }
+)
+"""The state of multiprocessing's ForkServer (Python 3.11) that `_fork_server` sets as its
+`ensure_running` does; a Python whose server holds anything else (an authentication key) gets
+a server started by exec."""
+
+
+_may_fork = False
+"""Whether this process may fork the server from itself (`fork_servers_from_this_process`)."""
+
+
+def fork_servers_from_this_process() -> None:
+    """Let `start_method` fork the server from this process instead of starting a new
+    interpreter, for `shardwise` commands: the process is shardwise's own, and its launcher
+    starts the server before it runs anything of the job (local.train: a Delta table's check
+    starts deltalake's runtime, which panics in a forked process). The forked server starts
+    with torch imported: a 2-rank digits run of 4 steps took 10.7 CPU-s and 8.3 s against
+    13.1 CPU-s and 12.2 s with a server started by exec (medians of five, alternating, on a
+    machine where `import torch` takes 3.4 s). A Python caller (a notebook, a test suite, a
+    Ray actor) keeps the exec'd server: its threads could hold a lock that a fork copies held."""
+    global _may_fork
+    _may_fork = True
+
+
+def _fork_server(server: Any) -> bool:
+    """Start multiprocessing's fork server as a fork of this process, as its `ensure_running`
+    would by exec, where `fork_servers_from_this_process` allowed it, torch is imported and is a
+    CPU-only build (a GPU build's launcher may have asked the driver for its devices, which a
+    forked rank's CUDA would inherit broken), and this process has one thread of Python. The
+    child holds what an exec'd server would (the listening socket and the pipe that ends it, no
+    other descriptor; SIGTERM ignored as server_signals.py does; multiprocessing gives each rank
+    the launcher's `sys.argv` and `__main__` in either case), then imports `PRELOAD` and serves.
+    False where it cannot: the caller starts one by exec."""
+    torch = sys.modules.get("torch")
+    if (
+        not _may_fork
+        or torch is None
+        or torch.version.cuda is not None  # a GPU build: nothing may touch CUDA before a fork
+        or torch.version.hip is not None
+        or set(vars(server)) != _SERVER_FIELDS
+        or threading.active_count() > 1
+        or "fork" not in multiprocessing.get_all_start_methods()
+    ):
+        return False
+    with server._lock:
+        resource_tracker.ensure_running()
+        with socket.socket(socket.AF_UNIX) as listener:
+            address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+            listener.bind(address)
+            os.chmod(address, 0o600)
+            listener.listen()
+            alive_r, alive_w = os.pipe()
+            for stream in (sys.stdout, sys.stderr):  # or the ranks would print it again
+                stream.flush()
+            pid = os.fork()
+            if pid == 0:  # the server: what an exec'd one would hold, then its loop
+                try:
+                    keep = sorted((listener.fileno(), alive_r))
+                    os.closerange(3, keep[0])
+                    os.closerange(keep[0] + 1, keep[1])
+                    os.closerange(keep[1] + 1, os.sysconf("SC_OPEN_MAX"))
+                    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # server_signals.py
+                    signal.signal(signal.SIGINT, signal.default_int_handler)  # for the ranks
+                    forkserver.main(listener.fileno(), alive_r, server._preload_modules)
+                finally:
+                    os._exit(0)
+            os.close(alive_r)
+        server._forkserver_address = address
+        server._forkserver_alive_fd = alive_w
+        server._forkserver_pid = pid
+    return True
 
 
 def forked(entry: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Callable[..., Any], tuple]:

@@ -43,7 +43,7 @@ from shardwise.training.config.load import load_config, validate
 from shardwise.training.config.schema import JobConfig
 from shardwise.training.fault.watchdog import AFTER_A_PEER
 from shardwise.training.fault.watchdog import describe as describe_hang
-from shardwise.training.launch.env import detect
+from shardwise.training.launch.env import WorkerEnv, detect
 from shardwise.training.launch.forkserver import forked, start_method
 from shardwise.training.launch.stores import (
     LOOPBACK,
@@ -147,9 +147,6 @@ def launch(
         max_restarts=max_restarts,
         logs_specs=DefaultLogsSpecs(log_dir=logs.name),
     )
-    # shardwise reports failures itself (WorkerFailed); the agent's own log would repeat them.
-    for name in ("torch.distributed.elastic", "torchelastic-events-null"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
     register_rendezvous()
     listen = contextlib.nullcontext() if nodes else loopback_collectives()
     started = time.monotonic()
@@ -158,6 +155,11 @@ def launch(
             # ranks forked from a server that imported torch and the trainer once (forkserver.py)
             config.start_method = start_method()
             target, target_args = forked(entry, args)  # in this environment, as it is now
+            # shardwise reports failures itself (WorkerFailed); the agent's own log would repeat
+            # them (set after the server starts, which may be a fork of this process: the ranks
+            # keep torch elastic's own log levels)
+            for name in ("torch.distributed.elastic", "torchelastic-events-null"):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
             results: dict[int, Any] = elastic_launch(config, target)(*target_args)
         return results
     except ChildFailedError as e:
@@ -233,9 +235,12 @@ def train(
     rank would hold; nothing is trained or written, and None is returned.
     """
     config = _with_overrides(config, overrides)
-    worker = detect()
-    if worker is not None and worker.launcher == "slurm" and nodes is not None:
-        worker = None  # srun started one shardwise agent per node (launch/slurm.py), not ranks
+    worker = _started_by_a_launcher(nodes)
+    if worker is None:
+        # The ranks' server, before the checks below run anything of the job here (a data
+        # source's client, a user's module): a `shardwise` command forks it from this process,
+        # which must not have started a runtime that a fork breaks (forkserver.py).
+        start_method()
     if worker is not None and nproc not in (None, worker.world_size):
         warn(
             f"--nproc {nproc} ignored: this process is rank {worker.rank} of {worker.world_size} "
@@ -308,6 +313,14 @@ def publish(config: JobConfig, summary: TrainSummary | None) -> TrainSummary | N
         return summary
     summary.model_uri = logged.model_uri
     return summary
+
+
+def _started_by_a_launcher(nodes: Nodes | None) -> WorkerEnv | None:
+    """This process's rank where torchrun or Slurm started it as one; None where it launches."""
+    worker = detect()
+    if worker is not None and worker.launcher == "slurm" and nodes is not None:
+        return None  # srun started one shardwise agent per node (launch/slurm.py), not ranks
+    return worker
 
 
 def _with_overrides(
