@@ -178,3 +178,35 @@ def test_a_shardwise_command_forks_its_server_from_itself_and_its_ranks_start_as
     assert argv == [str(script), caller] and main_file and term and interrupt  # as spawned
     # standard streams, the pipes multiprocessing gave the rank, the queue's, the tracker's
     assert len(fds) < 12, fds
+
+
+DISCARDED = """
+import os, sys
+from multiprocessing import forkserver
+import torch
+from shardwise.cli import owned_process
+from shardwise.training.launch.forkserver import discard_unused_server, forked, start_method
+
+owned_process()
+start_method()
+refused = forkserver._forkserver._forkserver_pid
+discard_unused_server()  # the job failed its checks
+gone = forkserver._forkserver._forkserver_pid is None and not os.path.exists(f"/proc/{refused}")
+start_method()
+used = forkserver._forkserver._forkserver_pid
+forked(print, ())  # a rank is about to be forked from it
+discard_unused_server()
+print(repr((gone, used not in (None, refused), forkserver._forkserver._forkserver_pid == used)))
+"""
+
+
+def test_a_job_refused_before_its_launch_stops_the_server_forked_for_it(tmp_path):
+    """A job that fails its checks leaves no server importing the trainer behind it; a server
+    that ranks are forked from is left alone."""
+    script = tmp_path / "refused.py"
+    script.write_text(DISCARDED)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr
+    assert eval(done.stdout.strip().splitlines()[-1]) == (True, True, True)

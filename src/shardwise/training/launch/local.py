@@ -44,7 +44,7 @@ from shardwise.training.config.schema import JobConfig
 from shardwise.training.fault.watchdog import AFTER_A_PEER
 from shardwise.training.fault.watchdog import describe as describe_hang
 from shardwise.training.launch.env import WorkerEnv, detect
-from shardwise.training.launch.forkserver import forked, start_method
+from shardwise.training.launch.forkserver import discard_unused_server, forked, start_method
 from shardwise.training.launch.stores import (
     LOOPBACK,
     RENDEZVOUS,
@@ -241,23 +241,20 @@ def train(
         # source's client, a user's module): a `shardwise` command forks it from this process,
         # which must not have started a runtime that a fork breaks (forkserver.py).
         start_method()
-    if worker is not None and nproc not in (None, worker.world_size):
-        warn(
-            f"--nproc {nproc} ignored: this process is rank {worker.rank} of {worker.world_size} "
-            f"started by {worker.launcher}",
-            stacklevel=2,
-        )
-    per_node = nproc or 1
-    world_size = worker.world_size if worker else per_node * (nodes.count if nodes else 1)
-    check_job(config, world_size, worker.local_world_size if worker else per_node)
     if worker is not None:
+        if nproc not in (None, worker.world_size):
+            warn(
+                f"--nproc {nproc} ignored: this process is rank {worker.rank} of "
+                f"{worker.world_size} started by {worker.launcher}",
+                stacklevel=2,
+            )
+        check_job(config, worker.world_size, worker.local_world_size)
         # Every rank runs this; the ranks decide where to start together, once joined.
         return publish(
             config, run_worker(config.model_dump(mode="json"), resume, dry_run, decided=False)
         )
-    if nodes is not None:
-        nodes.check()
-    checkpoint = None if dry_run else resume_point(config, resume)
+    per_node = nproc or 1
+    checkpoint = _checked_here(config, per_node, nodes, None if dry_run else resume)
     store_host = LOOPBACK if nodes is None else ""
     args = (config.model_dump(mode="json"), checkpoint, dry_run, True, store_host)
     started = time.time()
@@ -313,6 +310,22 @@ def publish(config: JobConfig, summary: TrainSummary | None) -> TrainSummary | N
         return summary
     summary.model_uri = logged.model_uri
     return summary
+
+
+def _checked_here(
+    config: JobConfig, per_node: int, nodes: Nodes | None, resume: str | None
+) -> str | None:
+    """The job checked for a launch from this process, and the checkpoint it resumes from (none
+    for a dry run: `resume` None). A refused job stops the server started for it, which would
+    otherwise import the trainer for nothing on the cores the refusal's message waits on."""
+    try:
+        check_job(config, per_node * (nodes.count if nodes else 1), per_node)
+        if nodes is not None:
+            nodes.check()
+        return None if resume is None else resume_point(config, resume)
+    except BaseException:
+        discard_unused_server()
+        raise
 
 
 def _started_by_a_launcher(nodes: Nodes | None) -> WorkerEnv | None:
