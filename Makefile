@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# torch with pip, which reads this machine's configuration (where its CPU build lies); the
 	# rest with uv, which resolves and downloads in parallel and compiles the bytecode on every
-	# core (pip: 251 s, uv: about 60 s on a 2-core machine with cold caches; tests/DURATIONS.md).
+	# core (the whole install 309 s -> 145 s on a 2-core machine, caches empty; tests/DURATIONS.md).
 	# PYTHONDONTWRITEBYTECODE is set on these machines: without compiled packages every process
 	# of the tests would compile torch's and MLflow's modules again.
 	$(BIN)/python -m pip install --quiet -c constraints.txt torch==2.13.0 uv

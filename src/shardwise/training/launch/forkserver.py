@@ -149,6 +149,7 @@ def _fork_server(server: Any) -> bool:
     other descriptor; SIGTERM ignored as server_signals.py does; multiprocessing gives each rank
     the launcher's `sys.argv` and `__main__` in either case), then imports `PRELOAD` and serves.
     False where it cannot: the caller starts one by exec."""
+    global _unused
     torch = sys.modules.get("torch")
     if (
         not _may_fork
@@ -186,7 +187,6 @@ def _fork_server(server: Any) -> bool:
         server._forkserver_address = address
         server._forkserver_alive_fd = alive_w
         server._forkserver_pid = pid
-    global _unused
     _unused = pid
     return True
 

@@ -236,11 +236,6 @@ def train(
     """
     config = _with_overrides(config, overrides)
     worker = _started_by_a_launcher(nodes)
-    if worker is None:
-        # The ranks' server, before the checks below run anything of the job here (a data
-        # source's client, a user's module): a `shardwise` command forks it from this process,
-        # which must not have started a runtime that a fork breaks (forkserver.py).
-        start_method()
     if worker is not None:
         if nproc not in (None, worker.world_size):
             warn(
@@ -253,6 +248,10 @@ def train(
         return publish(
             config, run_worker(config.model_dump(mode="json"), resume, dry_run, decided=False)
         )
+    # The ranks' server, before the checks below run anything of the job here (a data source's
+    # client, a user's module): a `shardwise` command forks it from this process, which must not
+    # have started a runtime that a fork breaks (forkserver.py).
+    start_method()
     per_node = nproc or 1
     checkpoint = _checked_here(config, per_node, nodes, None if dry_run else resume)
     store_host = LOOPBACK if nodes is None else ""
