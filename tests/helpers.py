@@ -468,7 +468,9 @@ def docs_generator() -> ModuleType:
 @contextlib.contextmanager
 def mlflow_server(root: Path) -> Iterator[int]:
     """A real `mlflow server` on a free loopback port (yielded), its store and artifacts under
-    `root`; stopped, with its workers, when the block ends."""
+    `root`; stopped, with its workers, when the block ends. Without MLflow's job execution (its
+    server's own background jobs, which no test uses): it started a job runner and seven Huey
+    consumers per server, 100 CPU-s of the whole suite's run on the slower machine."""
     port = free_port()
     server = subprocess.Popen(
         [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
@@ -476,7 +478,7 @@ def mlflow_server(root: Path) -> Iterator[int]:
          "--backend-store-uri", f"sqlite:///{root / 'store.db'}",
          "--artifacts-destination", str(root / "artifacts")],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-        start_new_session=True,
+        start_new_session=True, env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
