@@ -38,9 +38,11 @@ def test_an_mfu_above_100_percent_is_never_reported(
     train(
         digits_job(tmp_path / "run", train={"steps": 20}), device=torch.device("cpu"), resume=None
     )
+    out = capsys.readouterr().out
+    peak = next(line for line in out.splitlines() if line.startswith("utilisation:"))
+    assert "from the calibrated profile" in peak, peak  # else it says why the profile was not used
     records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "tflops" in r]
     assert records and not any("mfu" in r for r in records)
-    out = capsys.readouterr().out
     assert out.count("MFU is not reported") == 1 and "calibrated profile" in out
     assert "MFU" not in out.split("MFU is not reported")[1].replace("MFU = model", "")
 

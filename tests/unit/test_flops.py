@@ -132,10 +132,18 @@ def test_the_peak_comes_from_the_calibrated_profile_measured_on_this_device(tmp_
         # another device's profile, or another precision: measured here
         profile["device"] = "NVIDIA H200"
         (tmp_path / "this-machine.json").write_text(json.dumps(profile))
-        assert measure_peak(torch.device("cpu"), torch.float32).source == "measured"
+        peak = measure_peak(torch.device("cpu"), torch.float32)
+        assert peak.source == "measured"
+        assert "is not used: it was measured on NVIDIA H200, not cpu" in peak.describe()
         profile["device"] = "cpu"
         (tmp_path / "this-machine.json").write_text(json.dumps(profile))
-        assert measure_peak(torch.device("cpu"), torch.bfloat16).source == "measured"
+        peak = measure_peak(torch.device("cpu"), torch.bfloat16)
+        assert peak.source == "measured" and "this run multiplies in torch.bfloat16" in peak.unused
+        torch.set_num_threads(2)  # a CPU profile's peak is one core's
+        peak = measure_peak(torch.device("cpu"), torch.float32)
+        assert "its peak is per core, and this rank runs 2 threads" in peak.describe()
+        (tmp_path / "this-machine.json").unlink()  # no profile: nothing to say about one
+        assert measure_peak(torch.device("cpu"), torch.float32).unused == ""
     finally:
         torch.set_num_threads(threads)
 

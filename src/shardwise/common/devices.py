@@ -89,26 +89,33 @@ def profile_dtype(device: str) -> torch.dtype:
     return torch.float32 if device == "cpu" else torch.bfloat16
 
 
-def calibrated_peak(device: torch.device, dtype: torch.dtype) -> float | None:
+def calibrated_peak(device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:
     """The calibrated profile's peak, where it was measured on this device in `dtype` (on a CPU:
-    per core, so only for a rank of one thread); None otherwise."""
+    per core, so only for a rank of one thread); otherwise None and why not ("" where there is
+    no profile), for the run to say why it measures the peak instead."""
     import torch
 
     path = profile_path()
     try:
         profile = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    except FileNotFoundError:
+        return None, ""
+    except (OSError, ValueError) as e:
+        return None, f"the calibrated profile {path} cannot be read ({type(e).__name__})"
     name = device_name(device)
-    fits = (
-        isinstance(profile, dict)
-        and profile.get("calibrated") is True
-        and profile.get("device") == name
-        and profile_dtype(name) == dtype
-        and (device.type != "cpu" or torch.get_num_threads() == 1)
-    )
-    peak = profile.get("peak_flops") if fits else None
-    return float(peak) if isinstance(peak, int | float) and peak > 0 else None
+    peak = profile.get("peak_flops") if isinstance(profile, dict) else None
+    why = ""
+    if not isinstance(peak, int | float) or peak <= 0 or profile.get("calibrated") is not True:
+        why = "it holds no calibrated peak"
+    elif profile.get("device") != name:
+        why = f"it was measured on {profile.get('device')}, not {name}"
+    elif profile_dtype(name) != dtype:
+        why = f"its peak is in {profile_dtype(name)}, this run multiplies in {dtype}"
+    elif device.type == "cpu" and torch.get_num_threads() != 1:
+        why = f"its peak is per core, and this rank runs {torch.get_num_threads()} threads"
+    if why:
+        return None, f"the calibrated profile {path} is not used: {why}"
+    return float(peak), ""
 
 
 def best_seconds(

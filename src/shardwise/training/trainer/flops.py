@@ -71,6 +71,8 @@ class Peak:
     vendor: tuple[str, float] | None = None
     source: str = "measured"
     """Where the figure comes from: `measured` at start, or the calibrated profile's path."""
+    unused: str = ""
+    """Why a calibrated profile on this machine was not used, where one exists."""
 
     def mfu_text(self, achieved: float) -> str:
         """`achieved` FLOP/s per device as MFU against the measured peak (and the data sheet's
@@ -83,6 +85,8 @@ class Peak:
     def describe(self) -> str:
         name = str(self.dtype).removeprefix("torch.")
         source = "measured" if self.source == "measured" else f"from {self.source}"
+        if self.unused:
+            source += f" ({self.unused})"
         text = f"peak {self.measured / 1e12:.3g} TFLOP/s {source} ({name} matrix multiply)"
         if self.vendor is not None:
             text += f"; data sheet {self.vendor[1] / 1e12:.0f} TFLOP/s ({self.vendor[0]})"
@@ -93,7 +97,7 @@ def measure_peak(device: torch.device, dtype: torch.dtype) -> Peak:
     """The calibrated profile's peak where it fits this device and precision; otherwise the
     peak measured now, on every rank of the default group at once, averaged over ranks."""
     vendor = datasheet(device)
-    profiled = calibrated_peak(device, dtype)
+    profiled, unused = calibrated_peak(device, dtype)
     if profiled is not None:
         return Peak(profiled, dtype, vendor, source=f"the calibrated profile {profile_path()}")
     if dist.is_initialized():
@@ -103,7 +107,7 @@ def measure_peak(device: torch.device, dtype: torch.dtype) -> Peak:
         mean = torch.tensor([best], dtype=torch.float64, device=device)
         dist.all_reduce(mean)
         best = float(mean) / dist.get_world_size()
-    return Peak(measured=best, dtype=dtype, vendor=vendor)
+    return Peak(measured=best, dtype=dtype, vendor=vendor, unused=unused)
 
 
 @dataclass(frozen=True)
