@@ -113,7 +113,7 @@ def calibrated_peak(device: torch.device, dtype: torch.dtype) -> tuple[float | N
         why = f"its peak is in {profile_dtype(name)}, this run multiplies in {dtype}"
     elif device.type == "cpu" and torch.get_num_threads() != 1:
         why = f"its peak is per core, and this rank runs {torch.get_num_threads()} threads"
-    if why:
+    if why or not isinstance(peak, int | float):
         return None, f"the calibrated profile {path} is not used: {why}"
     return float(peak), ""
 
