@@ -1,12 +1,16 @@
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from helpers import digits_job
+from helpers import REPO, digits_job, gpt_job, write_job
 from shardwise.common.errors import ConfigError
 from shardwise.training.builders import (
     build_datasets,
     build_loss,
     build_model,
+    build_on_meta,
     check,
     cross_entropy,
 )
@@ -132,3 +136,43 @@ def test_digits_table_is_scikit_learns():
         torch.tensor(table[:, :64]), torch.tensor(reference.data, dtype=torch.float32)
     )
     assert torch.equal(torch.tensor(table[:, 64]).long(), torch.tensor(reference.target))
+
+
+@pytest.mark.parametrize("model", ["gpt", "hf-gpt2"])
+def test_a_model_built_on_meta_without_its_initialisers_is_the_same_model(tmp_path, model):
+    """build_on_meta skips initialisers on meta tensors (they hold no values): the same
+    parameters and buffers, by name, shape and dtype, as a plain meta build (HF's models fill
+    theirs with Tensor.normal_ in _init_weights, the GPT with nn.init)."""
+    sections = {}
+    if model == "hf-gpt2":
+        args = {"n_layer": 2, "n_embd": 32, "n_head": 4, "n_positions": 16}
+        sections = {"model": {"name": "examples.hf_gpt2:build_model", "args": args}}
+    config = gpt_job(tmp_path / "run", **sections)
+    with torch.device("meta"):
+        plain = build_model(config)
+    skipped = build_on_meta(config)
+    shapes = [
+        {
+            n: (t.shape, t.dtype, t.device.type)
+            for n, t in [*m.named_parameters(), *m.named_buffers()]
+        }
+        for m in (plain, skipped)
+    ]
+    assert shapes[0] == shapes[1] and shapes[0]
+
+
+def test_a_launchers_checks_of_a_multi_rank_cpu_job_import_no_dynamo(tmp_path):
+    """torch runs normal_ on meta tensors in Python through torch._dynamo: a fresh launcher that
+    checks a 2-rank GPT job on meta (build_on_meta) no longer imports it (2.8 CPU-s of every CPU
+    launch on the slower machine)."""
+    job = write_job(gpt_job(tmp_path / "run"), tmp_path / "job.toml")
+    check = (
+        "import sys; from shardwise.training.config.load import load_config; "
+        "from shardwise.training.launch.local import check_job; "
+        f"check_job(load_config({str(job)!r}), 2, 2, devices_here=False); "
+        "print('torch._dynamo' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", check], capture_output=True, text=True, cwd=REPO, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr[-2000:]

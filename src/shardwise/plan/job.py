@@ -56,8 +56,7 @@ def model_of(config: JobConfig) -> tuple[Transformer, bool, Traced, Tensors]:
             f"{', '.join(missing)} argument(s): plan it by size instead (shardwise plan --params "
             "N --seq S …)"
         )
-    with torch.device("meta"):
-        model = builders.build_model(config)
+    model = builders.build_on_meta(config)
     count = sum(p.numel() for p in model.parameters())
     tensors = Tensors(tuple(tuple(p.shape) for p in model.parameters() if p.requires_grad))
     shape = Transformer(

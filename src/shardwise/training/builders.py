@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 (the conventional name)
 from pydantic import TypeAdapter, ValidationError
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.data import Dataset
 
 from shardwise.common.errors import ConfigError
@@ -134,6 +135,51 @@ def build_model(config: JobConfig) -> nn.Module:
         )
     hf_init.prepare(model)
     return model
+
+
+def build_on_meta(config: JobConfig) -> nn.Module:
+    """The job's model on the meta device, for what needs its structure and shapes only (the
+    launcher's checks, the planner). Initialisers are skipped on its tensors: they hold no values,
+    so skipping changes nothing (nor does a meta initialiser draw from the random generator), and
+    torch runs some of them (normal_) in Python through torch._dynamo, whose import cost every
+    launcher of a multi-rank CPU job 2.8 CPU-s on the slower machine."""
+    with torch.device("meta"), _NoInitOnMeta():
+        return build_model(config)
+
+
+class _NoInitOnMeta(TorchFunctionMode):
+    """torch.nn.init's initialisers and Tensor's in-place random fills return a meta tensor as it
+    is."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in _INITIALISERS:  # nn.init's pass their tensor by keyword
+            tensor = args[0] if args else kwargs.get("tensor")
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
+
+
+_INITIALISERS = frozenset(
+    [
+        *(getattr(nn.init, n) for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")),
+        *(
+            getattr(torch.Tensor, n)
+            for n in (
+                "normal_",
+                "uniform_",
+                "bernoulli_",
+                "exponential_",
+                "geometric_",
+                "log_normal_",
+                "cauchy_",
+                "random_",
+            )
+        ),
+    ]
+)
 
 
 POSITION = ("dp_rank", "dp_size")

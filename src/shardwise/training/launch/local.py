@@ -24,7 +24,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch.distributed import DistNetworkError
 from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -358,8 +357,7 @@ def check_job(
     builders.check(config)
     check_layout(config, derived)
     if config.model.init_from:
-        with torch.device("meta"):
-            check_weights(config.model.init_from, builders.build_model(config))
+        check_weights(config.model.init_from, builders.build_on_meta(config))
     if devices_here:
         check_devices(config.job.device, per_node)
 

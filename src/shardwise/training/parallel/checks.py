@@ -27,8 +27,7 @@ def check_layout(config: JobConfig, derived: Derived) -> None:
     synced_on_cpus = cpus and derived.world_size > 1  # what _check_sync_batch_norm refuses
     if not (split or synced_on_cpus):
         return
-    with torch.device("meta"):
-        model = builders.build_model(config)
+    model = builders.build_on_meta(config)
     if synced_on_cpus:
         _check_sync_batch_norm(model)
     if split:
