@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F  # noqa: N812
-from sklearn.datasets import load_breast_cancer
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.utils.data import TensorDataset
@@ -33,7 +32,11 @@ def build_model(*, hidden: int = 32, dropout: float = 0.1) -> nn.Module:
 
 def build_datasets(*, eval_fraction: float = 0.25) -> tuple[TensorDataset, TensorDataset]:
     """The Wisconsin breast-cancer table shipped with scikit-learn (569 rows, 30 features),
-    standardised with the training split's statistics."""
+    standardised with the training split's statistics. scikit-learn is imported here, not at the
+    top: the launcher imports this module only to check the job's names, and importing
+    scikit-learn costs it seconds."""
+    from sklearn.datasets import load_breast_cancer
+
     table = load_breast_cancer()
     features = torch.tensor(table.data, dtype=torch.float32)
     labels = torch.tensor(table.target, dtype=torch.long)
