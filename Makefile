@@ -53,9 +53,12 @@ typecheck: $(STAMP)
 # compileall first: this machine and CI set PYTHONDONTWRITEBYTECODE, so without it every process
 # (each launcher, forkserver and CLI run of the tests) compiles shardwise's sources again, about
 # 0.3 s for the trainer's imports (pip compiled the installed packages already).
+# --no-loadscope-reorder keeps the order tests/conftest.py gives, the longest files first: xdist
+# otherwise hands out the files with the most tests first, and a file of one long test (the Spark
+# launch, 144 s) ran last, alone.
 test: lint typecheck
 	$(BIN)/python -m compileall -q src tests examples > /dev/null
-	$(BIN)/pytest -n 2 --dist loadfile -m "slow or not slow"
+	$(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder -m "slow or not slow"
 
 bench: $(STAMP)
 	$(BIN)/python bench/ddp_overhead.py
