@@ -16,11 +16,12 @@ This module must not import anything of shardwise's.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from shardwise.common.environment import cache_dir
 
 if TYPE_CHECKING:  # torch is imported where it is used: the CLI's parser reads this module
     import torch
@@ -75,10 +76,7 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...]
 
 def profile_path() -> Path:
     """Where `shardwise plan --calibrate` keeps this machine's profile."""
-    root = os.environ.get("SHARDWISE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shardwise"
-    )
-    return Path(root) / "this-machine.json"
+    return cache_dir() / "this-machine.json"
 
 
 def profile_dtype(device: str) -> torch.dtype:

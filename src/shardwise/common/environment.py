@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 
 
 @contextmanager
@@ -33,3 +34,12 @@ def launcher_pid() -> int:
     """The pid of the process that launched this rank: `LAUNCHER_PID` where shardwise's launcher
     set it, else the parent (torchrun's agent)."""
     return int(os.environ.get(LAUNCHER_PID) or os.getppid())
+
+
+def cache_dir() -> Path:
+    """shardwise's cache on this machine (the calibrated profile, MLflow's empty store):
+    SHARDWISE_CACHE, else $XDG_CACHE_HOME/shardwise, else ~/.cache/shardwise."""
+    root = os.environ.get("SHARDWISE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shardwise"
+    )
+    return Path(root)
