@@ -34,22 +34,27 @@ def _temporary_files(tmp_path_factory):
     that is removed at the end (TMPDIR, which Python's tempfile, Ray and torch read): MLflow's
     database locks, torch's error files and compile cache, torchrun's logs, Ray's sessions,
     MLflow's downloaded models were left in /tmp by every run before. Each pytest worker has
-    its own, so torch's compile cache starts cold as it does on a fresh machine. A short path:
-    Ray puts Unix sockets in it (107 bytes at most). pytest's own directory is fixed first, to
-    stay where it is and be kept for inspection."""
+    its own, so torch's compile cache starts cold as it does on a fresh machine. shardwise's
+    cache (SHARDWISE_CACHE: MLflow's empty store, a calibrated profile) is in it too. A short
+    path: Ray puts Unix sockets in it (107 bytes at most). pytest's own directory is fixed
+    first, to stay where it is and be kept for inspection."""
     tmp_path_factory.getbasetemp()
     # multiprocessing's own directory (its sockets) stays where it is too: it removes it itself
     # when this process exits, after the session's directory is gone
     multiprocessing.util.get_temp_dir()
-    before = os.environ.get("TMPDIR")
+    before = {name: os.environ.get(name) for name in ("TMPDIR", "SHARDWISE_CACHE")}
     root = tempfile.mkdtemp(prefix="sw-tests-")
     os.environ["TMPDIR"] = root
+    # shardwise's cache (MLflow's empty store, a calibrated profile) starts empty and goes too:
+    # nothing of this machine's own cache is read, and nothing is left in it
+    os.environ["SHARDWISE_CACHE"] = os.path.join(root, "shardwise-cache")
     tempfile.tempdir = None  # read TMPDIR again
     yield
-    if before is None:
-        os.environ.pop("TMPDIR", None)
-    else:
-        os.environ["TMPDIR"] = before
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     tempfile.tempdir = None
     shutil.rmtree(root, ignore_errors=True)
 

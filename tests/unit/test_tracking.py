@@ -1,9 +1,13 @@
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
 import warnings
+from contextlib import closing
+from pathlib import Path
 
+import mlflow
 from mlflow.tracking import MlflowClient
 
 from helpers import free_port
@@ -135,11 +139,14 @@ def test_an_uneven_pipeline_is_told_how_to_balance():
     assert bubble_advice([{"rank": 0}], fix="use cost") is None  # not a pipeline
 
 
-def test_a_store_whose_creator_was_killed_midway_opens(tmp_path):
+def test_a_store_whose_creator_was_killed_midway_opens(tmp_path, monkeypatch):
     """MLflow builds a new SQLite store's schema in some 60 migrations, seconds of work; a process
     killed among them (a run stopped in its first seconds, a Spark stage cancelled) must not leave
-    a database that every later open refuses ("table … already exists")."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    a database that every later open refuses ("table … already exists"), nor a half-built empty
+    store in shardwise's cache (what new stores are copied from)."""
+    monkeypatch.setenv("SHARDWISE_CACHE", str(tmp_path / "cache"))  # empty: built, and killed
+    (tmp_path / "run").mkdir()
+    uri = f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}"
     killed_midway = f"""
 import os, signal
 from sqlalchemy import event
@@ -160,4 +167,53 @@ open_client({uri!r})
     run = client.create_run(client.create_experiment("after-a-kill"))
     client.log_metric(run.info.run_id, "loss", 1.0)
     assert client.get_run(run.info.run_id).data.metrics == {"loss": 1.0}
-    assert [p.name for p in tmp_path.iterdir()] in (["mlflow.db"], ["mlflow.db", "artifacts"])
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) in (
+        ["mlflow.db"],
+        ["artifacts", "mlflow.db"],
+    )
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [
+        f"mlflow-{mlflow.__version__}-empty.db"
+    ]
+
+
+def test_a_new_store_is_a_copy_of_mlflows_own_empty_store_made_here(tmp_path, monkeypatch):
+    """A new run directory's store is copied from an empty store MLflow built once in
+    shardwise's cache (its migrations cost 1.8 CPU-s in every new run directory): the same
+    schema, version and rows as a store MLflow builds itself in that directory, the Default
+    experiment's artifacts under this working directory, and it records runs."""
+    monkeypatch.setenv("SHARDWISE_CACHE", str(tmp_path / "cache"))
+    for name in ("first", "second", "mlflows"):
+        (tmp_path / name).mkdir()
+
+    def dump(db: Path) -> tuple[list, list]:
+        with closing(sqlite3.connect(db)) as conn:
+            # a table's clauses in any order: MLflow's own builds differ in it (hash seeds)
+            schema = [
+                (kind, name, sorted(line.strip().rstrip(",") for line in (sql or "").split("\n")))
+                for kind, name, sql in conn.execute("SELECT type, name, sql FROM sqlite_master")
+            ]
+            rows = conn.execute(
+                "SELECT experiment_id, name, artifact_location, lifecycle_stage, workspace "
+                "FROM experiments UNION ALL SELECT 'version', version_num, '', '', '' FROM "
+                "alembic_version UNION ALL SELECT 'ws', name, '', '', '' FROM workspaces"
+            )
+            return sorted(schema), rows.fetchall()
+
+    monkeypatch.chdir(tmp_path / "mlflows")
+    MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflows' / 'own.db'}")  # MLflow's own
+    own_schema, own_rows = dump(tmp_path / "mlflows" / "own.db")
+    for name in ("first", "second"):  # the first builds the empty store, the second copies it
+        monkeypatch.chdir(tmp_path / name)
+        client = open_client(f"sqlite:///{tmp_path / name / 'mlflow.db'}")
+        schema, rows = dump(tmp_path / name / "mlflow.db")
+        assert schema == own_schema
+        assert rows == [
+            (r[0], r[1], str(tmp_path / name / "mlruns" / "0"), *r[3:]) if r[0] == 0 else r
+            for r in own_rows
+        ]
+        run = client.create_run(client.create_experiment("e")).info.run_id
+        client.log_metric(run, "loss", 1.5, step=1)
+        assert client.get_run(run).data.metrics == {"loss": 1.5}
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [
+        f"mlflow-{mlflow.__version__}-empty.db"
+    ]

@@ -26,12 +26,15 @@ import logging
 import multiprocessing
 import os
 import queue
+import shutil
+import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from shardwise.common.console import warn
+from shardwise.common.environment import cache_dir
 from shardwise.common.redact import redacting_output
 
 _FLUSH_SECONDS = 1.0
@@ -265,21 +268,75 @@ def create_sqlite_store(uri: str) -> None:
     path = sqlite_file(uri)
     if path is None:
         return
-    for left in path.parent.glob(f".{path.name}.*.creating"):
-        pid = left.name.rsplit(".", 2)[-2]
-        if pid.isdigit() and not _alive(int(pid)):
-            left.unlink(missing_ok=True)
+    _remove_left_by_the_killed(path)
     if path.exists():
         return
-    from mlflow.tracking import MlflowClient
-
     building = path.with_name(f".{path.name}.{os.getpid()}.creating")
     try:
-        MlflowClient(tracking_uri=f"sqlite:///{building}")  # runs the migrations
+        if not _copy_empty_store(building):
+            _build_store(building)
         with contextlib.suppress(FileExistsError):
             os.link(building, path)
     finally:
         building.unlink(missing_ok=True)
+
+
+def _remove_left_by_the_killed(path: Path) -> None:
+    """The files in which a process that was killed was building the store `path`."""
+    for left in path.parent.glob(f".{path.name}.*.creating"):
+        pid = left.name.rsplit(".", 2)[-2]
+        if pid.isdigit() and not _alive(int(pid)):
+            left.unlink(missing_ok=True)
+
+
+def _build_store(path: Path) -> str:
+    """A new store at `path`, as MLflow builds it (its migrations); the artifact location MLflow
+    gives its Default experiment there."""
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(tracking_uri=f"sqlite:///{path}")
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        return str(db.execute(_DEFAULT_LOCATION).fetchone()[0])
+
+
+_DEFAULT_LOCATION = "SELECT artifact_location FROM experiments WHERE experiment_id = 0"
+
+
+def _copy_empty_store(path: Path) -> bool:
+    """Copy this MLflow version's empty store to `path`, its Default experiment made as MLflow
+    would make it here and now (artifact location under this directory, times). The empty store
+    is built once per machine in shardwise's cache, as MLflow builds one; its migrations cost a
+    tracking process 1.8 CPU-s on the slower machine in every new run directory. False, and
+    nothing at `path`, where the cache cannot be written."""
+    import mlflow
+
+    here = os.path.join(os.path.abspath("mlruns"), "0")
+    empty = cache_dir() / f"mlflow-{mlflow.__version__}-empty.db"
+    try:
+        if not empty.exists():
+            empty.parent.mkdir(parents=True, exist_ok=True)
+            _remove_left_by_the_killed(empty)
+            making = empty.with_name(f".{empty.name}.{os.getpid()}.creating")
+            try:
+                if _build_store(making) != here:  # not where this expects: keep MLflow's own
+                    os.replace(making, path)
+                    return True
+                with contextlib.suppress(FileExistsError):
+                    os.link(making, empty)
+            finally:
+                making.unlink(missing_ok=True)
+        shutil.copyfile(empty, path)
+        now = int(time.time() * 1000)
+        with contextlib.closing(sqlite3.connect(path)) as db, db:
+            db.execute(
+                "UPDATE experiments SET artifact_location = ?, creation_time = ?, "
+                "last_update_time = ? WHERE experiment_id = 0",
+                (here, now, now),
+            )
+    except (OSError, sqlite3.Error):
+        path.unlink(missing_ok=True)
+        return False
+    return True
 
 
 def _alive(pid: int) -> bool:
