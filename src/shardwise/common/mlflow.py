@@ -282,7 +282,7 @@ def create_sqlite_store(uri: str) -> None:
 
 
 def _remove_left_by_the_killed(path: Path) -> None:
-    """The files in which a process that was killed was building the store `path`."""
+    """Remove the files where a process since killed was building the store `path`."""
     for left in path.parent.glob(f".{path.name}.*.creating"):
         pid = left.name.rsplit(".", 2)[-2]
         if pid.isdigit() and not _alive(int(pid)):
@@ -307,9 +307,15 @@ def _copy_empty_store(path: Path) -> bool:
     would make it here and now (artifact location under this directory, times). The empty store
     is built once per machine in shardwise's cache, as MLflow builds one; its migrations cost a
     tracking process 1.8 CPU-s on the slower machine in every new run directory. False, and
-    nothing at `path`, where the cache cannot be written."""
+    nothing at `path`, where the cache cannot be written or MLflow is told to lay out a store
+    otherwise (workspaces, a server's artifact root)."""
     import mlflow
+    from mlflow.environment_variables import MLFLOW_ENABLE_WORKSPACES
+    from mlflow.tracking._tracking_service import utils
 
+    root = getattr(utils, "_SERVER_ARTIFACT_ROOT_ENV_VAR", None)
+    if MLFLOW_ENABLE_WORKSPACES.get() or (root and os.environ.get(root)):
+        return False
     here = os.path.join(os.path.abspath("mlruns"), "0")
     empty = cache_dir() / f"mlflow-{mlflow.__version__}-empty.db"
     try:
