@@ -129,9 +129,15 @@ def _world(parallel: dict[str, Any]) -> int:
     return math.prod(parallel.get(axis, 1) for axis in ("pp", "dp_replicate", "dp_shard", "tp"))
 
 
+SOURCES = {source for _, _, source in RESUMED.values()}
+
+
 def job(run_dir: Path, sections: dict[str, Any], parallel: dict[str, Any]) -> dict[str, Any]:
+    """The run; only the resumed runs' sources save step 4 too (every run saves its last)."""
     merged = {k: dict(v) for k, v in sections.items()}
     merged["parallel"] = parallel
+    if run_dir.name not in SOURCES:
+        merged["checkpoint"] = {"every_steps": 0}
     return gpt_job(run_dir, **merged).model_dump(mode="json")
 
 
