@@ -100,20 +100,19 @@ def calibrated_peak(device: torch.device, dtype: torch.dtype) -> tuple[float | N
         return None, ""
     except (OSError, ValueError) as e:
         return None, f"the calibrated profile {path} cannot be read ({type(e).__name__})"
-    name = device_name(device)
+    unused = f"the calibrated profile {path} is not used"
     peak = profile.get("peak_flops") if isinstance(profile, dict) else None
-    why = ""
     if not isinstance(peak, int | float) or peak <= 0 or profile.get("calibrated") is not True:
-        why = "it holds no calibrated peak"
-    elif profile.get("device") != name:
+        return None, f"{unused}: it holds no calibrated peak"
+    name = device_name(device)
+    why = ""
+    if profile.get("device") != name:
         why = f"it was measured on {profile.get('device')}, not {name}"
     elif profile_dtype(name) != dtype:
         why = f"its peak is in {profile_dtype(name)}, this run multiplies in {dtype}"
     elif device.type == "cpu" and torch.get_num_threads() != 1:
         why = f"its peak is per core, and this rank runs {torch.get_num_threads()} threads"
-    if why or not isinstance(peak, int | float):
-        return None, f"the calibrated profile {path} is not used: {why}"
-    return float(peak), ""
+    return (None, f"{unused}: {why}") if why else (float(peak), "")
 
 
 def best_seconds(
