@@ -50,6 +50,9 @@ def _temporary_files(tmp_path_factory):
     os.environ["SHARDWISE_CACHE"] = os.path.join(root, "shardwise-cache")
     tempfile.tempdir = None  # read TMPDIR again
     yield
+    import zygote
+
+    zygote.stop()  # the server of `shardwise` commands, started with TMPDIR in the directory
     for name, value in before.items():
         if value is None:
             os.environ.pop(name, None)

@@ -36,13 +36,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 _SERVER = b"multiprocessing.forkserver"
-_LONG_LIVED = (b"multiprocessing.resource_tracker", _SERVER)
+_ZYGOTE = b"tests/zygote.py"  # the server of the `shardwise` commands the tests fork (zygote.py)
+_LONG_LIVED = (b"multiprocessing.resource_tracker", _SERVER, _ZYGOTE)
 
 
 def children_of(pid: int) -> list[int]:
     """Live children of a process, from /proc, except multiprocessing's resource tracker and
-    the ranks' server (one each per parent process, meant to live as long as the parent); the
-    processes its server forked for it (ranks) count as its own."""
+    the ranks' server (one each per parent process, meant to live as long as the parent) and the
+    tests' server of `shardwise` commands (zygote.py); the processes those servers forked for it
+    (ranks, commands) count as its own."""
     direct, forked = _children(pid)
     return direct + forked
 
@@ -60,7 +62,11 @@ def _children(pid: int) -> tuple[list[int], list[int]]:
     live = {p: int(stat[1]) for p, stat in _stats().items() if stat[0] != "Z"}
     own = _cmdline(pid)
     mine = {p: _cmdline(p) for p, parent in live.items() if parent == pid}
-    servers = {p for p, cmdline in mine.items() if _SERVER in cmdline or cmdline == own}
+    servers = {
+        p
+        for p, cmdline in mine.items()
+        if _SERVER in cmdline or _ZYGOTE in cmdline or cmdline == own
+    }
     direct = [
         p
         for p, cmdline in mine.items()
@@ -267,9 +273,7 @@ def launch_on_two_nodes(
     command = [SHARDWISE, "launch", target, str(write_job(config, job))]
     command += ["--nodes", "2", "--nproc-per-node", "1", "--shared-storage", *flags]
     if listening is None:
-        return subprocess.run(
-            command, cwd=REPO, capture_output=True, text=True, timeout=300, env=env
-        )
+        return shardwise_command(*command[1:], env=env, timeout=300)
     return run_listening(command, listening, env=env, timeout=300)
 
 
@@ -496,16 +500,25 @@ def mlflow_server(root: Path) -> Iterator[int]:
 
 
 def shardwise_command(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 600
+    *args: str, env: dict[str, str] | None = None, timeout: float = 600, fresh: bool = False
 ) -> subprocess.CompletedProcess[str]:
     """`shardwise ARGS` as a user runs it, from the repository, with `env` added to this
-    process's environment; no stdin."""
+    process's environment; no stdin. Forked from the worker's server of commands (zygote.py),
+    which has imported torch and the launcher, where the environment allows; with `fresh`, or
+    where it does not, the console script in a new interpreter."""
+    import zygote
+
+    environment = {**os.environ, **(env or {})}
+    if not fresh:
+        done = zygote.run([SHARDWISE, *args], env=environment, cwd=REPO, timeout=timeout)
+        if done is not None:
+            return done
     return subprocess.run(
         [SHARDWISE, *args],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, **(env or {})},
+        env=environment,
         stdin=subprocess.DEVNULL,
     )

@@ -27,6 +27,7 @@ from helpers import (
     load_params,
     losses,
     ranks_of,
+    shardwise_command,
     write_job,
 )
 from shardwise.training.checkpoint.export import export_safetensors, load_exported
@@ -192,9 +193,7 @@ def test_sigterm_saves_at_a_step_boundary_exits_0_and_resumes_exactly(
     assert "preempted (SIGTERM): stopped at step" in stdout
     stopped = int(stdout.split("stopped at step ")[1].split()[0])
     assert 7 <= stopped <= 9
-    second = subprocess.run(
-        [*command, "--resume", "auto"], cwd=REPO, capture_output=True, text=True, timeout=300
-    )
+    second = shardwise_command(*command[1:], "--resume", "auto", timeout=300)
     assert second.returncode == 0, second.stderr
     got = losses(tmp_path / "run")
     assert [got[s] for s in range(1, 17)] == [want_losses[s] for s in range(1, 17)]
@@ -237,8 +236,8 @@ def test_on_sigterm_ranks_stuck_behind_a_stalled_rank_end_without_waiting_for_si
     command = _train_on_two_ranks(
         tmp_path, gpt_job(tmp_path / "run", train={"steps": 16}, **SECTIONS)
     )
-    env = {**os.environ, "SHARDWISE_FAULT": "stall:rank=1:step=4,sigterm:step=4"}
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    fault = {"SHARDWISE_FAULT": "stall:rank=1:step=4,sigterm:step=4"}
+    done = shardwise_command(*command[1:], env=fault, timeout=300)
     assert done.returncode == 128 + signal.SIGTERM, done.stderr
     for rank, where in ((0, "inside step 5"), (1, "after step 4")):
         assert f"rank {rank}: SIGTERM, but the rank has waited" in done.stderr, done.stderr

@@ -15,6 +15,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+import helpers
 from helpers import free_port, kill_session, not_on_loopback, run_listening, session_processes
 
 pytestmark = pytest.mark.slow
@@ -41,15 +42,7 @@ def many_models(
     command = [str(BIN / "shardwise"), "many-models", *args]
     if listening is not None:
         return run_listening(command, listening, env=env or environment(), timeout=timeout)
-    return subprocess.run(
-        command,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
-        env=env or environment(),
-    )
+    return helpers.shardwise_command(*command[1:], env=env or environment(), timeout=timeout)
 
 
 def test_us_employment_with_spark_features(tmp_path):

@@ -14,6 +14,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from PIL import Image
 
+import helpers
 import shardwise
 from helpers import gpt_job
 
@@ -76,10 +77,8 @@ def test_a_pipelined_run_writes_a_report_that_renders(tmp_path, monkeypatch):
     )
     assert len(re.findall(r"<img ", dom.stdout)) == len(CHARTS)
 
-    again = subprocess.run(
-        [str(BIN / "shardwise"), "report", str(tmp_path / "run"), "--out", str(tmp_path / "again")],
-        capture_output=True,
-        text=True,
+    again = helpers.shardwise_command(
+        "report", str(tmp_path / "run"), "--out", str(tmp_path / "again")
     )
     assert again.returncode == 0, again.stderr
     assert again.stdout.strip() == f"report: {tmp_path / 'again' / 'report.html'}"
@@ -87,9 +86,7 @@ def test_a_pipelined_run_writes_a_report_that_renders(tmp_path, monkeypatch):
 
 
 def test_a_directory_that_is_no_run_is_refused_in_one_line(tmp_path):
-    done = subprocess.run(
-        [str(BIN / "shardwise"), "report", str(tmp_path)], capture_output=True, text=True
-    )
+    done = helpers.shardwise_command("report", str(tmp_path))
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         f"shardwise: error: {tmp_path} has no metrics.jsonl: give the run_dir of a shardwise "

@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import helpers
 import shardwise
 from helpers import digits_job, load_params
 from shardwise.training.checkpoint.export import export_safetensors, load_exported
@@ -58,13 +58,7 @@ def test_export_refuses_metadata_that_would_run_code(tmp_path, checkpoint):
     marker = tmp_path / "ran"
     copy = doctored(checkpoint, tmp_path, ".metadata", marker)
     out = tmp_path / "out.safetensors"
-    done = subprocess.run(
-        [str(BIN / "shardwise"), "export", str(copy), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        stdin=subprocess.DEVNULL,
-    )
+    done = helpers.shardwise_command("export", str(copy), str(out), timeout=120)
     assert done.returncode == 2, done.stderr
     assert not marker.exists()
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
@@ -138,13 +132,7 @@ def test_export_to_where_it_cannot_write_is_one_line_and_leaves_nothing(
     (tmp_path / "a-dir").mkdir()
     (tmp_path / "a-file").write_text("not a directory")
     out = Path(output) if output.startswith("/") else tmp_path / output
-    done = subprocess.run(
-        [str(BIN / "shardwise"), "export", str(checkpoint), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        stdin=subprocess.DEVNULL,
-    )
+    done = helpers.shardwise_command("export", str(checkpoint), str(out), timeout=120)
     assert done.returncode == 2, done.stderr
     assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert not out.with_name(out.name + ".partial").exists()

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import math
 import socket
-import subprocess
-import sys
 import threading
 import time
 from datetime import date
-from pathlib import Path
 
 import polars as pl
 import pytest
 
+import helpers
 from shardwise.common.errors import ConfigError
 from shardwise.common.job_files import validate_as
 from shardwise.manymodel.columns import FUTURE, SERIES
@@ -437,10 +435,9 @@ def test_cli_unreachable_ray_address_is_one_line(tmp_path):
     source = write_text(tmp_path, GOOD)
     columns = 'id_columns = ["shop"]\ntimestamp = "day"\ntarget = "units"\n'
     job.write_text(f'[data]\nsource = "{source}"\n{columns}')
-    done = subprocess.run(
-        [str(Path(sys.executable).parent / "shardwise"), "many-models", str(job),
-         "--set", f"job.run_dir={tmp_path / 'run'}", "--ray-address", f"127.0.0.1:{closed_port()}"],
-        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+    done = helpers.shardwise_command(
+        "many-models", str(job), "--set", f"job.run_dir={tmp_path / 'run'}",
+        "--ray-address", f"127.0.0.1:{closed_port()}", timeout=120,
     )  # fmt: skip
     err = done.stderr
     assert done.returncode == 2 and err.count("\n") == 1, err
