@@ -17,7 +17,9 @@ puts its entries where the interpreter would, after the script's directory. Ever
 test that asks for the console script itself (`helpers.shardwise_command(fresh=True)`) runs by
 exec, and so does every command with `SHARDWISE_TESTS_EXEC=1`. The server refuses to serve if
 its imports printed anything (a warning a new interpreter would print to the command's stderr)
-or started a thread.
+or started a thread. Where this process's own environment changes (a test sets a variable and
+leaves it), the server is started again with it. `SHARDWISE_TESTS_ZYGOTE_LOG=PATH` appends to
+PATH each command left to exec and the variables that kept it from the server.
 
 Protocol: a SEQPACKET Unix socket in the abstract namespace; one connection per command: the
 request (JSON: argv, env, cwd) with the three descriptors; the reply the child's pid, then its
@@ -61,6 +63,8 @@ RUNTIME = (
     "TORCHELASTIC_",
     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
     "GLOO_SOCKET_IFNAME",
+    "TORCHINDUCTOR_CACHE_DIR",  # set by torch in this process where it compiled something
+    "TRITON_CACHE_DIR",
 )
 """Variables (or prefixes) that nothing the server imports reads at import: a command whose
 environment differs from the server's only in these is forked."""
@@ -199,15 +203,16 @@ class _Server:
         assert self.process.stdout is not None
         self.ready = self.process.stdout.readline().strip() == "ready"
 
-    def accepts(self, env: dict[str, str]) -> bool:
+    def refuses(self, env: dict[str, str]) -> set[str]:
+        """Why a command of environment `env` cannot be forked: the variables read at import
+        that differ from the server's ("" where the server does not run)."""
+        if not self.ready or self.process.poll() is not None:
+            return {""}
         differ = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
-        if "PYTHONPATH" in self.env:
-            return False  # the server's own sys.path has it: the child could not take it out
-        return (
-            self.ready
-            and self.process.poll() is None
-            and all(k.startswith(RUNTIME) or k == "PYTHONPATH" for k in differ)
-        )
+        refused = {k for k in differ if not k.startswith(RUNTIME)}
+        if "PYTHONPATH" not in self.env:  # where the server has it, it cannot be taken out
+            refused.discard("PYTHONPATH")
+        return refused
 
     def run(
         self, argv: list[str], env: dict[str, str], cwd: str, timeout: float
@@ -288,7 +293,14 @@ def run(
         return None
     if _server is None:
         _server = _Server()
-    if not _server.accepts(env):
+    if _server.refuses(dict(os.environ)):  # this process's own environment changed: follow it
+        _server.stop()
+        _server = _Server()
+    refused = _server.refuses(env)
+    if refused:
+        if os.environ.get("SHARDWISE_TESTS_ZYGOTE_LOG"):
+            with open(os.environ["SHARDWISE_TESTS_ZYGOTE_LOG"], "a") as log:
+                print(" ".join(argv[1:3]), sorted(refused), file=log)
         return None
     return _server.run(argv, env, str(cwd), timeout)
 
