@@ -499,6 +499,35 @@ def mlflow_server(root: Path) -> Iterator[int]:
         server.wait(timeout=60)
 
 
+def shardwise_process(
+    *args: str,
+    env: dict[str, str] | None = None,
+    stdout: Any = None,
+    stderr: Any = None,
+    netns: str | None = None,
+) -> Any:
+    """`shardwise ARGS` started as `subprocess.Popen` starts it (text streams; stdin
+    /dev/null), from the repository, with `env` added to this process's environment; in the
+    network namespace `netns` as `ip netns exec` runs it. Forked from the worker's server of
+    commands where the environment allows (a zygote.Forked: what the tests use of Popen), else
+    the console script by exec."""
+    import zygote
+
+    environment = {**os.environ, **(env or {})}
+    forked = zygote.start(
+        [SHARDWISE, *args], env=environment, cwd=REPO, stdout=stdout, stderr=stderr, netns=netns
+    )
+    if forked is not None:
+        return forked
+    command = [SHARDWISE, *args]
+    if netns is not None:
+        command = ["ip", "netns", "exec", netns, *command]
+    return subprocess.Popen(
+        command, cwd=REPO, env=environment, stdin=subprocess.DEVNULL, stdout=stdout,
+        stderr=stderr, text=True,
+    )  # fmt: skip
+
+
 def shardwise_command(
     *args: str, env: dict[str, str] | None = None, timeout: float = 600, fresh: bool = False
 ) -> subprocess.CompletedProcess[str]:

@@ -65,6 +65,7 @@ RUNTIME = (
     "GLOO_SOCKET_IFNAME",
     "TORCHINDUCTOR_CACHE_DIR",  # set by torch in this process where it compiled something
     "TRITON_CACHE_DIR",
+    "RAY_",  # Ray is imported by the commands that use it, never by the server
 )
 """Variables (or prefixes) that nothing the server imports reads at import: a command whose
 environment differs from the server's only in these is forked."""
@@ -141,7 +142,10 @@ def _command(request: dict[str, Any], fds: list[int]) -> None:
     try:
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
+        for fd in set(fds) - {0, 1, 2}:
             os.close(fd)
+        if request["netns"]:  # as `ip netns exec NAME` enters it
+            _enter_network_namespace(request["netns"])
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
@@ -174,6 +178,15 @@ def _command(request: dict[str, Any], fds: list[int]) -> None:
             signal.signal(-code, signal.SIG_DFL)
             os.kill(os.getpid(), -code)
         os._exit(code)
+
+
+def _enter_network_namespace(name: str) -> None:
+    import ctypes
+
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    if ctypes.CDLL(None, use_errno=True).setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+        raise OSError(ctypes.get_errno(), f"setns into network namespace {name}")
+    os.close(fd)
 
 
 def _exit_code(code: object) -> int:
@@ -214,34 +227,15 @@ class _Server:
             refused.discard("PYTHONPATH")
         return refused
 
-    def run(
-        self, argv: list[str], env: dict[str, str], cwd: str, timeout: float
-    ) -> subprocess.CompletedProcess[str]:
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        null = os.open(os.devnull, os.O_RDONLY)
-        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as connection:
-            connection.connect(self.address)
-            request = json.dumps({"argv": argv, "env": env, "cwd": cwd}).encode()
-            socket.send_fds(connection, [request], [null, out_w, err_w])
-            for fd in (null, out_w, err_w):
-                os.close(fd)
-            pid = json.loads(connection.recv(_MESSAGE))["pid"]
-            deadline = time.monotonic() + timeout
-            outputs = _read_until_closed([out_r, err_r], deadline)
-            connection.settimeout(max(deadline - time.monotonic(), 0.001))
-            try:
-                reply = connection.recv(_MESSAGE) if outputs is not None else b""
-            except TimeoutError:
-                reply = b""
-            if not reply:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, 9)
-                raise subprocess.TimeoutExpired(argv, timeout)
-        status = json.loads(reply)["status"]
-        assert outputs is not None
-        stdout, stderr = (_text(b) for b in outputs)
-        return subprocess.CompletedProcess(argv, os.waitstatus_to_exitcode(status), stdout, stderr)
+    def start(
+        self, argv: list[str], env: dict[str, str], cwd: str, streams: list[int], netns: str | None
+    ) -> Forked:
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        connection.connect(self.address)
+        request = {"argv": argv, "env": env, "cwd": cwd, "netns": netns}
+        socket.send_fds(connection, [json.dumps(request).encode()], streams)
+        pid = json.loads(connection.recv(_MESSAGE))["pid"]
+        return Forked(argv, pid, connection)
 
     def stop(self) -> None:
         assert self.process.stdin is not None
@@ -249,45 +243,97 @@ class _Server:
         self.process.wait(timeout=30)
 
 
-def _read_until_closed(fds: list[int], deadline: float) -> list[bytes] | None:
-    """Everything written to the pipes `fds` until every writer closed them (as
-    `communicate` reads); None at `deadline`."""
-    chunks: dict[int, list[bytes]] = {fd: [] for fd in fds}
-    with selectors.DefaultSelector() as select:
-        for fd in fds:
-            select.register(fd, selectors.EVENT_READ)
-        try:
-            while select.get_map():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                for key, _ in select.select(left):
-                    data = os.read(key.fd, 1 << 16)
-                    if data:
-                        chunks[key.fd].append(data)
-                    else:
-                        select.unregister(key.fd)
-        finally:
-            for fd in fds:
-                os.close(fd)
-    return [b"".join(chunks[fd]) for fd in fds]
+class Forked:
+    """A command forked from the server: what the tests use of `subprocess.Popen` (its pid,
+    `poll`, `wait`, `communicate`, `send_signal`, `kill`, `returncode`, `stdout`/`stderr` where
+    they are pipes). The command is the server's child: its exit status comes over the
+    connection."""
 
+    def __init__(self, args: list[str], pid: int, connection: socket.socket) -> None:
+        self.args, self.pid, self._connection = args, pid, connection
+        self.returncode: int | None = None
+        self.stdout: Any = None
+        self.stderr: Any = None
 
-def _text(data: bytes) -> str:
-    """As `subprocess.run(text=True)` decodes: the locale's encoding, universal newlines."""
-    decoded = data.decode(locale.getpreferredencoding(False))
-    return decoded.replace("\r\n", "\n").replace("\r", "\n")
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._connection.setblocking(False)
+            try:
+                reply = self._connection.recv(_MESSAGE)
+            except BlockingIOError:
+                self._connection.setblocking(True)
+                return None
+            self._ended(reply)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self._connection.settimeout(timeout)
+            try:
+                reply = self._connection.recv(_MESSAGE)
+            except TimeoutError:
+                self._connection.settimeout(None)
+                raise subprocess.TimeoutExpired(self.args, timeout or 0) from None
+            self._ended(reply)
+        assert self.returncode is not None
+        return self.returncode
+
+    def _ended(self, reply: bytes) -> None:
+        self._connection.close()
+        if not reply:
+            raise RuntimeError(f"the tests' server of commands ended before {self.args} did")
+        self.returncode = os.waitstatus_to_exitcode(json.loads(reply)["status"])
+
+    def communicate(self, timeout: float | None = None) -> tuple[str | None, str | None]:
+        """The rest of what the command's pipes hold, until every writer closed them (its
+        ranks and servers too, as `Popen.communicate`), then its exit."""
+        import threading
+
+        deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
+        read: dict[int, str] = {}
+        pipes = [(i, p) for i, p in enumerate((self.stdout, self.stderr)) if p is not None]
+        readers = [
+            threading.Thread(target=lambda i=i, p=p: read.__setitem__(i, p.read()), daemon=True)
+            for i, p in pipes
+        ]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join(max(deadline - time.monotonic(), 0))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        self.wait(max(deadline - time.monotonic(), 0.001))
+        for _, pipe in pipes:
+            pipe.close()
+        self.stdout = self.stderr = None
+        return read.get(0), read.get(1)
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(9)
 
 
 _server: _Server | None = None
 
 
-def run(
-    argv: list[str], *, env: dict[str, str], cwd: Path | str, timeout: float
-) -> subprocess.CompletedProcess[str] | None:
+def start(
+    argv: list[str],
+    *,
+    env: dict[str, str],
+    cwd: Path | str,
+    stdout: Any = None,
+    stderr: Any = None,
+    netns: str | None = None,
+) -> Forked | None:
     """`argv` (a console script and its arguments) forked from this worker's server, as
-    `subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout,
-    stdin=DEVNULL)` would run it; None where it must run by exec instead (see the module)."""
+    `subprocess.Popen(argv, env=env, cwd=cwd, stdin=DEVNULL, stdout=…, stderr=…, text=True)`
+    starts it (`ip netns exec NETNS …` with `netns`: in that network namespace); each stream
+    `subprocess.PIPE`, `subprocess.DEVNULL`, a file, or None (this process's). None where it
+    must run by exec instead (see the module)."""
     global _server
     if os.environ.get("SHARDWISE_TESTS_EXEC") == "1":
         return None
@@ -302,7 +348,46 @@ def run(
             with open(os.environ["SHARDWISE_TESTS_ZYGOTE_LOG"], "a") as log:
                 print(" ".join(argv[1:3]), sorted(refused), file=log)
         return None
-    return _server.run(argv, env, str(cwd), timeout)
+    with contextlib.ExitStack() as closing:
+        null = os.open(os.devnull, os.O_RDWR)
+        closing.callback(os.close, null)
+        streams: list[int] = [null]
+        pipes: list[Any] = []
+        for target in (stdout, stderr):
+            if target == subprocess.PIPE:
+                read, write = os.pipe()
+                closing.callback(os.close, write)
+                streams.append(write)
+                # text, as subprocess decodes it: the locale's encoding, universal newlines
+                pipes.append(os.fdopen(read, encoding=locale.getpreferredencoding(False)))
+            elif target == subprocess.DEVNULL:
+                streams.append(null)
+                pipes.append(None)
+            else:
+                streams.append(target.fileno() if target is not None else len(streams))
+                pipes.append(None)
+        forked = _server.start(argv, env, str(cwd), streams, netns)
+    forked.stdout, forked.stderr = pipes
+    return forked
+
+
+def run(
+    argv: list[str], *, env: dict[str, str], cwd: Path | str, timeout: float
+) -> subprocess.CompletedProcess[str] | None:
+    """`argv` forked from this worker's server, as `subprocess.run(argv, env=env, cwd=cwd,
+    capture_output=True, text=True, timeout=timeout, stdin=DEVNULL)` runs it; None where it
+    must run by exec instead (see the module)."""
+    forked = start(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if forked is None:
+        return None
+    try:
+        out, err = forked.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        forked.kill()
+        forked.wait()
+        raise
+    assert forked.returncode is not None
+    return subprocess.CompletedProcess(argv, forked.returncode, out, err)
 
 
 def stop() -> None:

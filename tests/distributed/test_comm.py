@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import shardwise
-from helpers import digits_job, load_params, losses, run_distributed
+from helpers import digits_job, load_params, losses, run_distributed, shardwise_process
 from shardwise.training.comm.powersgd import factor_bytes
 from shardwise.training.tracking.metrics import read_metrics
 
@@ -251,7 +251,6 @@ def test_a_killed_rank_resumes_bitwise_in_every_mode(tmp_path, monkeypatch, mode
 def _across_two_machines(tmp_path: Path, name: str, a, b, **sections) -> tuple[dict, dict]:
     """`shardwise train` on each of two simulated machines, 2 ranks each, as a user runs it."""
     import subprocess
-    import sys
 
     import tomli_w
 
@@ -261,16 +260,14 @@ def _across_two_machines(tmp_path: Path, name: str, a, b, **sections) -> tuple[d
     config = digits_job(run_dir, job={"threads_per_rank": 1}, **sections)
     job.write_text(tomli_w.dumps(config.model_dump(mode="json", exclude_none=True)))
     endpoint = f"{a.addr}:{a.free_port()}"
-    cli = str(Path(sys.executable).parent / "shardwise")
     started = [
-        subprocess.Popen(
-            node.command(
-                *("env", f"GLOO_SOCKET_IFNAME={node.interface}", cli, "train", str(job)),
-                *("--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", endpoint),
-                *("--local-addr", node.addr),
-            ),
+        shardwise_process(
+            *("train", str(job), "--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", endpoint),
+            *("--local-addr", node.addr),
+            env={"GLOO_SOCKET_IFNAME": node.interface},
             stdout=subprocess.DEVNULL,
             stderr=(tmp_path / f"{name}-{node.namespace}.err").open("w"),
+            netns=node.namespace,
         )
         for node in (a, b)
     ]

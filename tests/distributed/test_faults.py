@@ -11,7 +11,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from helpers import (
     losses,
     ranks_of,
     shardwise_command,
+    shardwise_process,
     write_job,
 )
 from shardwise.training.checkpoint.export import export_safetensors, load_exported
@@ -404,18 +404,17 @@ def test_a_job_across_two_nodes_survives_one_nodes_workers_being_killed(tmp_path
     job.write_text(tomli_w.dumps(config.model_dump(mode="json", exclude_none=True)))
     with two_nodes() as (a, b):
         endpoint = f"{a.addr}:{a.free_port()}"
-        shardwise_cli = str(Path(sys.executable).parent / "shardwise")
         started = [
-            subprocess.Popen(
-                node.command(
-                    *("env", f"GLOO_SOCKET_IFNAME={node.interface}", shardwise_cli, "train"),
-                    *(str(job), "--nproc", "1", "--nnodes", "2", "--rdzv-endpoint", endpoint),
-                    *("--local-addr", node.addr),
-                ),
-                cwd=REPO,
-                env={**os.environ, "SHARDWISE_FAULT": "kill:rank=1:step=10"},
+            shardwise_process(
+                *("train", str(job), "--nproc", "1", "--nnodes", "2", "--rdzv-endpoint", endpoint),
+                *("--local-addr", node.addr),
+                env={
+                    "GLOO_SOCKET_IFNAME": node.interface,
+                    "SHARDWISE_FAULT": "kill:rank=1:step=10",
+                },
                 stdout=(tmp_path / f"{node.namespace}.out").open("w"),
                 stderr=(tmp_path / f"{node.namespace}.err").open("w"),
+                netns=node.namespace,
             )
             for node in (a, b)
         ]

@@ -75,6 +75,47 @@ def test_a_forked_command_runs_as_the_interpreter_runs_it(script, tmp_path):
     assert forked.stdout.index("thread joined") < forked.stdout.index("atexit ran")
 
 
+def test_a_started_command_is_what_the_tests_use_of_popen(script, tmp_path):
+    """Pipes in text, read in part then to the end by communicate; poll, wait, the exit code."""
+    env = {**os.environ, "SHARDWISE_PROBE": "seen"}
+    argv = [str(script), "0"]
+    forked = zygote.start(
+        argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert forked is not None
+    first = forked.stdout.readline()
+    out, err = forked.communicate(timeout=120)
+    assert forked.returncode == 0 and forked.poll() == 0 and forked.wait() == 0
+    executed = subprocess.run(
+        argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert (first + out, err) == (executed.stdout, executed.stderr)
+
+
+def test_a_command_in_a_network_namespace_sees_only_that_namespace(tmp_path):
+    from netns import two_nodes
+
+    probe = tmp_path / "interfaces"
+    probe.write_text(
+        f"#!{sys.executable}\nimport socket\nprint(sorted(n for _, n in socket.if_nameindex()))\n"
+    )
+    probe.chmod(0o755)
+    with two_nodes() as (a, _):
+        forked = zygote.start(
+            [str(probe)], env=dict(os.environ), cwd=tmp_path, stdout=subprocess.PIPE,
+            netns=a.namespace,
+        )  # fmt: skip
+        assert forked is not None
+        out, _ = forked.communicate(timeout=60)
+        executed = subprocess.run(
+            ["ip", "netns", "exec", a.namespace, str(probe)], capture_output=True, text=True,
+            timeout=60,
+        )  # fmt: skip
+    assert forked.returncode == 0 and out == executed.stdout
+    assert a.interface in out and "eth0" not in out
+
+
 def test_a_shardwise_command_prints_and_exits_as_the_console_script_does(tmp_path):
     for args in (["--help"], ["train", str(tmp_path / "missing.toml")]):
         forked = helpers.shardwise_command(*args, timeout=120)
