@@ -270,11 +270,11 @@ def launch_on_two_nodes(
     their storage shared, from the repository as a user runs it. With `listening`, every socket
     that listens in the launch or a process below it at any time while it runs goes into it:
     (address, port) -> the command line of its process."""
-    command = [SHARDWISE, "launch", target, str(write_job(config, job))]
-    command += ["--nodes", "2", "--nproc-per-node", "1", "--shared-storage", *flags]
+    args = ["launch", target, str(write_job(config, job))]
+    args += ["--nodes", "2", "--nproc-per-node", "1", "--shared-storage", *flags]
     if listening is None:
-        return shardwise_command(*command[1:], env=env, timeout=300)
-    return run_listening(command, listening, env=env, timeout=300)
+        return shardwise_command(*args, env=env, timeout=300)
+    return run_listening([SHARDWISE, *args], listening, env=env, timeout=300)
 
 
 def run_listening(
@@ -505,21 +505,24 @@ def shardwise_process(
     stdout: Any = None,
     stderr: Any = None,
     netns: str | None = None,
+    fresh: bool = False,
 ) -> Any:
     """`shardwise ARGS` started as `subprocess.Popen` starts it (text streams; stdin
     /dev/null), from the repository, with `env` added to this process's environment; in the
     network namespace `netns` as `ip netns exec` runs it. Forked from the worker's server of
-    commands where the environment allows (a zygote.Forked: what the tests use of Popen), else
-    the console script by exec."""
+    commands (zygote.py), which has imported torch and the launcher, where the environment
+    allows (a zygote.Forked: what the tests use of Popen); with `fresh`, or where it does not,
+    the console script in a new interpreter."""
     import zygote
 
     environment = {**os.environ, **(env or {})}
-    forked = zygote.start(
-        [SHARDWISE, *args], env=environment, cwd=REPO, stdout=stdout, stderr=stderr, netns=netns
-    )
-    if forked is not None:
-        return forked
     command = [SHARDWISE, *args]
+    if not fresh:
+        forked = zygote.start(
+            command, env=environment, cwd=REPO, stdout=stdout, stderr=stderr, netns=netns
+        )
+        if forked is not None:
+            return forked
     if netns is not None:
         command = ["ip", "netns", "exec", netns, *command]
     return subprocess.Popen(
@@ -531,23 +534,10 @@ def shardwise_process(
 def shardwise_command(
     *args: str, env: dict[str, str] | None = None, timeout: float = 600, fresh: bool = False
 ) -> subprocess.CompletedProcess[str]:
-    """`shardwise ARGS` as a user runs it, from the repository, with `env` added to this
-    process's environment; no stdin. Forked from the worker's server of commands (zygote.py),
-    which has imported torch and the launcher, where the environment allows; with `fresh`, or
-    where it does not, the console script in a new interpreter."""
+    """`shardwise ARGS` as a user runs it (as `subprocess.run` with captured output), started
+    as `shardwise_process` starts it."""
     import zygote
 
-    environment = {**os.environ, **(env or {})}
-    if not fresh:
-        done = zygote.run([SHARDWISE, *args], env=environment, cwd=REPO, timeout=timeout)
-        if done is not None:
-            return done
-    return subprocess.run(
-        [SHARDWISE, *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=environment,
-        stdin=subprocess.DEVNULL,
-    )
+    pipe = subprocess.PIPE
+    process = shardwise_process(*args, env=env, stdout=pipe, stderr=pipe, fresh=fresh)
+    return zygote.completed(process, timeout)

@@ -44,31 +44,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-PRELOAD = (
-    "shardwise.cli",
-    "shardwise.training.launch.local",
-    "shardwise.training.launch.server_signals",
-    "torch._dynamo",
-    "shardwise.training.launch.worker",
-    "shardwise.training.trainer.loop",
-)
-"""What a `shardwise train` imports in its launcher and its ranks' server (forkserver.PRELOAD,
-checked by a test)."""
+from shardwise.training.launch import forkserver
+
+PRELOAD = ("shardwise.cli", "shardwise.training.launch.local", *forkserver.PRELOAD)
+"""What a `shardwise train` imports in its launcher and its ranks' server."""
 
 RUNTIME = (
-    "SHARDWISE_",
+    *forkserver.RUNTIME_ONLY,
     "MLFLOW_",
     "AWS_",
-    "PYTEST_CURRENT_TEST",
-    "TORCHELASTIC_",
-    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
-    "GLOO_SOCKET_IFNAME",
     "TORCHINDUCTOR_CACHE_DIR",  # set by torch in this process where it compiled something
     "TRITON_CACHE_DIR",
     "RAY_",  # Ray is imported by the commands that use it, never by the server
 )
-"""Variables (or prefixes) that nothing the server imports reads at import: a command whose
-environment differs from the server's only in these is forked."""
+"""Variables (or prefixes) that nothing the server imports reads at import (the ranks' server's
+own, and those of libraries it does not import): a command whose environment differs from the
+server's only in these is forked."""
 
 _MESSAGE = 1 << 20
 
@@ -99,7 +90,6 @@ def _serve(address: str) -> None:
     select.register(listener, selectors.EVENT_READ, "accept")
     select.register(sys.stdin, selectors.EVENT_READ, "parent")
     print("ready", flush=True)
-    own = [listener.fileno(), select.fileno(), sys.stdin.fileno()]  # closed in every command
     while True:
         for key, _ in select.select():
             if key.data == "parent":  # the pytest worker closed its end: it is gone
@@ -109,11 +99,10 @@ def _serve(address: str) -> None:
                 message, fds, _, _ = socket.recv_fds(connection, _MESSAGE, 3)
                 request = json.loads(message)
                 pid = os.fork()
-                if pid == 0:  # the server's descriptors are not the command's
+                if pid == 0:  # the server's descriptors (all it selects on) are not the command's
                     registered = [k.fd for k in select.get_map().values()]
-                    for fd in [*own, connection.fileno(), *registered]:
-                        with contextlib.suppress(OSError):
-                            os.close(fd)
+                    for fd in [select.fileno(), connection.fileno(), *registered]:
+                        os.close(fd)
                     _command(request, fds)  # never returns
                 for fd in fds:
                     os.close(fd)
@@ -257,32 +246,27 @@ class Forked:
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self._connection.setblocking(False)
-            try:
-                reply = self._connection.recv(_MESSAGE)
-            except BlockingIOError:
-                self._connection.setblocking(True)
-                return None
-            self._ended(reply)
+            self._receive(0)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            self._connection.settimeout(timeout)
-            try:
-                reply = self._connection.recv(_MESSAGE)
-            except TimeoutError:
-                self._connection.settimeout(None)
-                raise subprocess.TimeoutExpired(self.args, timeout or 0) from None
-            self._ended(reply)
+        if self.returncode is None and not self._receive(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
         assert self.returncode is not None
         return self.returncode
 
-    def _ended(self, reply: bytes) -> None:
+    def _receive(self, timeout: float | None) -> bool:
+        """Whether the exit status came within `timeout` (0: at once; None: whenever)."""
+        self._connection.settimeout(timeout)
+        try:
+            reply = self._connection.recv(_MESSAGE)
+        except (BlockingIOError, TimeoutError):
+            return False
         self._connection.close()
         if not reply:
             raise RuntimeError(f"the tests' server of commands ended before {self.args} did")
         self.returncode = os.waitstatus_to_exitcode(json.loads(reply)["status"])
+        return True
 
     def communicate(self, timeout: float | None = None) -> tuple[str | None, str | None]:
         """The rest of what the command's pipes hold, until every writer closed them (its
@@ -378,16 +362,20 @@ def run(
     capture_output=True, text=True, timeout=timeout, stdin=DEVNULL)` runs it; None where it
     must run by exec instead (see the module)."""
     forked = start(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    if forked is None:
-        return None
+    return None if forked is None else completed(forked, timeout)
+
+
+def completed(process: Any, timeout: float) -> subprocess.CompletedProcess[str]:
+    """What `subprocess.run` does with the process it started (a Popen, or a Forked with both
+    streams piped): its output and exit code; killed, waited for and TimeoutExpired raised at
+    `timeout`."""
     try:
-        out, err = forked.communicate(timeout=timeout)
+        out, err = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        forked.kill()
-        forked.wait()
+        process.kill()
+        process.wait()
         raise
-    assert forked.returncode is not None
-    return subprocess.CompletedProcess(argv, forked.returncode, out, err)
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
 
 def stop() -> None:

@@ -39,10 +39,12 @@ def many_models(
 ) -> subprocess.CompletedProcess[str]:
     """`shardwise many-models ARGS`; with `listening`, what listens while it runs goes into it
     (helpers.run_listening)."""
-    command = [str(BIN / "shardwise"), "many-models", *args]
     if listening is not None:
+        command = [str(BIN / "shardwise"), "many-models", *args]
         return run_listening(command, listening, env=env or environment(), timeout=timeout)
-    return helpers.shardwise_command(*command[1:], env=env or environment(), timeout=timeout)
+    return helpers.shardwise_command(
+        "many-models", *args, env=env or environment(), timeout=timeout
+    )
 
 
 def test_us_employment_with_spark_features(tmp_path):

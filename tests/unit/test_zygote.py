@@ -14,7 +14,6 @@ import pytest
 
 import helpers
 import zygote
-from shardwise.training.launch import forkserver
 
 pytestmark = pytest.mark.slow  # starts a server that imports torch
 
@@ -140,7 +139,3 @@ def test_a_command_past_its_time_is_killed(tmp_path):
     with pytest.raises(subprocess.TimeoutExpired):
         zygote.run([str(sleeper)], env=dict(os.environ), cwd=tmp_path, timeout=2)
     # the leak guard (conftest) fails the test if the command still runs
-
-
-def test_the_server_imports_what_the_ranks_server_does():
-    assert set(forkserver.PRELOAD) <= set(zygote.PRELOAD)
