@@ -74,6 +74,17 @@ def test_a_measured_dispatch_cost_bounds_a_small_models_step_by_its_host():
     assert step.total == step.device > step.host
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_counts_on_fake_tensors_are_those_of_real_ones(autocast):
+    """`work` counts on fake tensors (no data, no compute, the same operators), and the optimizer
+    step on a narrow model: the dispatches and bytes that real CPU tensors of the planned width
+    give, views and in-place operators told apart the same way."""
+    from shardwise.plan.kernels import _work
+
+    shape = {"hidden": 64, "heads": 4, "ffn": 256, "vocab": 256, "autocast": autocast}
+    assert work(**shape) == _work(**shape, fake=False)
+
+
 def test_dispatches_are_counted_per_layer_and_bytes_scale_with_the_width():
     """A block's dispatches do not depend on its width; its memory-bound bytes per token do."""
     narrow = work(hidden=64, heads=4, ffn=256, vocab=256, autocast=True)
