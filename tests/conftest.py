@@ -19,6 +19,27 @@ from helpers import children_of
 REPO = Path(__file__).resolve().parents[1]
 
 
+SPARK_CONF = "SPARK_CONF_DIR"
+SPARK_JVM_OPTIONS = "-XX:TieredStopAtLevel=1"
+"""The Spark JVMs' options in the tests: their just-in-time compiler stops at its quick first
+tier. The tests' Spark jobs are small and short, and C2, the optimising tier, spent more CPU
+compiling than it saved: tests/integration/test_features_spark.py's JVMs took 108 CPU-s with it
+and 53 without (67 -> 51 s), the Spark launch test's 76 and 41 (144 -> 120 s). A cluster's own
+long jobs want C2: this is the tests' site configuration, not shardwise's."""
+
+
+def _spark_site_configuration(directory: Path) -> str:
+    """A Spark configuration directory (SPARK_CONF_DIR, read by spark-submit as a cluster's
+    spark-defaults.conf is) whose defaults give the driver's and executors' JVMs
+    SPARK_JVM_OPTIONS; a local cluster's master and workers run in the driver's JVM."""
+    directory.mkdir()
+    (directory / "spark-defaults.conf").write_text(
+        f"spark.driver.extraJavaOptions {SPARK_JVM_OPTIONS}\n"
+        f"spark.executor.extraJavaOptions {SPARK_JVM_OPTIONS}\n"
+    )
+    return str(directory)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The longest test files first (tests/file_durations.json, from a measured run), so that
     `make test`'s two workers (`--dist loadfile`: a file's tests on one worker) end together: in
@@ -62,27 +83,6 @@ def _temporary_files(tmp_path_factory):
             os.environ[name] = value
     tempfile.tempdir = None
     shutil.rmtree(root, ignore_errors=True)
-
-
-SPARK_CONF = "SPARK_CONF_DIR"
-SPARK_JVM_OPTIONS = "-XX:TieredStopAtLevel=1"
-"""The Spark JVMs' options in the tests: their just-in-time compiler stops at its quick first
-tier. The tests' Spark jobs are small and short, and C2, the optimising tier, spent more CPU
-compiling than it saved: tests/integration/test_features_spark.py's JVMs took 108 CPU-s with it
-and 53 without (67 -> 51 s), the Spark launch test's 76 and 41 (144 -> 120 s). A cluster's own
-long jobs want C2: this is the tests' site configuration, not shardwise's."""
-
-
-def _spark_site_configuration(directory: Path) -> str:
-    """A Spark configuration directory (SPARK_CONF_DIR, read by spark-submit as a cluster's
-    spark-defaults.conf is) whose defaults give the driver's and executors' JVMs
-    SPARK_JVM_OPTIONS; a local cluster's master and workers run in the driver's JVM."""
-    directory.mkdir()
-    (directory / "spark-defaults.conf").write_text(
-        f"spark.driver.extraJavaOptions {SPARK_JVM_OPTIONS}\n"
-        f"spark.executor.extraJavaOptions {SPARK_JVM_OPTIONS}\n"
-    )
-    return str(directory)
 
 
 @pytest.fixture(autouse=True)

@@ -173,9 +173,11 @@ def _enter_network_namespace(name: str) -> None:
     import ctypes
 
     fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
-    if ctypes.CDLL(None, use_errno=True).setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
-        raise OSError(ctypes.get_errno(), f"setns into network namespace {name}")
-    os.close(fd)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            raise OSError(ctypes.get_errno(), f"setns into network namespace {name}")
+    finally:
+        os.close(fd)
 
 
 def _exit_code(code: object) -> int:

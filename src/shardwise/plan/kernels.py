@@ -13,8 +13,9 @@ outputs summed. The counts are those of real tensors (a test compares them), whi
 2048-wide GPT with a 32,000-token vocabulary 73 s and 3.9 GB on a 2-core CPU (bf16 autocast on
 a CPU is slow), where fake ones take about a second and no memory of the model's size. Bytes split
 into a part per token (activations) and a part per micro-batch (the weights autocast casts) by
-counting at two micro-batches; dispatches do not depend on the batch. The optimizer step and
-gradient clipping are counted the same way on a model of two blocks.
+counting at two micro-batches; dispatches do not depend on the batch. The optimizer step's and
+gradient clipping's dispatches, which depend on how many parameters there are and not on their
+width, are counted on real tensors of a narrow model of the same two blocks.
 
 This module must not import the trainer's loop; it builds the model from models/gpt.py.
 """
