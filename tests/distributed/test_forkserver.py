@@ -26,12 +26,19 @@ pytestmark = pytest.mark.slow
 
 
 def _seen(name: str, results) -> None:
+    import gc
+
     results.put(
-        (os.environ.get(name), "shardwise.training.trainer.loop" in sys.modules, os.getcwd())
+        (
+            os.environ.get(name),
+            "shardwise.training.trainer.loop" in sys.modules,
+            os.getcwd(),
+            gc.get_freeze_count() > 100_000,  # the server's imports, out of the collector's way
+        )
     )
 
 
-def _started_child(name: str) -> tuple[str | None, bool, str]:
+def _started_child(name: str) -> tuple[str | None, bool, str, bool]:
     ctx = mp.get_context(start_method())
     results = ctx.Queue()
     target, args = forked(_seen, (name, results))
@@ -48,15 +55,16 @@ def test_ranks_see_the_launchers_environment_and_start_with_the_trainer_imported
     name = "TEST_FORKSERVER_VARIABLE"  # any variable: what the server imported may read it
     here = os.getcwd()
     monkeypatch.setenv(name, "first")
-    assert _started_child(name) == ("first", True, here)  # forked from a preloaded server
+    # forked from a preloaded server whose imports the garbage collector never walks
+    assert _started_child(name) == ("first", True, here, True)
     server = forkserver._forkserver._forkserver_pid
-    assert _started_child(name) == ("first", True, here)
+    assert _started_child(name) == ("first", True, here, True)
     assert forkserver._forkserver._forkserver_pid == server  # reused while nothing changed
     monkeypatch.setenv(name, "second")
-    assert _started_child(name) == ("second", True, here)
+    assert _started_child(name) == ("second", True, here, True)
     assert forkserver._forkserver._forkserver_pid != server  # started again for the new value
     monkeypatch.chdir(tmp_path)
-    assert _started_child(name) == ("second", True, str(tmp_path))
+    assert _started_child(name) == ("second", True, str(tmp_path), True)
 
 
 def test_variables_read_only_as_ranks_run_reach_them_from_the_same_server(monkeypatch):
@@ -113,7 +121,7 @@ def test_the_server_outlives_a_sigterm_to_the_whole_job_and_ranks_restore_it(mon
 
 
 FORKED_BY_A_COMMAND = """
-import multiprocessing as mp, os, signal, sys, threading
+import gc, multiprocessing as mp, os, signal, sys, threading
 from multiprocessing import forkserver
 import torch
 from shardwise.cli import owned_process
@@ -128,6 +136,7 @@ def seen(results):
         signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
         signal.getsignal(signal.SIGINT) is signal.default_int_handler,
         sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
+        gc.get_freeze_count(),
     ))
 
 def rank(ctx):
@@ -162,15 +171,15 @@ def test_a_shardwise_command_forks_its_server_from_itself_and_its_ranks_start_as
     of the launcher, which has imported torch already, not a new interpreter; a caller with
     threads of its own gets a new interpreter. Either way a rank sees the same: the launcher's
     environment, directory, arguments and `__main__` (multiprocessing's own preparation of a
-    rank), the trainer imported, SIGTERM's and SIGINT's defaults, and no descriptor of the
-    launcher's."""
+    rank), the trainer imported and frozen (gc.freeze), SIGTERM's and SIGINT's defaults, and no
+    descriptor of the launcher's."""
     script = tmp_path / "launcher.py"
     script.write_text(FORKED_BY_A_COMMAND)
     done = subprocess.run(
         [sys.executable, str(script), caller], capture_output=True, text=True, timeout=240
     )
     assert done.returncode == 0, done.stderr
-    execd, (variable, directory, preloaded, argv, main_file, term, interrupt, fds) = eval(
+    execd, (variable, directory, preloaded, argv, main_file, term, interrupt, fds, frozen) = eval(
         done.stdout.strip().splitlines()[-1]
     )
     assert execd is (caller == "threaded")
@@ -178,6 +187,7 @@ def test_a_shardwise_command_forks_its_server_from_itself_and_its_ranks_start_as
     assert argv == [str(script), caller] and main_file and term and interrupt  # as spawned
     # standard streams, the pipes multiprocessing gave the rank, the queue's, the tracker's
     assert len(fds) < 12, fds
+    assert frozen > 100_000  # the server's imports: a rank's collections never walk them
 
 
 DISCARDED = """

@@ -26,6 +26,8 @@ project's suite a new server per test cost about 3 CPU-s each.
 
 from __future__ import annotations
 
+import gc
+import importlib
 import multiprocessing
 import os
 import signal
@@ -43,8 +45,10 @@ PRELOAD = (
     "torch._dynamo",
     "shardwise.training.launch.worker",
     "shardwise.training.trainer.loop",
+    "shardwise.training.launch.server_freeze",
 )
-"""What every rank imports before its first step (the trainer imports DTensor and the layouts)."""
+"""What every rank imports before its first step (the trainer imports DTensor and the layouts),
+then the freeze of it all (server_freeze.py: a rank's garbage collections leave it alone)."""
 
 RUNTIME_ONLY = (
     "SHARDWISE_",
@@ -147,7 +151,9 @@ def _fork_server(server: Any) -> bool:
     forked rank's CUDA would inherit broken), and this process has one thread of Python. The
     child holds what an exec'd server would (the listening socket and the pipe that ends it, no
     other descriptor; SIGTERM ignored as server_signals.py does; multiprocessing gives each rank
-    the launcher's `sys.argv` and `__main__` in either case), then imports `PRELOAD` and serves.
+    the launcher's `sys.argv` and `__main__` in either case), then imports `PRELOAD`, freezes
+    what it holds (server_freeze.py, whose import alone would not where this process had
+    imported it already) and serves.
     False where it cannot: the caller starts one by exec."""
     global _unused
     torch = sys.modules.get("torch")
@@ -180,6 +186,9 @@ def _fork_server(server: Any) -> bool:
                     os.closerange(keep[1] + 1, os.sysconf("SC_OPEN_MAX"))
                     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # server_signals.py
                     signal.signal(signal.SIGINT, signal.default_int_handler)  # for the ranks
+                    for name in server._preload_modules:
+                        importlib.import_module(name)
+                    gc.freeze()
                     forkserver.main(listener.fileno(), alive_r, server._preload_modules)
                 finally:
                     os._exit(0)
