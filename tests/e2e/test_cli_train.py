@@ -149,7 +149,11 @@ def test_under_srun_environment(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["step"] == 20
 
 
-def test_a_failing_worker_is_named(tmp_path):
+@pytest.mark.parametrize("slow_exit_s", [0, 3])
+def test_a_failing_worker_is_named(tmp_path, slow_exit_s):
+    """The rank whose own error ended the run is named, not a peer that failed because it left
+    (gloo: "remote worker crashing"), even where that peer's process ended first: torch's agent
+    then reports the peer alone."""
     done = shardwise(
         "train",
         "examples/digits.toml",
@@ -160,7 +164,7 @@ def test_a_failing_worker_is_named(tmp_path):
         "--set",
         "model.name=tests.e2e.faulty:build_model",
         "--set",
-        "model.args={}",
+        f"model.args={{slow_exit_s = {slow_exit_s}}}",
         "--set",
         "tracking.mlflow=false",
     )

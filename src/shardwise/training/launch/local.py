@@ -159,10 +159,11 @@ def launch(
             # keep torch elastic's own log levels)
             for name in ("torch.distributed.elastic", "torchelastic-events-null"):
                 logging.getLogger(name).setLevel(logging.CRITICAL)
-            results: dict[int, Any] = elastic_launch(config, target)(*target_args)
+            try:
+                results: dict[int, Any] = elastic_launch(config, target)(*target_args)
+            except ChildFailedError as e:  # read while the agent's error files are there
+                raise _first_failure(e) from None
         return results
-    except ChildFailedError as e:
-        raise _first_failure(e) from None
     except (DistNetworkError, RendezvousError) as e:  # only across machines: ours is local
         assert nodes is not None
         reason = first_line(e)
@@ -191,10 +192,12 @@ def _first_failure(error: ChildFailedError) -> Exception:
 
     def order(item: tuple[int, ProcessFailure]) -> tuple[bool, int, int]:
         rank, failure = item
-        echo = any(p in _failure_message(failure).lower() for p in AFTER_A_PEER)
-        return echo, failure.timestamp, rank
+        return _echo(failure), failure.timestamp, rank
 
-    rank, failure = min(error.failures.items(), key=order)
+    failures = dict(error.failures)
+    if all(_echo(f) for f in failures.values()):
+        failures.update(_node_errors(failures))
+    rank, failure = min(failures.items(), key=order)
     message = _failure_message(failure)
     data = failure.error_file_data.get("message", {}) if failure.error_file_data else {}
     traceback = data.get("extraInfo", {}).get("py_callstack", "") if isinstance(data, dict) else ""
@@ -202,6 +205,33 @@ def _first_failure(error: ChildFailedError) -> Exception:
     if message.startswith(prefix):
         return ConfigError(f"rank {rank}: {message.removeprefix(prefix)}")
     return WorkerFailed(rank=rank, exitcode=failure.exitcode, message=message, traceback=traceback)
+
+
+def _echo(failure: ProcessFailure) -> bool:
+    """Whether the failure is a consequence of another rank's end (watchdog.AFTER_A_PEER)."""
+    return any(p in _failure_message(failure).lower() for p in AFTER_A_PEER)
+
+
+def _node_errors(failures: dict[int, ProcessFailure]) -> dict[int, ProcessFailure]:
+    """The error files this node's other ranks wrote in the same attempt. torch's agent reports
+    one failed process per node (the lowest local rank among those ended when it looked), so
+    where a rank's own error ended it and its peers failed at once with it (their collectives
+    lost it), the agent may report a peer's echo; each rank writes its own error before it
+    leaves its group (worker.py), so the cause's file is there."""
+    found: dict[int, ProcessFailure] = {}
+    for rank, failure in failures.items():
+        path = Path(failure.error_file)
+        if path.name != "error.json" or not path.parent.name.isdigit():
+            continue
+        for other in path.parent.parent.iterdir():
+            if other.name.isdigit() and (other / "error.json").is_file():
+                local = int(other.name)
+                global_rank = rank - failure.local_rank + local
+                if global_rank not in failures:
+                    found[global_rank] = ProcessFailure(  # an uncaught exception: exit code 1
+                        local_rank=local, pid=0, exitcode=1, error_file=str(other / "error.json")
+                    )
+    return found
 
 
 def _failure_message(failure: ProcessFailure) -> str:

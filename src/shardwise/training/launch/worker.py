@@ -13,12 +13,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
 from shardwise.common.console import one_line_warnings
 from shardwise.common.errors import ConfigError
 from shardwise.common.redact import redacting_output
 from shardwise.training.checkpoint.resume import start_point
 from shardwise.training.config.schema import JobConfig
+from shardwise.training.fault.watchdog import AFTER_A_PEER
 from shardwise.training.launch.env import WorkerEnv, detect, visible_cpus
 from shardwise.training.launch.forkserver import restore_sigterm
 from shardwise.training.launch.stores import worker_store
@@ -67,6 +69,13 @@ def run_worker(
             summary = loop.train(
                 config, device=device, resume=resume, restarts=restarts, node=env.node
             )
+        except Exception as e:
+            # This rank's own error on record (torch elastic's error file) before its group goes:
+            # leaving the group is what fails the other ranks' collectives, and the launcher
+            # names the rank whose error is not such an echo (local.py's _first_failure).
+            if not any(p in str(e).lower() for p in AFTER_A_PEER):
+                get_error_handler().record_exception(e)
+            raise
         finally:
             # Free DDP's reducer (which holds the process group) while the group is still
             # registered: if the group's last reference died inside the reducer's destructor,
