@@ -83,6 +83,8 @@ class Server:
         self.cond = threading.Condition()
         self.threads: list[threading.Thread] = []
         self.remaining = 0
+        self.failure: RuntimeError | None = None
+        """Set when a remote worker's messages fail (it is gone): every wait ends with it."""
         self.sent = 0.0
 
     def flat(self) -> torch.Tensor:
@@ -134,6 +136,8 @@ class Server:
         """Rank 0's own worker: wait for its version, then take it."""
         with self.cond:
             while (version := self._servable(worker, clock, last)) is None:
+                if self.failure is not None:
+                    raise self.failure
                 self.cond.wait()
             self._log(worker, clock, version)
             return self._parameters(version).clone(), version
@@ -143,40 +147,57 @@ class Server:
 
     # -- the threads serving the other workers ------------------------------------------------
     # gloo completes a receive only inside `wait()` (polling `is_completed()` never sees it), so
-    # one thread blocks receiving pushes and another sends the parameters each pull may have.
+    # a thread per remote worker blocks receiving its pushes and another sends the parameters
+    # each pull may have. A receive from one worker, not from any: gloo fails it as soon as that
+    # worker's connection closes, where a receive from any source waited on (a killed worker's
+    # survivors sat in rank 0's pull until their patience after SIGTERM ran out, 10 s).
 
     def start(self) -> None:
         if self.workers > 1:
             self.remaining = self.workers - 1
             self.threads = [
-                threading.Thread(target=self._receive, name="shardwise-server-in", daemon=True),
-                threading.Thread(target=self._send, name="shardwise-server-out", daemon=True),
+                threading.Thread(
+                    target=self._receive, args=(w,), name=f"shardwise-server-in-{w}", daemon=True
+                )
+                for w in range(1, self.workers)
             ]
+            self.threads.append(
+                threading.Thread(target=self._send, name="shardwise-server-out", daemon=True)
+            )
             for thread in self.threads:
                 thread.start()
 
-    def _receive(self) -> None:
-        while self.remaining:
-            header = torch.zeros(4, dtype=torch.int64)
-            worker = dist.recv(header, src=None, group=self.group, tag=HEADER)
-            _, clock, base, last = header.tolist()
-            if clock == BYE:
+    def _receive(self, worker: int) -> None:
+        try:
+            while True:
+                header = torch.zeros(4, dtype=torch.int64)
+                dist.recv(header, src=worker, group=self.group, tag=HEADER)
+                _, clock, base, last = header.tolist()
+                if clock == BYE:
+                    with self.cond:
+                        self.remaining -= 1
+                        self.cond.notify_all()
+                    return
+                grad = torch.empty(sum(self.sizes))  # messages travel through host memory (gloo)
+                dist.recv(grad, src=worker, group=self.group, tag=GRADIENT)
                 with self.cond:
-                    self.remaining -= 1
-                    self.cond.notify_all()
-                continue
-            grad = torch.empty(sum(self.sizes))  # messages travel through host memory (gloo)
-            dist.recv(grad, src=worker, group=self.group, tag=GRADIENT)
+                    self.waiting.append((worker, clock, bool(last)))
+                self.push(worker, clock, base, grad.to(self.params[0].device))
+        except RuntimeError as e:  # the worker is gone: rank 0's pull fails with gloo's words
             with self.cond:
-                self.waiting.append((worker, clock, bool(last)))
-            self.push(worker, clock, base, grad.to(self.params[0].device))
+                self.failure = RuntimeError(f"the parameter server lost worker {worker}: {e}")
+                self.cond.notify_all()
 
     def _send(self) -> None:
         while True:
             with self.cond:
-                while not (answers := self._answers()) and (self.remaining or self.waiting):
+                while (
+                    not (answers := self._answers())
+                    and (self.remaining or self.waiting)
+                    and self.failure is None
+                ):
                     self.cond.wait()
-                if not answers and not self.remaining and not self.waiting:
+                if self.failure is not None or not (answers or self.remaining or self.waiting):
                     return
             for w, flat, version in answers:
                 message = torch.cat([flat, torch.tensor([float(version)])])
