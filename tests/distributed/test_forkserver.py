@@ -5,6 +5,7 @@ the launch, as a spawned one does."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -26,8 +27,6 @@ pytestmark = pytest.mark.slow
 
 
 def _seen(name: str, results) -> None:
-    import gc
-
     results.put(
         (
             os.environ.get(name),

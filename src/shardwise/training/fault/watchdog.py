@@ -43,6 +43,11 @@ AFTER_A_PEER = (
 consequence, not the cause, whenever a rank also failed for a reason of its own."""
 
 
+def after_a_peer(message: str) -> bool:
+    """Whether an error's message says another rank died under this one (AFTER_A_PEER)."""
+    return any(p in message.lower() for p in AFTER_A_PEER)
+
+
 class Watchdog:
     def __init__(self, directory: Path, *, rank: int, timeout_s: float) -> None:
         self.directory, self.rank, self.timeout_s = directory, rank, timeout_s
@@ -96,7 +101,7 @@ class Watchdog:
         so its patience may start only when the peer's end breaks the collective."""
         if self._patience_s is None or not self._training:
             return
-        if any(p in str(error).lower() for p in AFTER_A_PEER):
+        if after_a_peer(str(error)):
             self._end(time.monotonic() - self._beat)
 
     def _end(self, idle: float) -> None:

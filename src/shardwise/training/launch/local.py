@@ -40,7 +40,7 @@ from shardwise.training.checkpoint.resume import resume_point
 from shardwise.training.config.derive import derive
 from shardwise.training.config.load import load_config, validate
 from shardwise.training.config.schema import JobConfig
-from shardwise.training.fault.watchdog import AFTER_A_PEER
+from shardwise.training.fault.watchdog import after_a_peer
 from shardwise.training.fault.watchdog import describe as describe_hang
 from shardwise.training.launch.env import WorkerEnv, detect
 from shardwise.training.launch.forkserver import discard_unused_server, forked, start_method
@@ -208,8 +208,8 @@ def _first_failure(error: ChildFailedError) -> Exception:
 
 
 def _echo(failure: ProcessFailure) -> bool:
-    """Whether the failure is a consequence of another rank's end (watchdog.AFTER_A_PEER)."""
-    return any(p in _failure_message(failure).lower() for p in AFTER_A_PEER)
+    """Whether the failure is a consequence of another rank's end (watchdog.after_a_peer)."""
+    return after_a_peer(_failure_message(failure))
 
 
 def _node_errors(failures: dict[int, ProcessFailure]) -> dict[int, ProcessFailure]:

@@ -20,7 +20,7 @@ from shardwise.common.errors import ConfigError
 from shardwise.common.redact import redacting_output
 from shardwise.training.checkpoint.resume import start_point
 from shardwise.training.config.schema import JobConfig
-from shardwise.training.fault.watchdog import AFTER_A_PEER
+from shardwise.training.fault.watchdog import after_a_peer
 from shardwise.training.launch.env import WorkerEnv, detect, visible_cpus
 from shardwise.training.launch.forkserver import restore_sigterm
 from shardwise.training.launch.stores import worker_store
@@ -73,7 +73,7 @@ def run_worker(
             # This rank's own error on record (torch elastic's error file) before its group goes:
             # leaving the group is what fails the other ranks' collectives, and the launcher
             # names the rank whose error is not such an echo (local.py's _first_failure).
-            if not any(p in str(e).lower() for p in AFTER_A_PEER):
+            if not after_a_peer(str(e)):
                 get_error_handler().record_exception(e)
             raise
         finally:
