@@ -124,3 +124,55 @@ def test_a_resumed_auto_precision_run_keeps_the_precision_it_was_trained_in(
     train(resumed, device=torch.device("cpu"), resume=str(checkpoint))
     assert "train.precision = 'auto': bf16, as step_00000004 was trained" in capsys.readouterr().out
     assert 'precision = "bf16"' in (tmp_path / "again" / "config.toml").read_text()
+
+
+class _ReadsAValue(torch.nn.Module):  # its forward reads a value: it cannot run on meta
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x) if x.sum().item() >= 0 else -self.layer(x)
+
+
+def _count_in_every_rank() -> tuple[int, float, str | float]:
+    from shardwise.training.builders import LOSSES
+    from shardwise.training.trainer.flops import Peak, for_run
+
+    built = []
+
+    def build(model: type[torch.nn.Module]) -> torch.nn.Module:
+        built.append(model)
+        return model()
+
+    sample = (torch.zeros(4), torch.tensor(0))
+    counted = {"micro_batch": 2, "global_batch": 4, "peak": lambda: Peak(1e12, torch.float32)}
+    found = for_run(lambda: build(Linear4To2), LOSSES["cross_entropy"], sample, **counted)
+    assert not isinstance(found, str)
+    reads = for_run(lambda: build(_ReadsAValue), LOSSES["cross_entropy"], sample, **counted)
+    return (
+        len(built),
+        found.flops_per_step,
+        reads if isinstance(reads, str) else reads.flops_per_step,
+    )
+
+
+class Linear4To2(torch.nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(4, 2)
+
+
+def test_the_flops_are_counted_by_rank_0_and_given_to_every_rank():
+    """Every rank builds the same model on meta: rank 0 counts it, the others get its count,
+    and where the count fails every rank says the same (and takes the same path after it)."""
+    from helpers import run_distributed
+
+    (built_0, flops_0, reads_0), (built_1, flops_1, reads_1) = run_distributed(
+        _count_in_every_rank, 2
+    )
+    assert (built_0, built_1) == (2, 0)
+    # a global batch of 4 through 4 × 2 weights: 2 FLOPs each forward, 2 for the weights'
+    # gradient (the input, data, needs none)
+    assert flops_0 == flops_1 == 4 * 8 * (2 + 2)
+    assert isinstance(reads_0, str) and reads_0 == reads_1
+    assert "could not be counted on the meta device" in reads_0

@@ -147,20 +147,37 @@ def for_run(
     be reported. `peak` measures the peak, only where there are FLOPs to set against it."""
     per_micro: float | str
     counted = "counted"
-    try:
-        with torch.device("meta"):
-            model = build()
-        inputs, target = meta_batch(sample, micro_batch)
-        per_micro = count_flops(model, loss_fn, inputs, target)
-    except Exception as e:  # any model's code can fail on meta tensors: say why, go on
-        per_micro = f"its FLOPs could not be counted on the meta device ({type(e).__name__}: {e})"
-        if real is not None:
-            found = real()
-            per_micro = found if isinstance(found, float) else f"{per_micro}; {found}"
-            counted = "counted on one real micro-batch"
+
+    def on_meta() -> float | str:
+        try:
+            with torch.device("meta"):
+                model = build()
+            inputs, target = meta_batch(sample, micro_batch)
+            return count_flops(model, loss_fn, inputs, target)
+        except Exception as e:  # any model's code can fail on meta tensors: say why, go on
+            return f"its FLOPs could not be counted on the meta device ({type(e).__name__}: {e})"
+
+    per_micro = on_rank_0(on_meta)
+    if isinstance(per_micro, str) and real is not None:
+        found = real()
+        per_micro = found if isinstance(found, float) else f"{per_micro}; {found}"
+        counted = "counted on one real micro-batch"
     if isinstance(per_micro, str):
         return per_micro
     return Utilisation(per_micro * global_batch / micro_batch, peak(), counted=counted)
+
+
+def on_rank_0(count: Callable[[], float | str]) -> float | str:
+    """`count` run by the default group's rank 0 only and its result given to every rank: each
+    rank builds the same model and batch on the meta device, so the others would only repeat it
+    (on a shared machine's cores, at the cost of the run's start)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return count()
+    box: list[float | str | None] = [count() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    found = box[0]
+    assert found is not None
+    return found
 
 
 def count_real(
