@@ -57,9 +57,13 @@ typecheck: $(STAMP)
 # rendezvous, Slurm, Ray and Spark more than they compute (tests/DURATIONS.md).
 # --no-loadscope-reorder keeps the order tests/conftest.py gives, the longest files first: xdist
 # otherwise hands out the files with the most tests first, and a file of one long test (the Spark
-# launch, 144 s) ran last, alone.
-test: lint typecheck
-	$(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder -m "slow or not slow"
+# launch, 144 s) ran last, alone. mypy runs beside the tests, its report printed after theirs:
+# on its own before them it kept one core busy for 45 s and left the other idle.
+test: lint
+	$(BIN)/mypy > $(VENV)/mypy.log 2>&1 & typing=$$!; \
+	$(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder -m "slow or not slow"; tests=$$?; \
+	wait $$typing; typed=$$?; echo "$(BIN)/mypy"; cat $(VENV)/mypy.log; \
+	[ $$tests = 0 ] && [ $$typed = 0 ]
 
 bench: $(STAMP)
 	$(BIN)/python bench/ddp_overhead.py
