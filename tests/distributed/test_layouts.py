@@ -3,9 +3,10 @@ tensor parallelism (with and without sequence parallelism), pipeline parallelism
 torch's schedules, and the hybrids on 4 ranks. A checkpoint written under one layout resumes under
 another and continues the same loss curve.
 
-Every run is the same small GPT (6 pipeline blocks, 4 heads, no dropout) on the same data for 10
-steps of global batch 8. The runs of one world size share one set of worker processes (run one
-after another), which keeps the start-up cost of these tests down.
+Every run is the same small GPT (6 pipeline blocks, 4 heads, no dropout) on the same data for 6
+steps of global batch 8 (the loss falls by 0.45 in them; 10 steps checked nothing more). The
+runs of one world size share one set of worker processes (run one after another), which keeps
+the start-up cost of these tests down.
 
 Tolerance: the layouts add and multiply in different orders (sharded reductions, split matmuls,
 micro-batches through a pipeline), so fp32 results differ in the last bits; losses agree to 1e-5
@@ -33,7 +34,9 @@ from helpers import (
 # development machine, 268 s on one half as fast, and over the default 300 s with a third pytest
 # worker on it (tests/DURATIONS.md).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-STEPS = 10
+STEPS = 6
+SAVED = 3
+"""The step the resumes start from."""
 ALL = range(1, STEPS + 1)
 
 MODEL = {"layers": 4, "heads": 4, "hidden": 32, "seq_len": 16, "mlp_ratio": 2, "dropout": 0.0}
@@ -42,7 +45,7 @@ BASE = {
     "data": {"args": {"seq_len": 16, "max_bytes": 20_000}},
     "train": {"steps": STEPS, "global_batch": 8, "micro_batch": 2, "lr": 3e-3, "warmup_steps": 2},
     "eval": {"max_samples": 16},
-    "checkpoint": {"every_steps": 5, "keep_last": 5},
+    "checkpoint": {"every_steps": SAVED, "keep_last": 5},
 }
 
 SCHEDULES = [
@@ -82,7 +85,8 @@ USER_LAYOUTS: dict[str, dict[str, Any]] = {
     "user-tp": {"tp": 2, "tp_plan": "examples.tabular:tp_plan"},
     "user-pp-cost": {"pp": 2, "pipeline_schedule": "GPipe", "pipeline_balance": "cost"},
 }
-# (name, saved by, resumed under, world size): checkpoints at step 5 continue under another layout
+# (name, saved by, resumed under, world size): checkpoints at step SAVED continue under another
+# layout
 RESUMES = [
     ("fsdp2-to-one-process", "fsdp-zero3", {}, 1),
     ("pp2-to-one-process", "pp-1F1B", {}, 1),
@@ -94,8 +98,8 @@ SOURCES = {source for _, source, _, _ in RESUMES}
 
 
 def job(run_dir: Path, parallel: dict[str, Any]) -> dict[str, Any]:
-    """The layout's run; only the resumes' sources also save step 5 (every run saves its last:
-    the others' step-5 saves were 6% of the fixture's time)."""
+    """The layout's run; only the resumes' sources also save step SAVED (every run saves its
+    last: the others' mid-run saves were 6% of the fixture's time)."""
     sections = {k: dict(v) for k, v in BASE.items()}
     sections["parallel"] = parallel
     if run_dir.name not in SOURCES:
@@ -129,7 +133,11 @@ def runs(tmp_path_factory) -> dict[str, Any]:
         failures |= train_in_workers(
             world,
             [
-                (name, job(root / name, layout), str(root / source / "checkpoints/step_00000005"))
+                (
+                    name,
+                    job(root / name, layout),
+                    str(root / source / f"checkpoints/step_{SAVED:08d}"),
+                )
                 for name, source, layout, size in RESUMES
                 if size == world
             ],
@@ -159,9 +167,9 @@ def test_user_model_layout_matches_one_process(runs, name):
 def test_checkpoint_resumes_under_another_layout(runs, name, source, layout, world):
     """Model, optimizer and data position carry over: the resumed run reads the samples the
     first run would have read next and follows the uninterrupted curve."""
-    assert summary(runs, name)["resumed_from"] == 5
+    assert summary(runs, name)["resumed_from"] == SAVED
     assert_same_training(
-        outcome(runs, name, STEPS), outcome(runs, "reference", STEPS), range(6, STEPS + 1)
+        outcome(runs, name, STEPS), outcome(runs, "reference", STEPS), range(SAVED + 1, STEPS + 1)
     )
 
 
