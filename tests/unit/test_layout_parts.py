@@ -417,3 +417,52 @@ def test_a_users_loss_is_said_to_run_outside_the_compiled_graphs():
     )
     ours = describe_loss("cross_entropy", compiled="whole", one_graph=True, builtin=True)
     assert ours == "the loss (cross_entropy) is compiled in the same graph as the model"
+
+
+def test_a_model_without_markers_is_traced_once_and_one_with_them_as_marked(monkeypatch):
+    """An automatic split traces the model once (torch.export's whole work); looking for
+    pipe_split() markers runs its forward on the meta device instead of a trace of its own. A
+    model with markers is cut where they are, whether or not the meta run could look."""
+    import zoo
+    from shardwise.training.parallel import traced
+
+    traces = []
+    real_pipeline = traced._pipeline
+    monkeypatch.setattr(
+        traced, "_pipeline", lambda m, e, s: traces.append(s) or real_pipeline(m, e, s)
+    )
+    with torch.device("meta"):
+        residual, marked = zoo.residual_mlp(), zoo.marked_cnn()
+    split = traced.trace_split(residual, torch.zeros(4, 64, device="meta"), num_stages=2, split=[])
+    assert traces == [split.split] and split.split == ["layers.2"]
+    traces.clear()
+    cut = traced.trace_split(marked, torch.zeros(4, 1, 8, 8, device="meta"), num_stages=2, split=[])
+    assert traces == [None] and len(cut.modules) == 2
+    # off the meta device the forward would compute and draw random numbers: not run to look;
+    # the automatic split's trace makes the stages asked for, so there are no markers
+    traces.clear()
+    split = traced.trace_split(zoo.residual_mlp(), torch.zeros(4, 64), num_stages=2, split=[])
+    assert traces == [["layers.2"]] and len(split.modules) == 2
+    # with a marker as well, that trace makes more stages: cut at the marker
+    traces.clear()
+    cut = traced.trace_split(MarkedResidual(), torch.zeros(4, 64), num_stages=2, split=[])
+    assert traces == [["layers.2"], None] and len(cut.modules) == 2 and cut.split == []
+    held = [sorted({n.split(".")[1] for n in cut.held[s]}) for s in (0, 1)]
+    assert held == [["0"], ["1", "2", "3"]]  # the layers' indices each stage holds
+
+
+class MarkedResidual(nn.Module):
+    """Repeated layers, and a pipe_split() marker after the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.pipelining import pipe_split
+
+        for i, layer in enumerate(self.layers):
+            if i == 1:
+                pipe_split()
+            x = x + layer(x)
+        return x

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.export.unflatten import InterpreterModule
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardwise.common.errors import ConfigError, first_line
 from shardwise.training.parallel.pipeline import balance, has_submodule, repeated_layers
@@ -68,22 +69,80 @@ def trace_split(
     device: torch.device | None = None,
 ) -> TracedSplit:
     """Trace `model` on `example` (one micro-batch of inputs, on the model's device: meta is
-    fine) and cut it into `num_stages` stages, to run on `device`."""
-    model = copy.deepcopy(model)  # split points patch the modules' forward
-    model.train()
-    if not split:
-        marked = _pipeline(model, example, None)
-        if marked.num_stages > 1:
-            if marked.num_stages != num_stages:
-                raise ConfigError(
-                    f"the model's forward has {marked.num_stages - 1} pipe_split() markers, "
-                    f"which make {marked.num_stages} stages, but parallel.pp × stages_per_rank "
-                    f"= {num_stages}; change one to match the other"
-                )
-            return _stages(marked, model, [], device)
-        split = auto_split(model, num_stages)
-    _check_split(model, split, num_stages)
-    return _stages(_pipeline(model, example, split), model, split, device)
+    fine) and cut it into `num_stages` stages, to run on `device`. torch.export's trace is the
+    costly part: a model is traced once where its split is named, where a run of its forward on
+    the meta device finds no pipe_split() markers, or where the trace with the automatic split
+    makes as many stages as asked (markers would have made more); otherwise again without split
+    points, to cut at its markers."""
+
+    def traced(points: list[str] | None) -> tuple[nn.Module, Any]:
+        copied = copy.deepcopy(model)  # split points patch the modules' forward
+        copied.train()
+        return copied, _pipeline(copied, example, points)
+
+    markers = None if split else _markers(model, example)
+    automatic = None
+    if split or markers == 0:
+        split = split or auto_split(model, num_stages)
+    elif markers is None:  # the meta run could not tell: try the automatic split first
+        try:
+            split = auto_split(model, num_stages)
+        except ConfigError:
+            split = []  # no repeated layers to split: markers, or the same refusal below
+    if split:
+        _check_split(model, split, num_stages)
+        automatic = (*traced(split), split)
+        if markers is not None or automatic[1].num_stages == num_stages:
+            return _stages(automatic[1], automatic[0], split, device)
+    copied, marked = traced(None)
+    if marked.num_stages > 1:
+        if marked.num_stages != num_stages:
+            raise ConfigError(
+                f"the model's forward has {marked.num_stages - 1} pipe_split() markers, "
+                f"which make {marked.num_stages} stages, but parallel.pp × stages_per_rank "
+                f"= {num_stages}; change one to match the other"
+            )
+        return _stages(marked, copied, [], device)
+    if automatic is None:
+        split = auto_split(model, num_stages)  # the refusal of a model with nothing to split
+        _check_split(model, split, num_stages)
+        automatic = (*traced(split), split)
+    return _stages(automatic[1], automatic[0], automatic[2], device)
+
+
+def _markers(model: nn.Module, example: Any) -> int | None:
+    """How many `pipe_split()` markers the model's forward passes, from one run of it on the meta
+    device; None where that cannot tell: a model or batch not on meta (its forward would
+    compute, draw random numbers and update statistics) or a forward that cannot run on meta
+    (a Hugging Face model reads values)."""
+    tensors = [*model.parameters(), *model.buffers(), *torch.utils._pytree.tree_leaves(example)]
+    if any(isinstance(t, torch.Tensor) and t.device.type != "meta" for t in tensors):
+        return None
+    markers = _Markers()
+    try:
+        with torch.no_grad(), markers:
+            model(example)
+    except Exception:  # any model's code can fail on meta tensors
+        return None
+    return markers.count
+
+
+class _Markers(TorchDispatchMode):
+    """Counts the `pipe_split()` markers a forward passes."""
+
+    def __init__(self) -> None:
+        # here, not at the top: torch.distributed.pipelining imports TorchDynamo (stage.py)
+        from torch.distributed.pipelining._IR import aten_pipe_split_alias
+
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.marker, self.count = aten_pipe_split_alias, 0
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        if func is self.marker:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 def auto_split(model: nn.Module, num_stages: int) -> list[str]:
