@@ -449,6 +449,14 @@ def test_a_model_without_markers_is_traced_once_and_one_with_them_as_marked(monk
     assert traces == [["layers.2"], None] and len(cut.modules) == 2 and cut.split == []
     held = [sorted({n.split(".")[1] for n in cut.held[s]}) for s in (0, 1)]
     assert held == [["0"], ["1", "2", "3"]]  # the layers' indices each stage holds
+    # named split points are the only cuts there may be: with a marker as well, refused
+    with pytest.raises(ConfigError, match=r"into 3 stages, not .* = 2: its forward has pipe_"):
+        traced.trace_split(MarkedResidual(), torch.zeros(4, 64), num_stages=2, split=["layers.2"])
+    # the meta run to count markers runs a copy: what a forward caches stays off the model
+    with torch.device("meta"):
+        model = MarkedResidual()
+    traced.trace_split(model, torch.zeros(4, 64, device="meta"), num_stages=2, split=[])
+    assert not hasattr(model, "ran")
 
 
 class MarkedResidual(nn.Module):
@@ -461,6 +469,7 @@ class MarkedResidual(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from torch.distributed.pipelining import pipe_split
 
+        self.ran = True  # a forward that caches something on its module
         for i, layer in enumerate(self.layers):
             if i == 1:
                 pipe_split()

@@ -36,8 +36,9 @@ SIZES = {"cuda": (4096, 8192), "cpu": (512,)}
 BURST = {"cuda": 3, "cpu": 1}
 """Calls per timed burst, per device type: a GPU's are timed in threes (one 4096² multiply is
 a fraction of a millisecond, near the cost of the synchronisation around it); a CPU core's
-512² multiply takes milliseconds, against a timer's microsecond, so each call is timed alone
-(bursts of three tripled the measurement's cost at every rank's start for nothing)."""
+512² multiply takes milliseconds, against a timer's microsecond, so each call is timed alone:
+bursts of three tripled the measurement's cost at every rank's start, and measured a lower and
+less steady peak (in 8 tries: 63-80 GFLOP/s in bursts, 78-81 singly; tests/DURATIONS.md)."""
 
 
 def datasheet(device: torch.device) -> tuple[str, float] | None:

@@ -28,6 +28,7 @@ This module must not choose the layout: it splits what `parallelize` asks it to.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import difflib
 import warnings
@@ -74,27 +75,38 @@ def trace_split(
     the meta device finds no pipe_split() markers, or where the trace with the automatic split
     makes as many stages as asked (markers would have made more); otherwise again without split
     points, to cut at its markers."""
+    if split:  # named: the only cuts there may be
+        _check_split(model, split, num_stages)
+        copied, pipe = _traced(model, example, split)
+        if pipe.num_stages != num_stages:
+            raise ConfigError(
+                f"parallel.pipeline_split = {split} cuts {type(model).__name__}'s forward into "
+                f"{pipe.num_stages} stages, not parallel.pp × stages_per_rank = {num_stages}: "
+                "its forward has pipe_split() markers too, or a named module runs more than "
+                "once; remove the markers or name modules that run once"
+            )
+        return _stages(pipe, copied, split, device)
+    return _automatic(model, example, num_stages, device)
 
-    def traced(points: list[str] | None) -> tuple[nn.Module, Any]:
-        copied = copy.deepcopy(model)  # split points patch the modules' forward
-        copied.train()
-        return copied, _pipeline(copied, example, points)
 
-    markers = None if split else _markers(model, example)
+def _automatic(
+    model: nn.Module, example: Any, num_stages: int, device: torch.device | None
+) -> TracedSplit:
+    """Cut at the forward's pipe_split() markers, or else at its repeated layers."""
+    markers = _markers(model, example)
+    split: list[str] = []
     automatic = None
-    if split or markers == 0:
-        split = split or auto_split(model, num_stages)
+    if markers == 0:
+        split = auto_split(model, num_stages)
     elif markers is None:  # the meta run could not tell: try the automatic split first
-        try:
+        with contextlib.suppress(ConfigError):  # no repeated layers: markers, or the refusal
             split = auto_split(model, num_stages)
-        except ConfigError:
-            split = []  # no repeated layers to split: markers, or the same refusal below
     if split:
         _check_split(model, split, num_stages)
-        automatic = (*traced(split), split)
-        if markers is not None or automatic[1].num_stages == num_stages:
+        automatic = (*_traced(model, example, split), split)
+        if markers == 0 or automatic[1].num_stages == num_stages:
             return _stages(automatic[1], automatic[0], split, device)
-    copied, marked = traced(None)
+    copied, marked = _traced(model, example, None)
     if marked.num_stages > 1:
         if marked.num_stages != num_stages:
             raise ConfigError(
@@ -106,22 +118,33 @@ def trace_split(
     if automatic is None:
         split = auto_split(model, num_stages)  # the refusal of a model with nothing to split
         _check_split(model, split, num_stages)
-        automatic = (*traced(split), split)
+        automatic = (*_traced(model, example, split), split)
     return _stages(automatic[1], automatic[0], automatic[2], device)
 
 
+def _traced(model: nn.Module, example: Any, points: list[str] | None) -> tuple[nn.Module, Any]:
+    """A copy of `model` in training mode (split points patch its modules' forward) and torch's
+    trace of it cut at `points`."""
+    copied = copy.deepcopy(model)
+    copied.train()
+    return copied, _pipeline(copied, example, points)
+
+
 def _markers(model: nn.Module, example: Any) -> int | None:
-    """How many `pipe_split()` markers the model's forward passes, from one run of it on the meta
-    device; None where that cannot tell: a model or batch not on meta (its forward would
-    compute, draw random numbers and update statistics) or a forward that cannot run on meta
-    (a Hugging Face model reads values)."""
+    """How many `pipe_split()` markers the model's forward passes, from one run of a copy of it
+    in training mode on the meta device (what it caches on itself stays on the copy); None where
+    that cannot tell: a model or batch not on meta (its forward would compute, draw random
+    numbers and update statistics) or a forward that cannot run on meta (a Hugging Face model
+    reads values)."""
     tensors = [*model.parameters(), *model.buffers(), *torch.utils._pytree.tree_leaves(example)]
     if any(isinstance(t, torch.Tensor) and t.device.type != "meta" for t in tensors):
         return None
     markers = _Markers()
     try:
-        with torch.no_grad(), markers:
-            model(example)
+        copied = copy.deepcopy(model)
+        copied.train()
+        with markers:
+            copied(example)
     except Exception:  # any model's code can fail on meta tensors
         return None
     return markers.count
