@@ -76,16 +76,15 @@ def trace_split(
     makes as many stages as asked (markers would have made more); otherwise again without split
     points, to cut at its markers."""
     if split:  # named: the only cuts there may be
-        _check_split(model, split, num_stages)
-        copied, pipe = _traced(model, example, split)
-        if pipe.num_stages != num_stages:
+        cut = _cut(model, example, split, num_stages, device)
+        if len(cut.modules) != num_stages:
             raise ConfigError(
                 f"parallel.pipeline_split = {split} cuts {type(model).__name__}'s forward into "
-                f"{pipe.num_stages} stages, not parallel.pp × stages_per_rank = {num_stages}: "
+                f"{len(cut.modules)} stages, not parallel.pp × stages_per_rank = {num_stages}: "
                 "its forward has pipe_split() markers too, or a named module runs more than "
                 "once; remove the markers or name modules that run once"
             )
-        return _stages(pipe, copied, split, device)
+        return cut
     return _automatic(model, example, num_stages, device)
 
 
@@ -94,18 +93,14 @@ def _automatic(
 ) -> TracedSplit:
     """Cut at the forward's pipe_split() markers, or else at its repeated layers."""
     markers = _markers(model, example)
-    split: list[str] = []
-    automatic = None
     if markers == 0:
-        split = auto_split(model, num_stages)
-    elif markers is None:  # the meta run could not tell: try the automatic split first
+        return _cut(model, example, auto_split(model, num_stages), num_stages, device)
+    automatic = None
+    if markers is None:  # the meta run could not tell: the automatic split's trace first
         with contextlib.suppress(ConfigError):  # no repeated layers: markers, or the refusal
-            split = auto_split(model, num_stages)
-    if split:
-        _check_split(model, split, num_stages)
-        automatic = (*_traced(model, example, split), split)
-        if markers == 0 or automatic[1].num_stages == num_stages:
-            return _stages(automatic[1], automatic[0], split, device)
+            automatic = _cut(model, example, auto_split(model, num_stages), num_stages, device)
+        if automatic is not None and len(automatic.modules) == num_stages:
+            return automatic  # markers would have made more stages
     copied, marked = _traced(model, example, None)
     if marked.num_stages > 1:
         if marked.num_stages != num_stages:
@@ -115,11 +110,17 @@ def _automatic(
                 f"= {num_stages}; change one to match the other"
             )
         return _stages(marked, copied, [], device)
-    if automatic is None:
-        split = auto_split(model, num_stages)  # the refusal of a model with nothing to split
-        _check_split(model, split, num_stages)
-        automatic = (*_traced(model, example, split), split)
-    return _stages(automatic[1], automatic[0], automatic[2], device)
+    # no markers: the automatic split (the refusal of a model with nothing to split)
+    return automatic or _cut(model, example, auto_split(model, num_stages), num_stages, device)
+
+
+def _cut(
+    model: nn.Module, example: Any, split: list[str], num_stages: int, device: torch.device | None
+) -> TracedSplit:
+    """The model traced and cut where the modules `split` names begin."""
+    _check_split(model, split, num_stages)
+    copied, pipe = _traced(model, example, split)
+    return _stages(pipe, copied, split, device)
 
 
 def _traced(model: nn.Module, example: Any, points: list[str] | None) -> tuple[nn.Module, Any]:
