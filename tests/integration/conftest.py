@@ -14,10 +14,13 @@ import pytest
 
 @pytest.fixture(scope="module")
 def ray_cluster():
+    from shardwise.common.environment import environment
     from shardwise.common.ray_cluster import loopback_ray
 
     here = os.path.dirname(__file__)  # the test models (bad_models.py), for the workers
-    with loopback_ray():  # as `shardwise many-models` starts it
+    # as `shardwise many-models` starts it: loopback only, and what the workers need in the
+    # environment the instance starts in, so the workers it starts with run the tasks
+    with loopback_ray(), environment({"PYTHONPATH": here, "OMP_NUM_THREADS": "1"}):
         import ray
 
         ray.init(
@@ -25,7 +28,6 @@ def ray_cluster():
             num_cpus=2,
             include_dashboard=False,
             logging_level="WARNING",
-            runtime_env={"env_vars": {"PYTHONPATH": here, "OMP_NUM_THREADS": "1"}},
         )
     yield ray
     ray.shutdown()

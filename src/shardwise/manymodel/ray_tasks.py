@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from shardwise.common.console import warn
+from shardwise.common.environment import environment
 from shardwise.common.errors import ConfigError
 from shardwise.common.ray_cluster import loopback_ray, ray_logs_to
 from shardwise.manymodel.backtest import Plan
@@ -61,10 +62,13 @@ def task_slots(ray: Any, config: ManyModelsConfig) -> int:
 
 
 def start_ray(config: ManyModelsConfig) -> tuple[Any, bool]:
-    """Ray, and whether this call started it (and so should stop it). Locally, workers import
-    user models from the working directory, as the driver does; on a cluster, the working
-    directory is shipped to the workers (without virtualenvs, runs and VCS data). A local
-    instance listens on loopback only (`LOCAL_RAY_ENV`)."""
+    """Ray, and whether this call started it (and so should stop it). Every worker runs one
+    thread (`THREAD_ENV`). Locally, workers import user models from the working directory, as
+    the driver does, and get both from the environment the instance starts in: a job's runtime
+    environment would make Ray start workers of its own for the job and leave idle the ones it
+    starts with the instance. On a cluster, both come in the job's runtime environment, the
+    working directory shipped to the workers (without virtualenvs, runs and VCS data). A local
+    instance listens on loopback only (`loopback_ray`)."""
     address = config.runner.ray_address or None
     with contextlib.nullcontext() if address else loopback_ray():
         import ray
@@ -72,16 +76,19 @@ def start_ray(config: ManyModelsConfig) -> tuple[Any, bool]:
         return ray, False
     cwd = os.getcwd()
     env = dict(THREAD_ENV)
-    runtime_env: dict[str, Any] = {"env_vars": env}
+    runtime_env: dict[str, Any] | None = None
     if address is None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, os.environ.get("PYTHONPATH")) if p)
-    elif any(name not in BUILTIN_MODELS for name in config.models.names):
-        runtime_env["working_dir"] = cwd
-        runtime_env["excludes"] = [
-            ".venv/", "runs/", ".git/", "**/__pycache__/", ".*_cache/", "*.egg-info/"
-        ]  # fmt: skip
+    else:
+        runtime_env = {"env_vars": env}
+        if any(name not in BUILTIN_MODELS for name in config.models.names):
+            runtime_env["working_dir"] = cwd
+            runtime_env["excludes"] = [
+                ".venv/", "runs/", ".git/", "**/__pycache__/", ".*_cache/", "*.egg-info/"
+            ]  # fmt: skip
     try:
         with (
+            environment(env) if address is None else contextlib.nullcontext(),
             contextlib.nullcontext() if address else loopback_ray(),
             ray_logs_to(config.run_dir / "ray.log"),
         ):
