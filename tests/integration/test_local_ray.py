@@ -33,14 +33,18 @@ def test_a_local_instance_gives_its_workers_the_working_directory_and_one_thread
         assert {name: os.environ.get(name) for name in ours} == before
 
         @ray.remote
-        def seen() -> tuple[dict[str, str | None], int]:
+        def seen() -> tuple[dict[str, str | None], int, str]:
             import user_model_here  # from the working directory, as user models are
 
-            return {name: os.environ.get(name) for name in THREAD_ENV}, user_model_here.ANSWER
+            limits = {name: os.environ.get(name) for name in THREAD_ENV}
+            # on PYTHONPATH too, for the processes a model starts (joblib's, multiprocessing's)
+            first = os.environ.get("PYTHONPATH", "").split(os.pathsep)[0]
+            return limits, user_model_here.ANSWER, first
 
-        limits, answer = ray.get(seen.remote())
-        assert limits == THREAD_ENV and answer == 42
-        # no runtime environment: the workers Ray started with the instance serve the tasks
+        limits, answer, first = ray.get(seen.remote())
+        assert limits == THREAD_ENV and answer == 42 and first == str(tmp_path)
+        # The job asks for no runtime environment, which is what lets the workers Ray started
+        # with the instance serve its tasks (this checks the cause, not which worker ran them).
         assert ray.get_runtime_context().runtime_env == {}
     finally:
         ray.shutdown()

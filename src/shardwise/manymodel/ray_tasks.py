@@ -62,13 +62,15 @@ def task_slots(ray: Any, config: ManyModelsConfig) -> int:
 
 
 def start_ray(config: ManyModelsConfig) -> tuple[Any, bool]:
-    """Ray, and whether this call started it (and so should stop it). Every worker runs one
-    thread (`THREAD_ENV`). Locally, workers import user models from the working directory, as
-    the driver does, and get both from the environment the instance starts in: a job's runtime
-    environment would make Ray start workers of its own for the job and leave idle the ones it
-    starts with the instance. On a cluster, both come in the job's runtime environment, the
-    working directory shipped to the workers (without virtualenvs, runs and VCS data). A local
-    instance listens on loopback only (`loopback_ray`)."""
+    """Ray, and whether this call started it (and so should stop it). The workers' numeric
+    libraries use one thread each (`THREAD_ENV`). Locally, workers import user models from the
+    working directory, as the driver does (on PYTHONPATH, so processes a model starts can too),
+    and get both from the environment the instance starts in: a job's runtime environment would
+    make Ray start workers of its own for the job and leave idle the ones it starts with the
+    instance. Ray's own processes (its agents and monitors) start in that environment too. On a
+    cluster, both come in the job's runtime environment, and the working directory is shipped to
+    the workers (without virtualenvs, runs and VCS data) when a model is not a built-in one. A
+    local instance listens on loopback only (`loopback_ray`)."""
     address = config.runner.ray_address or None
     with contextlib.nullcontext() if address else loopback_ray():
         import ray
