@@ -14,13 +14,11 @@ import pytest
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    from shardwise.common.environment import environment
     from shardwise.common.ray_cluster import loopback_ray
 
     here = os.path.dirname(__file__)  # the test models (bad_models.py), for the workers
-    # as `shardwise many-models` starts it: loopback only, and what the workers need in the
-    # environment the instance starts in, so the workers it starts with run the tasks
-    with loopback_ray(), environment({"PYTHONPATH": here, "OMP_NUM_THREADS": "1"}):
+    # as `shardwise many-models` starts it: loopback only, what the workers need given at start
+    with loopback_ray(workers={"PYTHONPATH": here, "OMP_NUM_THREADS": "1"}):
         import ray
 
         ray.init(

@@ -1,9 +1,10 @@
 """The local Ray instance `shardwise many-models` starts: its workers import user models from the
-working directory and run one thread each, and the job asks for no runtime environment, so the
-workers Ray starts with the instance run its tasks. With a runtime environment (as the thread
-limits and the working directory had been given), Ray started new workers for it and let the
-ones it had started idle: two more interpreters a run, and the first task about a second later
-(0.57 against 1.5 s from `ray.init` to the results of 8 tasks on the development machine)."""
+working directory and their numeric libraries run one thread each, and the job asks for no
+runtime environment, so the workers Ray starts with the instance run its tasks. With a runtime
+environment (as the thread limits and the working directory had been given), Ray started new
+workers for it and let the ones it had started idle: two more interpreters a run, and the first
+task about a second later (0.57 against 1.5 s from `ray.init` to the results of 8 tasks,
+measured on a 2-core machine)."""
 
 from __future__ import annotations
 

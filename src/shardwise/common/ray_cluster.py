@@ -9,7 +9,7 @@ import logging
 import re
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from shardwise.common.environment import environment
@@ -96,14 +96,18 @@ def ray_logs_to(path: Path) -> Iterator[None]:
         ray_logger.addHandler(handler)
 
 
-def loopback_ray() -> contextlib.AbstractContextManager[None]:
+def loopback_ray(
+    workers: Mapping[str, str] | None = None,
+) -> contextlib.AbstractContextManager[None]:
     """A local Ray started inside listens on loopback only. This is Ray's single-machine mode
     (its default on macOS and Windows): the node's address is 127.0.0.1, and the GCS, raylet and
     workers bind to it instead of the machine's external address. The driver reads the switch
     when `ray` is first imported and the processes Ray starts read it from their environment:
-    import ray inside, and start it inside."""
+    import ray inside, and start it inside. `workers`: more variables for the processes the
+    instance starts (its workers among them), given at its start rather than as a job's runtime
+    environment, for which Ray starts workers of its own and leaves idle those it started."""
     # Only inside: with it set, `ray start` refuses to join a cluster.
-    return environment({_RAY_SINGLE_MACHINE: "0"})
+    return environment({**(workers or {}), _RAY_SINGLE_MACHINE: "0"})
 
 
 _RAY_SINGLE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"

@@ -16,7 +16,6 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from shardwise.common.console import warn
-from shardwise.common.environment import environment
 from shardwise.common.errors import ConfigError
 from shardwise.common.ray_cluster import loopback_ray, ray_logs_to
 from shardwise.manymodel.backtest import Plan
@@ -90,8 +89,7 @@ def start_ray(config: ManyModelsConfig) -> tuple[Any, bool]:
             ]  # fmt: skip
     try:
         with (
-            environment(env) if address is None else contextlib.nullcontext(),
-            contextlib.nullcontext() if address else loopback_ray(),
+            contextlib.nullcontext() if address else loopback_ray(workers=env),
             ray_logs_to(config.run_dir / "ray.log"),
         ):
             ray.init(

@@ -126,9 +126,15 @@ def _cut(
 def _traced(model: nn.Module, example: Any, points: list[str] | None) -> tuple[nn.Module, Any]:
     """A copy of `model` in training mode (split points patch its modules' forward) and torch's
     trace of it cut at `points`."""
+    copied = _training_copy(model)
+    return copied, _pipeline(copied, example, points)
+
+
+def _training_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` in training mode: what a run or trace of it changes stays off `model`."""
     copied = copy.deepcopy(model)
     copied.train()
-    return copied, _pipeline(copied, example, points)
+    return copied
 
 
 def _markers(model: nn.Module, example: Any) -> int | None:
@@ -142,8 +148,7 @@ def _markers(model: nn.Module, example: Any) -> int | None:
         return None
     markers = _Markers()
     try:
-        copied = copy.deepcopy(model)
-        copied.train()
+        copied = _training_copy(model)
         with markers:
             copied(example)
     except Exception:  # any model's code can fail on meta tensors
