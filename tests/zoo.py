@@ -304,3 +304,56 @@ def digits_stream(*, dp_rank: int = 0, dp_size: int = 1) -> tuple[Any, Any]:
     from shardwise.training.data.digits import build_digits
 
     return DigitsStream(dp_rank, dp_size), build_digits()[1]
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding's frequencies, computed once in `__init__` as a buffer that
+    is not saved (Llama's `inv_freq`): no initialiser sets it again."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (10_000 ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        angles = torch.arange(h.shape[1], dtype=torch.float)[:, None] * self.inv_freq
+        return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+class RopeLM(nn.Module):
+    """A small language model shaped like Llama as users write it by hand: a rotary-embedding
+    module outside the blocks that every block reads (so every pipeline stage holds its
+    buffer), blocks named by `pipeline_blocks()`, and nanoGPT's `init_weights`, which sets the
+    linear and embedding weights only."""
+
+    def __init__(self, vocab: int, hidden: int, layers: int) -> None:
+        super().__init__()
+        self.rotary = Rotary(hidden)
+        self.embed: nn.Embedding | None = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleDict({str(i): nn.Linear(hidden, hidden) for i in range(layers)})
+        self.final: nn.Linear | None = nn.Linear(hidden, vocab)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            h = self.embed(h)
+        rope = self.rotary(h)
+        for layer in self.layers.values():
+            h = h + torch.tanh(layer(h * rope))
+        if self.final is not None:
+            h = self.final(h)
+        return h
+
+    def pipeline_blocks(self) -> list[str]:
+        names = ["embed"] if self.embed is not None else []
+        names += [f"layers.{k}" for k in self.layers]
+        return names + (["final"] if self.final is not None else [])
+
+    def init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+
+def rope_lm(*, vocab: int = 256, hidden: int = 16, layers: int = 4) -> nn.Module:
+    return RopeLM(vocab, hidden, layers)

@@ -119,6 +119,52 @@ def test_meta_init_gives_the_same_values_whatever_is_materialized():
     assert not torch.equal(again.embed.tok.weight, whole.embed.tok.weight)
 
 
+class _Scaled(nn.Module):
+    """A parameter of its own, set in __init__ and by no initialiser (no reset_parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale
+
+    def init_weights(self, module: nn.Module) -> None:  # linear layers only, as nanoGPT's
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+
+
+def test_a_parameter_no_initialiser_sets_is_refused_not_left_uninitialised():
+    with torch.device("meta"):
+        model = _Scaled()
+    template = copy.deepcopy(model)
+    with pytest.raises(ConfigError, match=r"nothing initialises scale .*model.init = 'full'"):
+        materialize([model], template, seed=0, device=torch.device("cpu"))
+
+
+def test_buffers_come_from_init_and_the_template_is_left_as_it_was(tmp_path):
+    """A buffer no initialiser sets (rotary frequencies) takes the value __init__ computed,
+    on every part that holds it; materializing leaves the template able to do it again."""
+    from shardwise.training import builders
+
+    config = gpt_job(tmp_path, model={"name": "tests.zoo:rope_lm", "args": {}})
+    template = builders.build_with_meta_parameters(config)
+    assert all(p.is_meta for p in template.parameters())
+    expected = builders.build_model(config).rotary.inv_freq
+    assert torch.equal(template.rotary.inv_freq, expected)
+    for _ in range(2):
+        with torch.device("meta"):
+            model = builders.build_model(config)
+        blocks = pipeline_blocks(model)
+        first = stage_module(model, blocks, {"embed", "layers.0"})
+        last = stage_module(model, blocks, {"layers.3", "final"})
+        materialize([first, last], template, seed=0, device=torch.device("cpu"))
+        assert torch.equal(first.rotary.inv_freq, expected)
+        assert torch.equal(last.rotary.inv_freq, expected)
+    assert all(p.is_meta for p in template.parameters())
+
+
 def gpt_layout(tmp_path, world_size, **parallel):
     config = gpt_job(
         tmp_path, model={"args": {"layers": 2, "heads": 4, "hidden": 32}}, parallel=parallel

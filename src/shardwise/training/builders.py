@@ -147,6 +147,27 @@ def build_on_meta(config: JobConfig) -> nn.Module:
         return build_model(config)
 
 
+def build_with_meta_parameters(config: JobConfig) -> nn.Module:
+    """The job's model with its parameters on the meta device and its buffers as its
+    `__init__` computed them, on the CPU: the values a model initialised on the meta device
+    takes its buffers from (a rotary embedding's frequencies, a causal mask), which no
+    initialiser may set again. Each parameter moves to the meta device as it is registered, so
+    the build holds one at a time (uninitialised: its module's initialisers then skip it)."""
+
+    def to_meta(_module: nn.Module, _name: str, param: Any) -> Any:
+        if param is None or param.is_meta:
+            return None  # kept as it is: a tied parameter registered again stays one
+        return nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
+
+    hook = torch.nn.modules.module.register_module_parameter_registration_hook(to_meta)
+    try:
+        with _NoInitOnMeta(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.job.seed)  # a buffer drawn at random: the same on every rank
+            return build_model(config)
+    finally:
+        hook.remove()
+
+
 class _NoInitOnMeta(TorchFunctionMode):
     """torch.nn.init's initialisers and Tensor's in-place random fills return a meta tensor as it
     is."""

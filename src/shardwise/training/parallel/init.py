@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from shardwise.common.errors import ConfigError
 from shardwise.models.hf_init import initializer as hf_initializer
 from shardwise.training.parallel.ties import aliases, clean_name, retie, tied_groups
 
@@ -69,10 +70,16 @@ def materialize(
     parts: list[nn.Module], template: nn.Module, *, seed: int, device: torch.device
 ) -> None:
     """Give the (parallelized, meta) `parts` storage on `device` and fill every parameter and
-    buffer with this rank's slice of the value the unsharded `template` (on meta) would get.
+    buffer with this rank's slice of the value the unsharded `template` would get: a
+    parameter's from its module's initialisers, a buffer's from the template (built with
+    `builders.build_with_meta_parameters`, its buffers as `__init__` computed them) and then
+    from those initialisers. The template is left as it was.
 
-    A tied parameter takes the value its first name's module gives it, on every stage that
-    holds one of its names, as in the built model (the output layer holds the embedding)."""
+    A name may be held by several parts (two pipeline stages on one rank both hold what is
+    outside their blocks): each copy is filled. A tied parameter takes the value its first
+    name's module gives it, on every stage that holds one of its names, as in the built model
+    (the output layer holds the embedding). A parameter that no initialiser sets is refused:
+    a run never starts from uninitialised memory."""
     groups = tied_groups(template)
     tied = aliases(groups)
     targets: dict[str, list[torch.Tensor]] = {}
@@ -80,7 +87,7 @@ def materialize(
         part.to_empty(device=device)
         retie(part, groups)  # to_empty gave every name a parameter of its own
         for name, tensor in itertools.chain(part.named_parameters(), part.named_buffers()):
-            targets[clean_name(name)] = [tensor]
+            targets.setdefault(clean_name(name), []).append(tensor)
     for group in groups:  # the first name's value goes to every name of the group held here
         targets[group[0]] = [t for name in group for t in targets.get(name, [])]
     init_module = initializer(template)
@@ -89,13 +96,30 @@ def materialize(
         own = [(n, t) for n, t in _own_tensors(module, prefix) if tied.get(n, (n,))[0] == n]
         if not any(targets.get(name) for name, _ in own):
             continue  # another pipeline stage owns it, or it is a tied parameter's second name
-        scratch.attach(module)
+        kept = scratch.attach(module)
         _initialise(module, prefix, seed, init_module)
         with torch.no_grad():  # the module's tensors now (attach gave it storage)
             for name, full in _own_tensors(module, prefix):
-                for target in targets.get(name, []) if tied.get(name, (name,))[0] == name else []:
+                if tied.get(name, (name,))[0] != name:
+                    continue
+                held = kept.get(name.rpartition(".")[2])
+                if held is None or held.is_meta:
+                    _check_initialised(template, module, name, full)
+                for target in targets.get(name, []):
                     copy_slice(full, target)
-        module.to_empty(device="meta", recurse=False)
+        scratch.detach(module, kept)
+
+
+def _check_initialised(
+    template: nn.Module, module: nn.Module, name: str, tensor: torch.Tensor
+) -> None:
+    """A parameter still holding the scratch's NaN was set by no initialiser."""
+    if tensor.is_floating_point() and bool(tensor.isnan().any()):
+        raise ConfigError(
+            f"model.init = 'meta': nothing initialises {name} ({type(module).__name__} has no "
+            f"reset_parameters() that sets it, nor does {type(template).__name__}."
+            "init_weights(module)); set it in one of them, or set model.init = 'full'"
+        )
 
 
 def _initialise(
@@ -120,25 +144,39 @@ class _Scratch:
     def __init__(self) -> None:
         self._buffers: dict[torch.dtype, torch.Tensor] = {}
 
-    def attach(self, module: nn.Module) -> None:
-        """Point the module's own parameters and buffers at views of the scratch buffers."""
-        own = [*module._parameters.items(), *module._buffers.items()]
+    def attach(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """Point the module's own meta parameters and buffers at views of the scratch buffers,
+        filled with NaN (integers with 0) so that what no initialiser sets shows; a buffer the
+        template holds a value for starts with that value. Returns what the module held."""
+        kept = {**module._parameters, **module._buffers}
+        own = [(n, t) for n, t in kept.items() if t is not None and t.is_meta]
         needed: dict[torch.dtype, int] = {}
         for _, t in own:
-            if t is not None:
-                needed[t.dtype] = needed.get(t.dtype, 0) + t.numel()
+            needed[t.dtype] = needed.get(t.dtype, 0) + t.numel()
         offsets = dict.fromkeys(needed, 0)
         for name, t in own:
-            if t is None:
-                continue
             buffer = self._buffer(t.dtype, needed[t.dtype])
             start = offsets[t.dtype]
             view = buffer[start : start + t.numel()].view(t.shape)
+            view.fill_(torch.nan if view.is_floating_point() else 0)
             offsets[t.dtype] += t.numel()
             if name in module._parameters:
                 module._parameters[name] = nn.Parameter(view, requires_grad=t.requires_grad)
             else:
                 module._buffers[name] = view
+        held = {name: t for name, t in kept.items() if t is not None}
+        for name, t in held.items():  # a real buffer: a copy, which the initialisers may set
+            if not t.is_meta and name in module._buffers:
+                module._buffers[name] = t.clone()
+        return held
+
+    def detach(self, module: nn.Module, kept: dict[str, torch.Tensor]) -> None:
+        """Give the module back what it held before `attach`."""
+        for name, t in kept.items():
+            if name in module._parameters:
+                module._parameters[name] = t  # type: ignore[assignment]
+            else:
+                module._buffers[name] = t
 
     def _buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         buffer = self._buffers.get(dtype)

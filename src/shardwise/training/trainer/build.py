@@ -4,7 +4,6 @@ works on, assembled once into a `Run`."""
 
 from __future__ import annotations
 
-import copy
 import socket
 from dataclasses import dataclass, field
 from typing import Any
@@ -363,7 +362,7 @@ def build_layout(
             "model.init = 'meta' but some module has no reset_parameters() and the model no "
             "init_weights(module); set model.init = 'full'"
         )
-    template = copy.deepcopy(model)
+    template = builders.build_with_meta_parameters(config)  # where initial values come from
     if not use_meta and materialize_weights:
         torch.manual_seed(config.job.seed)  # identical initial weights on every rank
         model = builders.build_model(config)
