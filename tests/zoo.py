@@ -135,6 +135,24 @@ def model_parallel_cnn(*, channels: int = 8) -> nn.Module:
     return ModelParallelCNN(channels)
 
 
+class LateNormCNN(ModelParallelCNN):
+    """ModelParallelCNN with a batch norm in its classifier too, so that a pipeline split at
+    the classifier has running statistics in its last stage."""
+
+    def __init__(self, channels: int = 8) -> None:
+        super().__init__(channels)
+        self.classifier = nn.Sequential(
+            nn.Linear(channels * 16, 64, bias=False),
+            nn.BatchNorm1d(64),
+            nn.ReLU(),
+            nn.Linear(64, 10),
+        )
+
+
+def late_norm_cnn(*, channels: int = 8) -> nn.Module:
+    return LateNormCNN(channels)
+
+
 def marked_cnn(*, channels: int = 8) -> nn.Module:
     return ModelParallelCNN(channels, marked=True)
 

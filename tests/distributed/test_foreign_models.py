@@ -55,6 +55,7 @@ SCHEDULES = get_args(Schedule)  # every schedule the config accepts
 MP_CNN = {**TRACEABLE, "model": {"name": "tests.zoo:model_parallel_cnn", "args": {}}}
 MARKED_CNN = {**TRACEABLE, "model": {"name": "tests.zoo:marked_cnn", "args": {}}}
 RESIDUAL = {**TRACEABLE, "model": {"name": "tests.zoo:residual_mlp", "args": {}}}
+LATE_NORM = {**TRACEABLE, "model": {"name": "tests.zoo:late_norm_cnn", "args": {}}}
 # a stock Hugging Face GPT-2 (examples/hf_gpt2.py), without dropout so layouts compare exactly
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 NO_TRANSFORMERS = "transformers is not installed (pip install 'shardwise[hf]'; make test does)"
@@ -80,6 +81,7 @@ ONE_PROCESS = {
     "tied-meta": (TIED_META, {}),
     "mp-cnn": (MP_CNN, {}),
     "residual": (RESIDUAL, {}),
+    "late-norm": (LATE_NORM, {}),
 }
 TWO_RANKS = {
     "bn-cnn-pp-GPipe": (BN_CNN, {"pp": 2, "pipeline_schedule": "GPipe"}),
@@ -112,7 +114,10 @@ TRACED = {
     "mp-cnn-pipe-split-markers": (MARKED_CNN, {"pp": 2}),
     "residual-pp-automatic": (RESIDUAL, {"pp": 2}),
     "residual-pp-interleaved": (RESIDUAL, {"pp": 2, "pipeline_schedule": "Interleaved1F1B"}),
+    # a batch norm in the last stage: shape inference differentiates a forward of it
+    "late-norm-split-by-name": (LATE_NORM, {"pp": 2, "pipeline_split": ["classifier"]}),
 }
+TRACED_REFERENCES = ("mp-cnn", "residual", "late-norm")  # the one-process runs
 TWO_RANKS |= TRACED
 TWO_RANKS["residual-fsdp"] = (RESIDUAL, {"dp_shard": 2})
 if HAS_TRANSFORMERS:
@@ -289,7 +294,7 @@ def test_a_model_that_is_not_a_sequence_of_blocks_pipelines_by_tracing(runs, nam
     """Split by module name, by pipe_split() markers or automatically at its repeated layers:
     one process's losses, parameters and BatchNorm statistics; evaluation (the last batch padded
     to the traced size) with BatchNorm's statistics and without dropout, as in one process."""
-    reference = "mp-cnn" if "cnn" in name else "residual"
+    reference = next(r for r in TRACED_REFERENCES if name.startswith(r))
     assert_same_training(outcome(runs, name, STEPS), outcome(runs, reference, STEPS), ALL)
     assert evaluation(runs, name)["eval/loss"] == pytest.approx(
         evaluation(runs, reference)["eval/loss"], rel=LOSS_RTOL

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 
@@ -19,19 +20,33 @@ class TimedStage(PipelineStage):
 
     busy_seconds: float = 0.0
 
+    def __init__(self, submodule: nn.Module, *args: Any, **kwargs: Any) -> None:
+        # What a stage sends must be contiguous (gloo and NCCL send whole buffers): a traced
+        # BERT's second stage receives the attention mask as its first stage expanded it.
+        submodule.register_forward_hook(_contiguous_outputs)
+        super().__init__(submodule, *args, **kwargs)
+
     def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
         """torch learns what flows between stages by running each stage once, in training mode,
         before the first step: the first stage on the first micro-batch, the others on
-        uninitialised tensors of the right shape. Buffers (BatchNorm's running statistics) must
-        never see that forward, so they are put back afterwards. (torch itself keeps the random
-        streams out of it.)"""
-        saved = [b.detach().clone() for b in self.submod.buffers()]
+        uninitialised tensors of the right shape, then a backward through that forward. Buffers
+        (BatchNorm's running statistics) must never see it: it runs on copies of them, and the
+        module gets its own back untouched (putting values back in place instead would change
+        tensors that backward has saved). (torch itself keeps the random streams out of it.)"""
+        owners = [
+            (module, name, buffer)
+            for module in self.submod.modules()
+            for name, buffer in module._buffers.items()
+            if buffer is not None
+        ]
+        copies: dict[int, torch.Tensor] = {}
+        for module, name, buffer in owners:  # a buffer held twice gets one copy
+            module._buffers[name] = copies.setdefault(id(buffer), buffer.detach().clone())
         try:
             return super()._forward_metadata_inference(*args, **kwargs)
         finally:
-            with torch.no_grad():
-                for buffer, value in zip(self.submod.buffers(), saved, strict=True):
-                    buffer.copy_(value)
+            for module, name, buffer in owners:
+                module._buffers[name] = buffer
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         began = time.perf_counter()
@@ -53,3 +68,11 @@ class TimedStage(PipelineStage):
             return super().backward_weight_one_chunk(*args, **kwargs)
         finally:
             self.busy_seconds += time.perf_counter() - began
+
+
+def _contiguous_outputs(_module: nn.Module, _inputs: Any, output: Any) -> Any:
+    if isinstance(output, torch.Tensor):
+        return output.contiguous()
+    if isinstance(output, tuple):
+        return tuple(o.contiguous() if isinstance(o, torch.Tensor) else o for o in output)
+    return output
