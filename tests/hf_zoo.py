@@ -17,6 +17,7 @@ from transformers import (
     BertForSequenceClassification,
     LlamaConfig,
     LlamaForCausalLM,
+    LlamaForSequenceClassification,
     MistralConfig,
     MistralForCausalLM,
     PreTrainedModel,
@@ -66,6 +67,25 @@ def decoder(
 
 def llama(**args: Any) -> PreTrainedModel:
     return decoder(family="llama", **args)
+
+
+def llama_classifier(
+    *, layers: int = 2, hidden: int = 32, heads: int = 4, kv_heads: int = 2, classes: int = 4
+) -> PreTrainedModel:
+    """Llama for sequence classification: its `score` head is in no pipeline plan
+    transformers declares, so a pipeline traces it."""
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        num_labels=classes,
+        pad_token_id=0,
+    )
+    model: PreTrainedModel = LlamaForSequenceClassification(config)
+    return model
 
 
 def _bert_config(*, layers: int, hidden: int, heads: int, seq_len: int, **extra: Any) -> Any:

@@ -9,6 +9,7 @@ by its name, whatever the layout (parallel/init.py)."""
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 from pathlib import Path
 from typing import Any, get_args
@@ -27,6 +28,14 @@ ROPE_LM = {
     "data": {"args": {"seq_len": 8, "max_bytes": 4_000}},
     "train": {"global_batch": 12, "micro_batch": 2},
 }
+# a stock Llama split by the plan transformers declares: its rotary embedding is outside the
+# blocks, its output layer tied to the embedding on another stage
+HF_LLAMA = {
+    "model": {"name": "tests.hf_zoo:llama", "args": {"layers": 4, "tied": True}},
+    "data": {"args": {"seq_len": 16, "max_bytes": 4_000}},
+    "train": {"global_batch": 12, "micro_batch": 2},
+}
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 # (schedule, stages per rank): one and several stages per rank wherever the schedule allows
 CASES = [
     (schedule, per_rank)
@@ -91,7 +100,17 @@ def _full_build_buffers(config_data: dict[str, Any]) -> dict[str, np.ndarray]:
     return {name: b.numpy().copy() for name, b in model.named_buffers()}
 
 
-@pytest.mark.parametrize("sections", [ROPE_LM], ids=["rope-lm"])
+@pytest.mark.parametrize(
+    "sections",
+    [
+        ROPE_LM,
+        pytest.param(
+            HF_LLAMA,
+            marks=pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed"),
+        ),
+    ],
+    ids=["rope-lm", "hf-llama"],
+)
 def test_every_stage_starts_from_one_process_values(tmp_path, sections):
     (reference,) = run_distributed(_initial_states, 1, [_job(tmp_path, sections, {})])[0]
     one = {name: value for (_, name), value in reference.items()}

@@ -44,6 +44,7 @@ from shardwise.training.parallel.pipeline import (
     Pipeline,
     group_blocks,
     has_blocks,
+    has_own_blocks,
     has_submodule,
     held_names,
     model_blocks,
@@ -253,7 +254,7 @@ def _needs(degrees: dict[str, int], parallel: ParallelSection, wrapper: str) -> 
 
 def _units(model: nn.Module, blocks: list[str]) -> str:
     """The blocks a transform applies to, in words ("" when the model has none)."""
-    if has_blocks(model):
+    if has_own_blocks(model):
         return f"{len(blocks)} blocks ({span(blocks)})"
     if blocks:
         kind = type(model.get_submodule(blocks[0])).__name__
@@ -349,7 +350,7 @@ def split_pipeline(
             owner[s] = r
     pp_rank = mesh.get_local_rank("pp")
     mine = [s for s in range(num_stages) if owner[s] == pp_rank]
-    static_batch = None
+    static_batch, split_by = None, "blocks" if has_own_blocks(model) else "declared"
     if has_blocks(model):
         blocks = pipeline_blocks(model)
         stage_blocks = group_blocks(model, blocks, parallel.pipeline_split, num_stages, block_costs)
@@ -361,7 +362,7 @@ def split_pipeline(
         )
         stage_blocks, held = traced.blocks, traced.held
         modules = {s: traced.modules[s] for s in mine}
-        static_batch = derived.micro_batch
+        static_batch, split_by = derived.micro_batch, "traced"
     ties = spanning_ties(model, held, owner, pp_rank)
     connect(ties, pp_slices(mesh), mesh.get_group("pp"))
     return Pipeline(
@@ -374,6 +375,7 @@ def split_pipeline(
         block_names=stage_blocks,
         ties=ties,
         static_batch=static_batch,
+        split_by=split_by,
     )
 
 

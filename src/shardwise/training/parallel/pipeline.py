@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.common.errors import ConfigError
+from shardwise.models.hf_pipeline import PassThrough, declared_blocks, pass_through, run_as_stage
 from shardwise.training.parallel.ties import StageTies
 
 if TYPE_CHECKING:  # torch.distributed.pipelining is imported when a pipeline starts (stage.py)
@@ -39,12 +40,17 @@ SCHEDULES = SINGLE_STAGE + LOOPED + V_SHAPED
 
 
 def pipeline_blocks(model: nn.Module) -> list[str]:
-    """The names of the model's blocks, in the order data flows through them."""
+    """The names of the model's blocks, in the order data flows through them: its own
+    `pipeline_blocks()`, an `nn.Sequential`'s children, or what a Hugging Face model declares
+    (models/hf_pipeline.py)."""
     named = getattr(model, "pipeline_blocks", None)
     if callable(named):
         return list(named())
     if isinstance(model, nn.Sequential):
         return list(model._modules)
+    declared = declared_blocks(model)
+    if declared:
+        return declared
     raise ConfigError(
         f"pipeline parallelism needs a model that is a sequence of blocks; "
         f"{type(model).__name__} is neither an nn.Sequential nor has pipeline_blocks() "
@@ -52,25 +58,33 @@ def pipeline_blocks(model: nn.Module) -> list[str]:
     )
 
 
-def has_blocks(model: nn.Module) -> bool:
-    """Whether the model is a sequence of blocks (the contract `pipeline_blocks` reads)."""
+def has_own_blocks(model: nn.Module) -> bool:
+    """Whether the model is a sequence of blocks by shardwise's contract (`pipeline_blocks()`,
+    or an `nn.Sequential`), whose forward skips the blocks a stage lacks."""
     return callable(getattr(model, "pipeline_blocks", None)) or isinstance(model, nn.Sequential)
+
+
+def has_blocks(model: nn.Module) -> bool:
+    """Whether the model is a sequence of blocks: by shardwise's contract, or by a pipeline
+    plan its Hugging Face class declares."""
+    return has_own_blocks(model) or bool(declared_blocks(model))
 
 
 def model_blocks(model: nn.Module) -> list[str]:
     """The units that FSDP shards and activation checkpointing recomputes one at a time: the
-    model's pipeline blocks, or, for a model that is not a sequence of blocks, its repeated
-    layers (a transformer's decoder layers); none when it has neither."""
-    return pipeline_blocks(model) if has_blocks(model) else repeated_layers(model)
+    model's own pipeline blocks, or, for any other model, its repeated layers (a transformer's
+    decoder layers, also where transformers declares a pipeline plan); none when it has
+    neither."""
+    return pipeline_blocks(model) if has_own_blocks(model) else repeated_layers(model)
 
 
 def has_submodule(model: nn.Module, name: str) -> bool:
-    """Whether `name` is a module of `model` (a pipeline stage lacks the other stages')."""
+    """Whether `name` is a module of `model` (a pipeline stage lacks the other stages', or
+    holds a pass-through in their place)."""
     try:
-        model.get_submodule(name)
+        return not isinstance(model.get_submodule(name), PassThrough)
     except AttributeError:
         return False
-    return True
 
 
 def repeated_layers(model: nn.Module) -> list[str]:
@@ -171,11 +185,15 @@ def group_blocks(
 
 
 def stage_module(model: nn.Module, blocks: list[str], keep: set[str]) -> nn.Module:
-    """A deep copy of `model` holding only the blocks in `keep`."""
+    """A deep copy of `model` holding only the blocks in `keep`: the others removed (the
+    model's forward skips them), or, where transformers declares the blocks, passed through."""
     stage = copy.deepcopy(model)
+    declared = not has_own_blocks(model)
     for name in blocks:
         if name not in keep:
-            _remove(stage, name)
+            _remove(stage, name, pass_through(model, name) if declared else None)
+    if declared:
+        run_as_stage(stage, first=blocks[0] in keep)
     return stage
 
 
@@ -188,10 +206,12 @@ def held_names(model: nn.Module, blocks: list[str], keep: set[str]) -> set[str]:
     }
 
 
-def _remove(model: nn.Module, name: str) -> None:
+def _remove(model: nn.Module, name: str, stand_in: nn.Module | None) -> None:
     parent_name, _, leaf = name.rpartition(".")
     parent = model.get_submodule(parent_name)
-    if isinstance(parent, nn.ModuleDict | nn.Sequential | nn.ModuleList):
+    if stand_in is not None:
+        parent._modules[leaf] = stand_in
+    elif isinstance(parent, nn.ModuleDict | nn.Sequential | nn.ModuleList):
         del parent._modules[leaf]
     else:
         setattr(parent, leaf, None)
@@ -254,6 +274,9 @@ class Pipeline:
     """Parameters held by more than one stage (tied weights), kept equal across them."""
     static_batch: int | None = None
     """A traced pipeline's stages run only at the batch size they were traced with."""
+    split_by: str = "blocks"
+    """How the model was cut: `blocks` (its own), `declared` (what transformers declares) or
+    `traced`."""
 
     @property
     def pp_rank(self) -> int:

@@ -7,6 +7,7 @@ that names the fix.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
-from shardwise.common.errors import ConfigError
+from shardwise.common.errors import ConfigError, first_line
 from shardwise.training.config.derive import Derived
 from shardwise.training.config.schema import JobConfig
 from shardwise.training.parallel.norms import statistics_apart
@@ -22,13 +23,14 @@ from shardwise.training.parallel.pipeline import (
     example_batch,
     group_blocks,
     has_blocks,
+    has_own_blocks,
     has_submodule,
     model_blocks,
     pipeline_blocks,
     stage_module,
 )
 from shardwise.training.parallel.tensor import check_plan, tensor_parallel_plan
-from shardwise.training.parallel.traced import trace_split
+from shardwise.training.parallel.traced import TracedSplit, trace_split
 
 
 def check_split(config: JobConfig, derived: Derived, model: nn.Module) -> None:
@@ -67,7 +69,9 @@ def _check_buffers_in_forward(model: nn.Module, example: Any, pp: int) -> None:
     """A module that changes a buffer in place in forward breaks a pipeline schedule's backward
     (a later micro-batch's forward changes what an earlier one's backward needs), but torch's
     batch norms (whose statistics the stages update apart: parallel/norms.py) and instance norms
-    (torch keeps copies). Run on the meta device, where in-place updates count too."""
+    (torch keeps copies). Run on the meta device, where in-place updates count too, on a copy:
+    a traced pipeline traces the model as it is."""
+    model = copy.deepcopy(model)
     statistics_apart(model)  # as the stages will have them (momentum=None reads no number)
     versions = {name: b._version for name, b in model.named_buffers()}
     try:
@@ -110,8 +114,16 @@ def _check_pipeline(config: JobConfig, derived: Derived, model: nn.Module, examp
                 f"model that is a sequence of blocks; {name} is traced instead: use 'params' "
                 "or name the split with parallel.pipeline_split"
             )
-        trace_split(model, example, num_stages=num_stages, split=parallel.pipeline_split)
+        traced = trace_split(model, example, num_stages=num_stages, split=parallel.pipeline_split)
+        _check_traced_stages_run(model, traced, example, parallel.pipeline_split)
         return
+    if parallel.pipeline_balance == "cost" and not has_own_blocks(model):
+        raise ConfigError(
+            "parallel.pipeline_balance = 'cost' times each block on its own, which needs "
+            f"blocks that take what the one before returns; {name}'s are cut as transformers "
+            "declares (its layers take positions and masks too): use 'params' or name the "
+            "split with parallel.pipeline_split"
+        )
     blocks = pipeline_blocks(model)
     for block in blocks:
         if not has_submodule(model, block):
@@ -133,37 +145,74 @@ def _check_pipeline(config: JobConfig, derived: Derived, model: nn.Module, examp
 def _check_stages_run(
     model: nn.Module, blocks: list[str], stage_blocks: dict[int, list[str]], example: Any
 ) -> None:
-    """Run every stage (a copy of the model without the other stages' blocks) on the meta
-    device, on what its first block receives in the whole model: a forward that calls blocks
-    it does not skip when they are missing fails here, not in every rank after launch."""
-    firsts = {names[0] for names in stage_blocks.values()}
-    received: dict[str, tuple[Any, ...]] = {}
-    hooks = [
-        model.get_submodule(b).register_forward_pre_hook(
-            lambda _m, args, b=b: received.setdefault(b, args)
+    """Run the stages (copies of the model without the other stages' blocks) one after another
+    on the meta device, as the pipeline will: a forward that calls blocks it does not skip
+    when they are missing fails here, not in every rank after launch."""
+    stages = [stage_module(model, blocks, set(names)) for _, names in sorted(stage_blocks.items())]
+    failed = _run_stages(model, stages, example)
+    if failed is None:
+        return
+    if not has_own_blocks(model):  # the stages of a plan transformers declares
+        raise ConfigError(
+            f"{type(model).__name__}'s pipeline plan (declared by transformers) cuts it into "
+            f"stages that do not run ({failed}); name where stages begin with "
+            "parallel.pipeline_split = ['module.name', …] (see docs/training.md, 'Pipeline "
+            "parallelism')"
         )
-        for b in firsts
-    ]
-    try:
-        with torch.no_grad():
-            model(example)
-    except Exception:
-        return  # the whole model does not run on the meta device: nothing to compare with
-    finally:
-        for hook in hooks:
-            hook.remove()
-    for index, names in sorted(stage_blocks.items()):
-        stage = stage_module(model, blocks, set(names))
-        args = (example,) if index == 0 else received[names[0]]
+    raise ConfigError(
+        f"{type(model).__name__}.forward calls a block this stage does not hold "
+        f"({failed}): a pipeline stage is a copy of the model with the "
+        "other stages' blocks set to None, so forward must skip blocks that are None "
+        "(if self.embed is not None: h = self.embed(h)); or remove pipeline_blocks() "
+        "and the pipeline traces the forward instead (see docs/training.md, 'Pipeline "
+        "parallelism')"
+    )
+
+
+def _check_traced_stages_run(
+    model: nn.Module, split: TracedSplit, example: Any, named: list[str]
+) -> None:
+    """torch.export may trace a forward into stages that cannot run (pytorch/pytorch#184361: a
+    stage that expects an input no stage before it sends): run them, on the meta device."""
+    stages = [split.modules[index] for index in sorted(split.modules)]
+    failed = _run_stages(model, stages, example)
+    if failed is not None:
+        where = (
+            f"cut where parallel.pipeline_split = {named} says"
+            if named
+            else f"cut into {len(stages)} pipeline stages"
+        )
+        other = "other boundaries in" if named else "where stages begin with"
+        raise ConfigError(
+            f"{type(model).__name__}'s forward, traced and {where}, does not run ({failed}); "
+            f"name {other} parallel.pipeline_split = ['module.name', …], or give the model "
+            "pipeline_blocks() (see docs/training.md, 'Pipeline parallelism')"
+        )
+
+
+def _run_stages(model: nn.Module, stages: list[nn.Module], example: Any) -> str | None:
+    """Run `stages` in order on `example`, each on what the one before returned, and compare
+    what the last returns with the whole model's output; what went wrong, in words, or None.
+    They run on fake tensors (shapes without values, over the meta model), where transformers
+    skips the checks that read values; nothing is judged where the whole model does not run
+    so (its forward reads values): the stages would fail for the same reason."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from shardwise.training.builders import model_output
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake, torch.no_grad():
+        inputs = fake.from_tensor(example)
         try:
-            with torch.no_grad():
-                stage(*args)
-        except Exception as e:
-            raise ConfigError(
-                f"{type(model).__name__}.forward calls a block this stage does not hold "
-                f"({type(e).__name__}: {e}): a pipeline stage is a copy of the model with the "
-                "other stages' blocks set to None, so forward must skip blocks that are None "
-                "(if self.embed is not None: h = self.embed(h)); or remove pipeline_blocks() "
-                "and the pipeline traces the forward instead (see docs/training.md, 'Pipeline "
-                "parallelism')"
-            ) from None
+            whole = model_output(model(inputs))
+        except Exception:
+            return None
+        h = inputs
+        for index, stage in enumerate(stages):
+            try:
+                h = stage(*h) if index > 0 and isinstance(h, tuple) else stage(h)
+            except Exception as e:
+                return f"stage {index}: {type(e).__name__}: {first_line(e)[:200]}"
+        out = model_output(h)
+    if out.shape != whole.shape:
+        return f"the last stage returns shape {tuple(out.shape)}, the model {tuple(whole.shape)}"
+    return None

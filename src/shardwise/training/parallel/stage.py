@@ -23,6 +23,7 @@ class TimedStage(PipelineStage):
     def __init__(self, submodule: nn.Module, *args: Any, **kwargs: Any) -> None:
         # What a stage sends must be contiguous (gloo and NCCL send whole buffers): a traced
         # BERT's second stage receives the attention mask as its first stage expanded it.
+        # And no view (_own_memory).
         submodule.register_forward_hook(_contiguous_outputs)
         super().__init__(submodule, *args, **kwargs)
 
@@ -71,8 +72,15 @@ class TimedStage(PipelineStage):
 
 
 def _contiguous_outputs(_module: nn.Module, _inputs: Any, output: Any) -> Any:
-    if isinstance(output, torch.Tensor):
-        return output.contiguous()
     if isinstance(output, tuple):
-        return tuple(o.contiguous() if isinstance(o, torch.Tensor) else o for o in output)
-    return output
+        return tuple(_own_memory(o) for o in output)
+    return _own_memory(output)
+
+
+def _own_memory(value: Any) -> Any:
+    """`value` as a tensor that is contiguous and no view of another: the zero-bubble schedules
+    detach a stage's outputs in place, which torch refuses for a view (the passed-through
+    hidden state of a Hugging Face stage is a slice)."""
+    if isinstance(value, torch.Tensor) and (value._is_view() or not value.is_contiguous()):
+        return value.clone(memory_format=torch.contiguous_format)
+    return value

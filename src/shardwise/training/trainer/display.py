@@ -84,8 +84,9 @@ def _balance_fix(run: Run) -> str | None:
         return None
     if parallel.pipeline_split:
         return "move the stage boundaries in parallel.pipeline_split"
-    if pipe.static_batch is not None:
-        return "name where stages begin with parallel.pipeline_split (this model is traced)"
+    if pipe.split_by != "blocks":
+        how = "traced" if pipe.split_by == "traced" else "cut as transformers declares"
+        return f"name where stages begin with parallel.pipeline_split (this model is {how})"
     return (
         "parallel.pipeline_balance = 'cost' splits the blocks by their measured time instead "
         "of their parameter count"

@@ -1,0 +1,125 @@
+"""What transformers declares about a model, read by shardwise so a user writes nothing: the
+pipeline plan (`base_model_pp_plan`), and the refusals before launch where a model declares
+nothing usable. Models are built on the meta device (tests/hf_zoo.py): no process starts."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from helpers import gpt_job
+from shardwise.common.errors import ConfigError
+from shardwise.training import builders
+from shardwise.training.config.derive import derive
+from shardwise.training.parallel.checks import check_layout
+from shardwise.training.parallel.pipeline import (
+    has_blocks,
+    has_submodule,
+    model_blocks,
+    pipeline_blocks,
+    stage_module,
+)
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None,
+    reason="transformers is not installed (pip install 'shardwise[hf]'; make test does)",
+)
+TEXT = {"name": "text", "args": {"seq_len": 16, "max_bytes": 4_000}}
+CLASSES = {"name": "tests.hf_zoo:text_classes", "args": {"seq_len": 16, "max_bytes": 4_000}}
+
+
+def hf_job(tmp_path, model: str, *, data=TEXT, args=None, **parallel):
+    return gpt_job(
+        tmp_path,
+        model={"name": f"tests.hf_zoo:{model}", "args": args or {}},
+        data=data,
+        train={"global_batch": 8, "micro_batch": 2},
+        parallel=parallel,
+    )
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_a_llama_family_decoder_pipelines_by_the_plan_transformers_declares(
+    tmp_path, repo_cwd, family
+):
+    """Its blocks are the embedding, each decoder layer, the norm and the head; a stage passes
+    the others through and runs the model's own forward: the stages, run one after another on
+    the meta device, give the whole model's logits."""
+    config = hf_job(tmp_path, "decoder", args={"family": family, "layers": 3})
+    model = builders.build_on_meta(config)
+    blocks = pipeline_blocks(model)
+    assert blocks == [
+        "model.embed_tokens",
+        "model.layers.0",
+        "model.layers.1",
+        "model.layers.2",
+        "model.norm",
+        "lm_head",
+    ]
+    assert has_blocks(model)
+    # FSDP and recomputation still work per decoder layer
+    assert model_blocks(model) == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    first = stage_module(model, blocks, set(blocks[:2]))
+    last = stage_module(model, blocks, set(blocks[2:]))
+    assert has_submodule(first, "model.layers.0") and not has_submodule(first, "model.layers.1")
+    assert not any(n.startswith("model.layers.1.") for n, _ in first.named_parameters())
+    # on fake tensors, where transformers skips the checks that read values
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake, torch.no_grad():
+        tokens = fake.from_tensor(torch.zeros(2, 16, dtype=torch.long, device="meta"))
+        hidden = first(tokens)
+        assert hidden.shape == (2, 16, 32)
+        assert last(hidden).shape == model(tokens).logits.shape == (2, 16, 256)
+    args = {"family": family, "layers": 3}  # … and so the jobs pass the checks
+    for parallel in ({"pp": 2}, {"pp": 2, "pipeline_schedule": "Interleaved1F1B"}):
+        job = hf_job(tmp_path, "decoder", args=args, **parallel)
+        check_layout(job, derive(job, 2))
+
+
+def test_a_model_whose_head_the_plan_does_not_name_is_traced(tmp_path, repo_cwd):
+    """Llama for sequence classification: its `score` head is in no declared plan, so it
+    would run on every stage: the model is traced instead."""
+    model = builders.build_on_meta(hf_job(tmp_path, "llama_classifier", data=CLASSES))
+    assert not has_blocks(model)
+
+
+def test_a_traced_forward_whose_stages_do_not_run_is_refused_before_launch(tmp_path, repo_cwd):
+    """torch's tracer cuts Llama's forward into stages the first of which waits for an input
+    nothing sends (pytorch/pytorch#184361): tracing succeeds, so the stages are run, on fake
+    tensors, and the job is refused in one line naming the two ways out."""
+    config = hf_job(tmp_path, "llama_classifier", data=CLASSES, pp=2)
+    with pytest.raises(
+        ConfigError,
+        match=r"LlamaForSequenceClassification's forward, traced and cut into 2 pipeline "
+        r"stages, does not run \(stage 0: RuntimeError: Expected positional argument.*"
+        r"parallel.pipeline_split.*pipeline_blocks\(\)",
+    ):
+        check_layout(config, derive(config, 2))
+    named = hf_job(
+        tmp_path, "llama_classifier", data=CLASSES, pp=2, pipeline_split=["model.layers.1"]
+    )
+    with pytest.raises(ConfigError, match=r"name other boundaries in parallel.pipeline_split"):
+        check_layout(named, derive(named, 2))
+
+
+def test_a_declared_plan_is_not_balanced_by_measured_cost(tmp_path, repo_cwd):
+    config = hf_job(tmp_path, "llama", pp=2, pipeline_balance="cost")
+    with pytest.raises(ConfigError, match=r"'cost' times each block on its own.*'params'"):
+        check_layout(config, derive(config, 2))
+
+
+@pytest.mark.parametrize(
+    ("model", "data"),
+    [
+        ("bert_mlm", {"name": "tests.hf_zoo:masked_text", "args": {}}),
+        ("resnet", {"name": "digits", "args": {}}),
+    ],
+)
+def test_models_that_declare_no_plan_are_traced_and_their_stages_run(
+    tmp_path, repo_cwd, model, data
+):
+    config = hf_job(tmp_path, model, data=data, pp=2)
+    assert not has_blocks(builders.build_on_meta(config))
+    check_layout(config, derive(config, 2))
