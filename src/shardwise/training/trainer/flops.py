@@ -1,11 +1,11 @@
 """Utilisation, honestly: the FLOPs a step does, and the rate this device can do them at.
 
 FLOPs are counted, not estimated from a formula: the model is built on the meta device (no
-memory, no time) and one micro-batch's forward, loss and backward run under torch's
-`FlopCounterMode`, which counts every matrix multiply, convolution and attention call by its
-shape; whatever the model is. A model whose forward reads values (a Hugging Face model's masks)
-cannot run on the meta device: it is counted on one real micro-batch through the run's own model
-instead, leaving training as it was (random states and buffers restored, gradients dropped). A
+memory, no time) and one micro-batch's forward, loss and backward run on fake tensors under
+torch's `FlopCounterMode`, which counts every matrix multiply, convolution and attention call by
+its shape; whatever the model is (transformers skips its value checks on fake tensors). A model
+whose forward reads values cannot run so: it is counted on one real micro-batch through the
+run's own model instead, leaving training as it was (random states and buffers restored, gradients dropped). A
 step is that count × the micro-batches of the global batch. Recomputation (activation
 checkpointing) is not counted: MFU is model FLOPs over time, as in PaLM (Chowdhery et al.,
 2022), so recomputing costs utilisation rather than hiding in it.
@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.data import default_collate
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -152,8 +153,13 @@ def for_run(
         try:
             with torch.device("meta"):
                 model = build()
-            inputs, target = meta_batch(sample, micro_batch)
-            return count_flops(model, loss_fn, inputs, target)
+            # fake tensors over the meta model: transformers skips the checks that read values
+            with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+                inputs, target = (
+                    None if v is None else fake.from_tensor(v)
+                    for v in meta_batch(sample, micro_batch)
+                )
+                return count_flops(model, loss_fn, inputs, target)
         except Exception as e:  # any model's code can fail on meta tensors: say why, go on
             return f"its FLOPs could not be counted on the meta device ({type(e).__name__}: {e})"
 
