@@ -123,3 +123,77 @@ def test_models_that_declare_no_plan_are_traced_and_their_stages_run(
     config = hf_job(tmp_path, model, data=data, pp=2)
     assert not has_blocks(builders.build_on_meta(config))
     check_layout(config, derive(config, 2))
+
+
+def test_a_llama_family_decoder_splits_by_the_tensor_parallel_plan_transformers_declares(
+    tmp_path, repo_cwd
+):
+    """transformers' style names become torch's styles: query, key, value and the MLP's input
+    projections by columns, the attention and MLP outputs by rows, the embedding by vocabulary
+    rows and the output layer by columns gathered; every decoder layer matched."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from shardwise.training.parallel.tensor import tensor_parallel_plan
+
+    model = builders.build_on_meta(hf_job(tmp_path, "llama", args={"layers": 3}))
+    plan = tensor_parallel_plan(model, None, tp=2, sequence_parallel=False)
+    assert len(plan) == 3 * 7 + 2
+    for layer in range(3):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.up_proj"):
+            assert type(plan[f"model.layers.{layer}.{name}"]) is ColwiseParallel
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            assert type(plan[f"model.layers.{layer}.{name}"]) is RowwiseParallel
+    assert plan["model.embed_tokens"].input_layouts == (Replicate(),)
+    assert plan["lm_head"].output_layouts == (Replicate(),)
+    ok = hf_job(tmp_path, "llama", tp=2)
+    check_layout(ok, derive(ok, 2))
+    with pytest.raises(ConfigError, match="sequence_parallel is not available with the"):
+        tensor_parallel_plan(model, None, tp=2, sequence_parallel=True)
+
+
+@pytest.mark.parametrize(
+    ("args", "tp", "message"),
+    [
+        ({"heads": 4, "kv_heads": 2}, 4, "does not divide the 2 key/value heads"),
+        ({"heads": 6, "kv_heads": 6, "hidden": 48}, 4, "does not divide the 6 attention heads"),
+    ],
+)
+def test_tp_that_does_not_divide_the_heads_transformers_counts_is_refused(
+    tmp_path, repo_cwd, args, tp, message
+):
+    """transformers keeps the head counts in `config` (`num_attention_heads`,
+    `num_key_value_heads`), not in attributes of the attention modules."""
+    config = hf_job(tmp_path, "llama", args=args, tp=tp)
+    with pytest.raises(ConfigError, match=message):
+        check_layout(config, derive(config, tp))
+
+
+def test_bert_splits_by_shardwises_plan_for_encoders_and_a_resnet_is_refused(tmp_path, repo_cwd):
+    """transformers declares no plan for BERT: shardwise splits its layers Megatron-style; its
+    ResNet's layers are convolutions, which no style of torch's splits: refused in one line."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from shardwise.training.parallel.apply import describe
+    from shardwise.training.parallel.tensor import tensor_parallel_plan
+
+    masked = {"name": "tests.hf_zoo:masked_text", "args": {}}
+    config = hf_job(tmp_path, "bert_mlm", data=masked, tp=2)
+    model = builders.build_on_meta(config)
+    plan = tensor_parallel_plan(model, None, tp=2, sequence_parallel=False)
+    layer = "bert.encoder.layer.1"
+    for name in ("attention.self.query", "attention.self.key", "attention.self.value"):
+        assert type(plan[f"{layer}.{name}"]) is ColwiseParallel
+    assert type(plan[f"{layer}.intermediate.dense"]) is ColwiseParallel
+    assert type(plan[f"{layer}.attention.output.dense"]) is RowwiseParallel
+    assert type(plan[f"{layer}.output.dense"]) is RowwiseParallel
+    assert len(plan) == 2 * 6
+    check_layout(config, derive(config, 2))
+    derived = derive(config, 2)
+    lines = describe(model, [], derived.degrees, config.parallel, "none")
+    assert "shardwise's plan for BERT-style encoders" in lines[0]
+    resnet = hf_job(tmp_path, "resnet", data={"name": "digits", "args": {}}, tp=2)
+    with pytest.raises(
+        ConfigError, match=r"ResNetForImageClassification declares none.*parallel.tp_plan"
+    ):
+        check_layout(resnet, derive(resnet, 2))

@@ -14,6 +14,7 @@ tied input and output embeddings stay tied (parallel/ties.py).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -120,11 +121,97 @@ def gpt2_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[s
     return plan
 
 
-def default_tp_plan(model: nn.Module) -> Callable[..., dict[str, ParallelStyle]] | None:
-    """shardwise's plan for a Hugging Face model that has no plan torch can use: GPT-2-style
-    models (Conv1D layers, fused attention projections)."""
-    if is_hf(model) and any(type(m) is _conv1d() for m in model.modules()):
-        return gpt2_tp_plan
+def declared_tp_plan(
+    model: nn.Module, *, sequence_parallel: bool = False
+) -> dict[str, ParallelStyle]:
+    """The tensor-parallel plan transformers declares for the model (`base_model_tp_plan` and
+    its class's `_tp_plan`: Llama's query, key, value and MLP input projections by columns, the
+    attention output and MLP output by rows, the embedding and output layer by vocabulary), its
+    `*` wildcards matched against the model's modules and its style names turned into torch's
+    styles."""
+    name = type(model).__name__
+    if sequence_parallel:
+        raise ConfigError(
+            f"parallel.sequence_parallel is not available with the tensor-parallel plan "
+            f"transformers declares for {name}; set it to false, or bring a plan of your own "
+            "(parallel.tp_plan)"
+        )
+    modules = [n for n, _ in model.named_modules()]
+    plan: dict[str, ParallelStyle] = {}
+    for pattern, style in _declared_tp(model).items():
+        make = _DECLARED_STYLES.get(style)
+        if make is None:
+            raise ConfigError(
+                f"transformers' tensor-parallel plan for {name} splits '{pattern}' as "
+                f"'{style}', which shardwise does not translate into torch's styles (it does "
+                f"{', '.join(_DECLARED_STYLES)}); set parallel.tp_plan = "
+                "'package.module:function' (see docs/training.md, 'Tensor parallelism')"
+            )
+        found = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
+        plan |= {m: make() for m in modules if found.fullmatch(m)}
+    return plan
+
+
+_DECLARED_STYLES: dict[str, Callable[[], ParallelStyle]] = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+}
+"""transformers' style names (transformers/integrations/tensor_parallel.py) that have a torch
+style doing the same: a column split whose output stays split, a row split whose output is
+summed, a column split gathered (the output layer), and an embedding split by vocabulary rows."""
+
+
+def _declared_tp(model: nn.Module) -> dict[str, str]:
+    plan = getattr(model, "tp_plan", None)
+    if not isinstance(plan, dict):
+        plan = getattr(model, "_tp_plan", None)
+    return dict(plan) if isinstance(plan, dict) and is_hf(model) else {}
+
+
+def encoder_tp_plan(
+    model: nn.Module, *, sequence_parallel: bool = False
+) -> dict[str, ParallelStyle]:
+    """Megatron-LM's split of a BERT-style encoder, which transformers declares no plan for:
+    each layer's query, key and value and its MLP input by columns (by heads), its attention
+    output and MLP output by rows; embeddings, norms and heads stay whole."""
+    if sequence_parallel:
+        raise ConfigError(
+            f"parallel.sequence_parallel is not available for {type(model).__name__} "
+            "(shardwise's plan for BERT-style encoders splits them Megatron-style only); set it "
+            "to false"
+        )
+    names = {name for name, _ in model.named_modules()}
+    plan: dict[str, ParallelStyle] = {}
+    for name, module in model.named_modules():
+        parent = name.rpartition(".")[0]
+        if _has_linears(module, "query", "key", "value") and f"{parent}.output.dense" in names:
+            plan |= {f"{name}.{p}": ColwiseParallel() for p in ("query", "key", "value")}
+            plan[f"{parent}.output.dense"] = RowwiseParallel()
+        elif name.endswith(".intermediate") and f"{parent}.output.dense" in names:
+            plan[f"{name}.dense"] = ColwiseParallel()
+            plan[f"{parent}.output.dense"] = RowwiseParallel()
+    return plan
+
+
+def _has_linears(module: nn.Module, *names: str) -> bool:
+    return all(isinstance(getattr(module, n, None), nn.Linear) for n in names)
+
+
+def default_tp_plan(model: nn.Module) -> tuple[Callable[..., dict[str, ParallelStyle]], str] | None:
+    """The plan for a Hugging Face model when the job names none, and where it comes from: the
+    one transformers declares; for GPT-2-style models (Conv1D layers, fused attention
+    projections), which torch's styles cannot split, shardwise's; for BERT-style encoders,
+    which declare none, shardwise's Megatron split."""
+    if not is_hf(model):
+        return None
+    if any(type(m) is _conv1d() for m in model.modules()):
+        return gpt2_tp_plan, "shardwise's plan for Hugging Face GPT-2 models"
+    if _declared_tp(model):
+        return declared_tp_plan, f"the plan transformers declares for {type(model).__name__}"
+    if encoder_tp_plan(model):
+        return encoder_tp_plan, "shardwise's plan for BERT-style encoders"
     return None
 
 

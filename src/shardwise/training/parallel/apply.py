@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from shardwise.models import hf
 from shardwise.training.config.derive import Derived
 from shardwise.training.config.schema import ParallelSection
 from shardwise.training.parallel.compile import apply_compile, whole_model
@@ -193,7 +194,8 @@ def describe(
         elif callable(getattr(model, "tp_plan", None)):
             plan = f"{name}.tp_plan()"
         else:
-            plan = "shardwise's plan for Hugging Face GPT-2 models"
+            declared = hf.default_tp_plan(model)
+            plan = declared[1] if declared else "the model's plan"
         lines.append(f"tensor parallel over {degrees['tp']} ranks splits the layers of {plan}")
     if parallel.activation_checkpoint != "none":
         lines.append(

@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from shardwise.common.errors import ConfigError
-from shardwise.models import hf
+from shardwise.models import hf, hf_init
 
 PlanFn = Callable[..., dict[str, ParallelStyle]]
 
@@ -42,12 +42,13 @@ def tensor_parallel_plan(
     own = getattr(model, "tp_plan", None)
     hf_plan = hf.default_tp_plan(model)
     if hf_plan is not None and not callable(own):
-        return hf_plan(model, sequence_parallel=sequence_parallel)
+        return hf_plan[0](model, sequence_parallel=sequence_parallel)
     if not callable(own):
+        has = "declares" if hf_init.is_hf(model) else "has"
         raise ConfigError(
-            f"parallel.tp = {tp} needs a tensor-parallel plan: {type(model).__name__} has no "
-            "tp_plan() method, so set parallel.tp_plan = 'package.module:function' (see "
-            "docs/training.md, 'Tensor parallelism')"
+            f"parallel.tp = {tp} needs a tensor-parallel plan: {type(model).__name__} {has} "
+            "none (no tp_plan() method), so set parallel.tp_plan = 'package.module:function' "
+            "(see docs/training.md, 'Tensor parallelism')"
         )
     plan: dict[str, ParallelStyle] = own(sequence_parallel=sequence_parallel)
     return plan
@@ -96,6 +97,14 @@ def check_plan(model: nn.Module, plan: dict[str, Any], tp: int) -> None:
     """One line before launch for a plan that cannot split `model` over `tp` ranks: heads or
     widths that `tp` does not divide, a layer the plan names but the model lacks, a style on a
     layer type it cannot split."""
+    config = getattr(model, "config", None)  # transformers keeps the counts there
+    for key, what in (("num_attention_heads", "attention"), ("num_key_value_heads", "key/value")):
+        count = getattr(config, key, None)
+        if isinstance(count, int) and count % tp:
+            raise ConfigError(
+                f"parallel.tp = {tp} does not divide the {count} {what} heads: each rank must "
+                f"hold whole heads; use a tp that divides {count}"
+            )
     for module in model.modules():
         heads = getattr(module, "heads", getattr(module, "num_heads", None))
         if isinstance(heads, int) and heads % tp:

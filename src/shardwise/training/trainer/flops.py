@@ -5,10 +5,10 @@ memory, no time) and one micro-batch's forward, loss and backward run on fake te
 torch's `FlopCounterMode`, which counts every matrix multiply, convolution and attention call by
 its shape; whatever the model is (transformers skips its value checks on fake tensors). A model
 whose forward reads values cannot run so: it is counted on one real micro-batch through the
-run's own model instead, leaving training as it was (random states and buffers restored, gradients dropped). A
-step is that count × the micro-batches of the global batch. Recomputation (activation
-checkpointing) is not counted: MFU is model FLOPs over time, as in PaLM (Chowdhery et al.,
-2022), so recomputing costs utilisation rather than hiding in it.
+run's own model instead, leaving training as it was (random states and buffers restored,
+gradients dropped). A step is that count × the micro-batches of the global batch.
+Recomputation (activation checkpointing) is not counted: MFU is model FLOPs over time, as in
+PaLM (Chowdhery et al., 2022), so recomputing costs utilisation rather than hiding in it.
 
 The peak is devices.py's: the best matrix-multiply rate in the precision the model's matrix
 multiplies run in, the same measurement `shardwise plan --calibrate` and `bench/` make, taken
