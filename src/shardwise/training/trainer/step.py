@@ -259,15 +259,8 @@ def _evaluate(run: Run) -> dict[str, float]:
         inputs, target = to_device(inputs, run.device), to_device(target, run.device)
         with autocast(run.config.train.precision, run.device):
             outputs = _forward(run, inputs)
-        if outputs is None:
-            continue  # a pipeline rank without the last stage
-        count = target.numel()
-        sums[0] += run.loss_fn(outputs, target).double() * count
-        sums[2] += count
-        logits = builders.model_output(outputs)
-        if logits.dim() == target.dim() + 1 and not target.is_floating_point():
-            sums[1] += (logits.argmax(-1) == target).sum()
-            sums[3] += count
+        if outputs is not None:  # else a pipeline rank without the last stage
+            sums += batch_sums(run.loss_fn, outputs, target)
     if run.pp_group is not None:
         dist.all_reduce(sums, group=run.pp_group)  # only the last stage's ranks counted
     dist.all_reduce(sums, group=run.dp_group)
@@ -277,6 +270,29 @@ def _evaluate(run: Run) -> dict[str, float]:
     if sums[3] > 0:
         result["eval/accuracy"] = (sums[1] / sums[3]).item()
     return result
+
+
+IGNORE_INDEX = -100
+"""A class target that counts for nothing: torch's cross-entropy default, and what transformers
+puts at the positions a masked or padded language model does not predict."""
+
+
+def batch_sums(loss_fn: builders.LossFn, outputs: Any, target: torch.Tensor) -> torch.Tensor:
+    """One evaluation batch's [loss × targets, correct, targets, targets where accuracy
+    applies], without waiting for the device. A class target of -100 is no target: the loss
+    (a mean over the others) is weighted by the others' count and accuracy is taken over them
+    (a batch with none adds nothing)."""
+    sums = torch.zeros(4, dtype=torch.float64, device=target.device)
+    counted = None if target.is_floating_point() else target != IGNORE_INDEX
+    count = target.numel() if counted is None else counted.sum()
+    loss = loss_fn(outputs, target).double()
+    sums[0] = torch.where(torch.as_tensor(count > 0), loss * count, 0.0)
+    sums[2] = count
+    logits = builders.model_output(outputs)
+    if counted is not None and logits.dim() == target.dim() + 1:
+        sums[1] = ((logits.argmax(-1) == target) & counted).sum()
+        sums[3] = count
+    return sums
 
 
 def _forward(run: Run, inputs: Any) -> Any:
