@@ -122,13 +122,14 @@ def bert_classifier(
 
 
 def resnet(*, width: int = 8, classes: int = 10) -> PreTrainedModel:
-    """transformers' ResNet (bottleneck-free basic blocks, BatchNorm after every convolution)
-    for the 1-channel 8×8 digits: two stages of one block, the second downsampling."""
+    """transformers' ResNet (basic blocks, BatchNorm after every convolution) for the 1-channel
+    8×8 digits: four stages of one block (a pipeline of four stages cuts between them), the
+    later ones downsampling."""
     config = ResNetConfig(
         num_channels=1,
         embedding_size=width,
-        hidden_sizes=[width, 2 * width],
-        depths=[1, 1],
+        hidden_sizes=[width, width, 2 * width, 2 * width],
+        depths=[1, 1, 1, 1],
         layer_type="basic",
         num_labels=classes,
         downsample_in_first_stage=False,

@@ -375,3 +375,22 @@ class RopeLM(nn.Module):
 
 def rope_lm(*, vocab: int = 256, hidden: int = 16, layers: int = 4) -> nn.Module:
     return RopeLM(vocab, hidden, layers)
+
+
+class GatedResidualMLP(ResidualMLP):
+    """ResidualMLP whose every layer is gated by a value computed once from the input before
+    the first layer (as BERT's layers all read the attention mask made from its input): traced
+    into stages, the later stages take it from the first."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.flatten(1)
+        gate = torch.sigmoid(flat.mean(1, keepdim=True)).expand(-1, self.out.in_features)
+        h = self.inp(flat)
+        for layer in self.layers:
+            h = h + layer(h) * gate
+        out: torch.Tensor = self.out(h)
+        return out
+
+
+def gated_residual_mlp(*, hidden: int = 32, layers: int = 4) -> nn.Module:
+    return GatedResidualMLP(hidden, layers)

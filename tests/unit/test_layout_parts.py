@@ -24,6 +24,7 @@ from shardwise.training.parallel.pipeline import (
     stage_indices,
     stage_module,
 )
+from zoo import GatedResidualMLP
 
 
 def test_balance_minimises_the_most_expensive_stage():
@@ -163,6 +164,26 @@ def test_buffers_come_from_init_and_the_template_is_left_as_it_was(tmp_path):
         assert torch.equal(first.rotary.inv_freq, expected)
         assert torch.equal(last.rotary.inv_freq, expected)
     assert all(p.is_meta for p in template.parameters())
+
+
+def test_a_value_a_traced_stage_takes_from_further_back_is_carried_through_the_stages_between():
+    """torch's tracer has every later stage take the gate from the first stage; carried through
+    the stages between, each stage takes exactly what the one before returns (as the schedule
+    and evaluation give it), and the stages compose to the model."""
+    from shardwise.training.parallel.traced import trace_split
+
+    torch.manual_seed(0)
+    model = GatedResidualMLP(hidden=8, layers=4)
+    example = torch.randn(3, 1, 8, 8)
+    split = trace_split(model, example, num_stages=4, split=[])
+    h = example
+    for index in range(4):
+        stage = split.modules[index]
+        taken = [n for n in stage.graph.nodes if n.op == "placeholder"]
+        if index > 0:
+            assert len(taken) == len(h) == 2, index  # the hidden state and the gate
+        h = stage(*h) if index > 0 else stage(h)
+    torch.testing.assert_close(h, model(example))
 
 
 def gpt_layout(tmp_path, world_size, **parallel):

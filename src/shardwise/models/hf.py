@@ -31,6 +31,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardwise.common.errors import ConfigError
 from shardwise.models.hf_init import is_hf
+from shardwise.models.hf_pipeline import PassThrough
 
 
 class Conv1DColwise(ColwiseParallel):
@@ -136,7 +137,8 @@ def declared_tp_plan(
             f"transformers declares for {name}; set it to false, or bring a plan of your own "
             "(parallel.tp_plan)"
         )
-    modules = [n for n, _ in model.named_modules()]
+    # a pipeline stage holds pass-throughs in place of the blocks it lacks: nothing to split
+    modules = [n for n, m in model.named_modules() if not isinstance(m, PassThrough)]
     plan: dict[str, ParallelStyle] = {}
     for pattern, style in _declared_tp(model).items():
         make = _DECLARED_STYLES.get(style)

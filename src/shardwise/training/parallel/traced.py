@@ -20,6 +20,8 @@ What tracing fixes at trace time, and what shardwise does about it:
   keep the branch they took while tracing.
 - tied weights: the tracer gives each stage that uses one a copy of its own (ties.py keeps the
   copies equal).
+- values a stage takes from a stage before the one before it (BERT's attention mask): carried
+  through the stages between (carry.py), so each stage takes what the one before returns.
 - layer types: the stages are graphs, not the model's own layers, so tensor parallelism (whose
   styles apply to layer types) cannot follow; that combination is refused before launch.
 
@@ -42,6 +44,7 @@ from torch.export.unflatten import InterpreterModule
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardwise.common.errors import ConfigError, first_line
+from shardwise.training.parallel.carry import carry_skipped_values
 from shardwise.training.parallel.pipeline import balance, has_submodule, repeated_layers
 
 GUIDE = "see docs/training.md, 'Pipeline parallelism'"
@@ -228,6 +231,8 @@ def _stages(
 ) -> TracedSplit:
     layers = repeated_layers(model)
     modules, held, blocks = {}, {}, {}
+    with contextlib.suppress(ValueError):  # joined otherwise: the stages' check says how
+        carry_skipped_values(pipe)
     for index in range(pipe.num_stages):
         module = pipe.get_stage_module(index)
         follow_training_mode(module)
