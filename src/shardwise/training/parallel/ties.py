@@ -158,11 +158,17 @@ def _named_params(module: nn.Module) -> Iterable[tuple[str, nn.Parameter]]:
 
 
 def _grad(param: nn.Parameter) -> torch.Tensor:
-    """The local tensor of the parameter's gradient (zeros where it got none), to add in place."""
+    """The local tensor of the parameter's gradient (zeros where it got none), to add in place:
+    laid out as the parameter is (a vocabulary-split embedding's gradient comes back whole, a
+    Replicate DTensor, while the output layer's is split: their local tensors would differ)."""
     if param.grad is None:
         param.grad = torch.zeros_like(param)
     grad = param.grad
-    return grad.to_local() if isinstance(grad, DTensor) else grad
+    if isinstance(grad, DTensor) and isinstance(param, DTensor):
+        if grad.placements != param.placements:
+            grad = param.grad = grad.redistribute(param.device_mesh, param.placements)
+        return grad.to_local()
+    return grad
 
 
 def spanning_ties(
