@@ -122,9 +122,9 @@ def bert_classifier(
 
 
 def resnet(*, width: int = 8, classes: int = 10) -> PreTrainedModel:
-    """transformers' ResNet (basic blocks, BatchNorm after every convolution) for the 1-channel
-    8×8 digits: four stages of one block (a pipeline of four stages cuts between them), the
-    later ones downsampling."""
+    """transformers' ResNet (basic blocks, BatchNorm after every convolution) for 1-channel
+    digits: four stages of one block (a pipeline of four stages cuts between them), the later
+    ones downsampling: 64×64 digits reach the last stage at 2×2."""
     config = ResNetConfig(
         num_channels=1,
         embedding_size=width,

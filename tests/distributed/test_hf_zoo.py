@@ -41,7 +41,7 @@ STATS_ATOL = 5e-5  # batch-norm statistics, as in test_foreign_models.py
 TEXT = {"name": "text", "args": {"seq_len": 16, "max_bytes": 20_000}}
 MASKED = {"name": "tests.hf_zoo:masked_text", "args": {"seq_len": 16, "max_bytes": 20_000}}
 CLASSES = {"name": "tests.hf_zoo:text_classes", "args": {"seq_len": 16, "max_bytes": 20_000}}
-DIGITS = {"name": "digits", "args": {}}
+DIGITS = {"name": "digits", "args": {"image_size": 64}}  # the last stage at 2×2, not 1×1
 LM_TRAIN = {"steps": STEPS, "global_batch": 8, "micro_batch": 2, "lr": 3e-3}
 # a traced pipeline pads the held-out set's last batch to its micro-batch: 62 in batches of 8
 EVAL = {"max_samples": 62, "batch": 8}

@@ -46,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from shardwise.common.errors import ConfigError, first_line
 from shardwise.training.parallel.carry import carry_skipped_values
 from shardwise.training.parallel.pipeline import balance, has_submodule, repeated_layers
+from shardwise.training.parallel.ties import tied_groups
 
 GUIDE = "see docs/training.md, 'Pipeline parallelism'"
 
@@ -235,6 +236,7 @@ def _stages(
         carry_skipped_values(pipe)
     for index in range(pipe.num_stages):
         module = pipe.get_stage_module(index)
+        keep_the_models_names(module, model)
         follow_training_mode(module)
         if device is not None:
             retarget(module, device)
@@ -243,6 +245,31 @@ def _stages(
         present = [n for n in layers if has_submodule(module, n)]
         blocks[index] = present or [n for n, _ in module.named_children()]
     return TracedSplit(modules=modules, held=held, blocks=blocks, split=split)
+
+
+def keep_the_models_names(stage: nn.Module, model: nn.Module) -> None:
+    """Give a traced stage the state names the model has, so that its checkpoints and exports
+    load into the model as written: torch.export keeps one name of a tied parameter (BERT's
+    output bias is `cls.predictions.bias` and `cls.predictions.decoder.bias`), so the others
+    whose module the stage holds are registered again; and it saves every buffer, so those the
+    model does not save (BERT's `position_ids`) are marked so again."""
+    modules = dict(stage.named_modules())
+    held = {n: p for n, p in stage.named_parameters(remove_duplicate=False)}
+    for group in tied_groups(model):
+        present = [held[n] for n in group if n in held]
+        for name in group:
+            owner, _, leaf = name.rpartition(".")
+            if present and name not in held and owner in modules:
+                modules[owner].register_parameter(leaf, present[0])
+    unsaved = {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module in model.named_modules()
+        for name in module._non_persistent_buffers_set
+    }
+    for prefix, module in stage.named_modules():
+        for name in list(module._buffers):
+            if (f"{prefix}.{name}" if prefix else name) in unsaved:
+                module._non_persistent_buffers_set.add(name)
 
 
 # Ops whose training behaviour the trace records as constants: (op, index of the argument).

@@ -7,6 +7,7 @@ import hashlib
 import json
 from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from shardwise.common.console import warn
@@ -33,6 +34,8 @@ def save(run: Run, step: int, *, final: bool = False) -> str:
     try:
         run.faults.before_save(step)
         buffers = train_state.own_buffers(state, run.parts)
+        if run.layout.pipeline is not None:  # DCP's planner runs on rank 0: it needs all stages'
+            buffers = _on_every_rank(buffers)
         path = run.checkpoints.save(step, state, _manifest(run), first_holder=buffers)
         if final:
             run.checkpoints.wait()
@@ -42,6 +45,14 @@ def save(run: Run, step: int, *, final: bool = False) -> str:
     except (OSError, RuntimeError, CheckpointException) as e:
         run.checkpoints.discard_partial(step)
         raise SaveFailed(f"saving the checkpoint of step {step} failed: {e}") from e
+
+
+def _on_every_rank(keys: frozenset[str]) -> frozenset[str]:
+    """The union of every rank's `keys`: under a pipeline rank 0 holds its own stages' buffers
+    only, and left to DCP the later stages' would be written by whichever replica it chose."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(keys))
+    return frozenset(key for found in gathered for key in found)
 
 
 def capture(run: Run, step: int) -> dict[str, Any]:

@@ -251,6 +251,7 @@ def evaluate(run: Run) -> dict[str, float]:
 
 def _evaluate(run: Run) -> dict[str, float]:
     assert run.eval_data is not None
+    first_replicas_buffers(run)
     for part in run.parts:
         part.eval()
     # [loss sum, correct, target count, targets where accuracy applies]
@@ -270,6 +271,21 @@ def _evaluate(run: Run) -> dict[str, float]:
     if sums[3] > 0:
         result["eval/accuracy"] = (sums[1] / sums[3]).item()
     return result
+
+
+def first_replicas_buffers(run: Run) -> None:
+    """Give every data-parallel replica the first replica's buffers (a batch norm's running
+    statistics), as DDP does before every forward: FSDP and its replicate mode leave each
+    replica its own, updated by its own samples, while a checkpoint and its export hold the
+    first replica's. Evaluated with them, the run gives the loss its export gives. Training
+    normalises with each batch's own statistics, so it is not changed."""
+    if run.layout.wrapper not in ("fsdp", "replicate") or run.derived.dp == 1:
+        return
+    first = dist.get_global_rank(run.dp_group, 0)
+    for part in run.parts:
+        for buffer in part.buffers():
+            local = buffer.to_local() if isinstance(buffer, DTensor) else buffer
+            dist.broadcast(local, src=first, group=run.dp_group)
 
 
 IGNORE_INDEX = -100
