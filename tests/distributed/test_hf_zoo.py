@@ -156,6 +156,7 @@ CELLS = [(f, layout) for f in FAMILIES for layout in LAYOUTS if MATRIX[f][layout
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the first test also runs the module's ~110 jobs (2 min here)
 @pytest.mark.parametrize(("family", "layout"), CELLS, ids=[_run_name(*c) for c in CELLS])
 def test_every_layout_trains_as_one_process(runs, family, layout):
     reference = outcome(runs, _run_name(family, "one"), STEPS)
@@ -180,6 +181,7 @@ def _statistic(name: str) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize(("family", "layout"), CELLS, ids=[_run_name(*c) for c in CELLS])
 def test_the_export_loads_into_the_stock_class_and_gives_the_runs_evaluation(
     runs, family, layout, tmp_path, repo_cwd

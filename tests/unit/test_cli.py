@@ -59,7 +59,7 @@ def test_cli_flags_are_pinned():
         ),
         (["--set", "model.name=nowhere.mod:build"], "cannot import module 'nowhere'"),
         (["--set", "model.args.chanels=8"], "did you mean 'model.args.channels'?"),
-        (["--set", "parallel.tp=2", "--nproc", "2"], "has no tp_plan() method"),
+        (["--set", "parallel.tp=2", "--nproc", "2"], "has none (no tp_plan() method)"),
         (
             [
                 "--nproc",
