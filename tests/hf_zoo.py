@@ -50,19 +50,32 @@ def decoder(
 ) -> PreTrainedModel:
     """A Llama-family causal LM: `kv_heads` < `heads` is grouped-query attention."""
     config_class, model_class = DECODERS[family]
-    config = config_class(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
+    config = _decoder_config(
+        config_class,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
         max_position_embeddings=seq_len,
         tie_word_embeddings=tied,
         attention_dropout=0.0,
     )
     model: PreTrainedModel = model_class(config)
     return model
+
+
+def _decoder_config(
+    config_class: Any, *, layers: int, hidden: int, heads: int, kv_heads: int, **extra: Any
+) -> Any:
+    return config_class(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        **extra,
+    )
 
 
 def llama(**args: Any) -> PreTrainedModel:
@@ -74,13 +87,12 @@ def llama_classifier(
 ) -> PreTrainedModel:
     """Llama for sequence classification: its `score` head is in no pipeline plan
     transformers declares, so a pipeline traces it."""
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
+    config = _decoder_config(
+        LlamaConfig,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
         num_labels=classes,
         pad_token_id=0,
     )

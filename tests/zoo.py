@@ -48,6 +48,14 @@ def bn_cnn(*, channels: int = 8) -> nn.Sequential:
     )
 
 
+def embed_layers_final(model: Any) -> list[str]:
+    """The blocks of a language model with `embed`, `layers` and `final` that a pipeline stage
+    may lack."""
+    names = ["embed"] if model.embed is not None else []
+    names += [f"layers.{k}" for k in model.layers]
+    return names + (["final"] if model.final is not None else [])
+
+
 class TiedLM(nn.Module):
     """A small language model whose output layer shares the embedding's weight (GPT-2's and most
     Hugging Face models' `tie_word_embeddings`), a sequence of blocks for pipelines."""
@@ -81,9 +89,7 @@ class TiedLM(nn.Module):
         return h
 
     def pipeline_blocks(self) -> list[str]:
-        names = ["embed"] if self.embed is not None else []
-        names += [f"layers.{k}" for k in self.layers]
-        return names + (["final"] if self.final is not None else [])
+        return embed_layers_final(self)
 
 
 def tied_lm(*, vocab: int = 256, hidden: int = 32, layers: int = 2) -> nn.Module:
@@ -362,9 +368,7 @@ class RopeLM(nn.Module):
         return h
 
     def pipeline_blocks(self) -> list[str]:
-        names = ["embed"] if self.embed is not None else []
-        names += [f"layers.{k}" for k in self.layers]
-        return names + (["final"] if self.final is not None else [])
+        return embed_layers_final(self)
 
     def init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear | nn.Embedding):
@@ -394,3 +398,28 @@ class GatedResidualMLP(ResidualMLP):
 
 def gated_residual_mlp(*, hidden: int = 32, layers: int = 4) -> nn.Module:
     return GatedResidualMLP(hidden, layers)
+
+
+def torchvision_resnet18(*, classes: int = 10) -> nn.Module:
+    """torchvision's resnet18 as users build it: not a sequence of blocks (a pipeline traces
+    it), batch norms throughout."""
+    from torchvision.models import resnet18
+
+    model: nn.Module = resnet18(num_classes=classes)
+    return model
+
+
+def torchvision_problem() -> str | None:
+    """Why torchvision's models cannot be imported here, or None where they can. PyPI's
+    torchvision wheels for Linux are built against torch's CUDA build (`libc10_cuda.so`); on
+    torch's CPU build its import fails."""
+    try:
+        import torchvision.models  # noqa: F401
+    except ImportError:
+        return (
+            "torchvision is not installed: PyPI's torchvision for Linux loads only beside "
+            "torch's CUDA build, and make installs torch's CPU build (constraints.txt)"
+        )
+    except (OSError, RuntimeError) as e:
+        return f"torchvision does not load beside this torch ({type(e).__name__}: {e})"
+    return None

@@ -21,6 +21,7 @@ import torch
 from helpers import assert_same_training, gpt_job, outcome, train_in_workers
 from shardwise.training.checkpoint.export import export_safetensors, load_exported
 from shardwise.training.config.schema import Schedule
+from zoo import torchvision_problem
 
 pytestmark = pytest.mark.slow
 LOSS_RTOL, PARAM_ATOL = 1e-5, 2e-5
@@ -123,6 +124,19 @@ TWO_RANKS["residual-fsdp"] = (RESIDUAL, {"dp_shard": 2})
 if HAS_TRANSFORMERS:
     ONE_PROCESS["hf"] = (HF_GPT2, {})
     TWO_RANKS |= {name: (HF_GPT2, parallel) for name, parallel in HF_LAYOUTS.items()}
+# torchvision's resnet18 on 32×32 three-channel digits, where torchvision loads
+NO_TORCHVISION = torchvision_problem()
+RESNET18 = {
+    **BN_CNN,
+    "model": {"name": "tests.zoo:torchvision_resnet18", "args": {}},
+    "data": {"name": "digits", "args": {"image_size": 32, "channels": 3}},
+    "train": {"steps": STEPS, "global_batch": 16, "micro_batch": 8, "lr": 1e-3},
+    "eval": {"max_samples": 62, "batch": 8},
+}
+RESNET18_LAYOUTS = {"resnet18-ddp": {}, "resnet18-pp": {"pp": 2, "pipeline_schedule": "GPipe"}}
+if NO_TORCHVISION is None:
+    ONE_PROCESS["resnet18"] = (RESNET18, {})
+    TWO_RANKS |= {name: (RESNET18, parallel) for name, parallel in RESNET18_LAYOUTS.items()}
 RESUMED = {"gpt-dropout-pp-resumed": (GPT_DROPOUT, {"pp": 2}, "gpt-dropout-pp")}
 FOUR_RANKS = {"bn-cnn-dp2-pp2": (BN_CNN, {"dp_replicate": 2, "pp": 2})}
 if HAS_TRANSFORMERS:
@@ -347,3 +361,18 @@ def test_a_hugging_face_export_loads_into_the_stock_model(runs, repo_cwd, name):
     reference.load_state_dict(outcome(runs, "hf", STEPS)[1])
     tokens = torch.randint(0, 256, (2, 16))
     torch.testing.assert_close(model(tokens).logits, reference(tokens).logits, rtol=0, atol=1e-4)
+
+
+@pytest.mark.skipif(NO_TORCHVISION is not None, reason=str(NO_TORCHVISION))
+@pytest.mark.parametrize("name", RESNET18_LAYOUTS)
+def test_torchvisions_resnet18_trains_as_one_process(runs, name):
+    """DDP (the batch norms' statistics rank 0's, so compared for being finite) and a traced
+    GPipe pipeline (every statistic one process's)."""
+    reference = outcome(runs, "resnet18", STEPS)
+    got = outcome(runs, name, STEPS)
+    if name == "resnet18-ddp":
+        stats = [k for k in got[1] if "running" in k or "num_batches" in k]
+        assert all(torch.isfinite(got[1][k].float()).all() for k in stats)
+        got = (got[0], {k: v for k, v in got[1].items() if k not in stats})
+        reference = (reference[0], {k: v for k, v in reference[1].items() if k not in stats})
+    assert_same_training(got, reference, ALL, param_atol=STATS_ATOL)
