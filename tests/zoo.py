@@ -423,3 +423,22 @@ def torchvision_problem() -> str | None:
     except (OSError, RuntimeError) as e:
         return f"torchvision does not load beside this torch ({type(e).__name__}: {e})"
     return None
+
+
+class SharedScale(nn.Module):
+    """One parameter given to two modules as they are built (not tied afterwards)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        scale = nn.Parameter(torch.ones(4))
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.first.scale = scale
+        self.second.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.second(self.first(x) * self.first.scale) * self.second.scale
+        return out
+
+
+def shared_scale() -> nn.Module:
+    return SharedScale()

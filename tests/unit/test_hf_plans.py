@@ -197,3 +197,37 @@ def test_bert_splits_by_shardwises_plan_for_encoders_and_a_resnet_is_refused(tmp
         ConfigError, match=r"ResNetForImageClassification declares none.*parallel.tp_plan"
     ):
         check_layout(resnet, derive(resnet, 2))
+
+
+@pytest.mark.parametrize(
+    "family", ["Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Olmo2", "Gemma2", "Cohere"]
+)
+def test_a_declared_plan_is_used_only_where_its_stages_compose_to_the_model(family):
+    """Gemma 2 caps its logits and Cohere scales them outside any block the plan declares:
+    every stage runs the model's forward, so they would be applied on every stage. Such models
+    are not split by their declared plan (they are traced); those that are split compose to the
+    whole model's logits, with real weights."""
+    import transformers
+
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        pad_token_id=0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    model_class = getattr(transformers, f"{family}ForCausalLM")
+    with torch.device("meta"):
+        meta = model_class(config)
+    torch.manual_seed(0)
+    model = model_class(config)
+    for built in (meta, model):
+        built.config.use_cache = False
+    blocks = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"]
+    declared = has_blocks(meta)
+    assert has_blocks(model) == declared
+    assert declared == (family not in ("Gemma2", "Cohere"))
+    tokens = torch.randint(0, 256, (2, 8))
+    with torch.no_grad():
+        first = stage_module(model, blocks, set(blocks[:2]))
+        staged = stage_module(model, blocks, set(blocks[2:]))(first(tokens))
+        composes = torch.allclose(staged, model(tokens).logits, atol=1e-5)
+    assert composes or not declared

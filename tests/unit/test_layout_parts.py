@@ -186,6 +186,24 @@ def test_a_value_a_traced_stage_takes_from_further_back_is_carried_through_the_s
     torch.testing.assert_close(h, model(example))
 
 
+def test_the_template_keeps_a_parameter_two_modules_were_built_with_as_one(tmp_path):
+    from shardwise.training import builders
+    from shardwise.training.parallel.ties import tied_groups
+
+    config = gpt_job(tmp_path, model={"name": "tests.zoo:shared_scale", "args": {}})
+    template = builders.build_with_meta_parameters(config)
+    assert tied_groups(template) == [("first.scale", "second.scale")]
+    assert template.first.scale is template.second.scale and template.first.scale.is_meta
+
+
+def test_a_parameter_nothing_initialises_is_left_nan_where_weights_are_loaded_next():
+    """A resumed run or `model.init_from` overwrites it (and cost balancing only times)."""
+    with torch.device("meta"):
+        model = _Scaled()
+    materialize([model], copy.deepcopy(model), seed=0, device=torch.device("cpu"), strict=False)
+    assert torch.isnan(model.scale).all() and not torch.isnan(model.linear.weight).any()
+
+
 def gpt_layout(tmp_path, world_size, **parallel):
     config = gpt_job(
         tmp_path, model={"args": {"layers": 2, "heads": 4, "hidden": 32}}, parallel=parallel

@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardwise.common.errors import ConfigError
-from shardwise.models.hf_init import is_hf
+from shardwise.models.hf_init import declared_plan, is_hf
 from shardwise.models.hf_pipeline import PassThrough
 
 
@@ -140,7 +140,7 @@ def declared_tp_plan(
     # a pipeline stage holds pass-throughs in place of the blocks it lacks: nothing to split
     modules = [n for n, m in model.named_modules() if not isinstance(m, PassThrough)]
     plan: dict[str, ParallelStyle] = {}
-    for pattern, style in _declared_tp(model).items():
+    for pattern, style in declared_plan(model, "tp").items():
         make = _DECLARED_STYLES.get(style)
         if make is None:
             raise ConfigError(
@@ -163,13 +163,6 @@ _DECLARED_STYLES: dict[str, Callable[[], ParallelStyle]] = {
 """transformers' style names (transformers/integrations/tensor_parallel.py) that have a torch
 style doing the same: a column split whose output stays split, a row split whose output is
 summed, a column split gathered (the output layer), and an embedding split by vocabulary rows."""
-
-
-def _declared_tp(model: nn.Module) -> dict[str, str]:
-    plan = getattr(model, "tp_plan", None)
-    if not isinstance(plan, dict):
-        plan = getattr(model, "_tp_plan", None)
-    return dict(plan) if isinstance(plan, dict) and is_hf(model) else {}
 
 
 def encoder_tp_plan(
@@ -210,7 +203,7 @@ def default_tp_plan(model: nn.Module) -> tuple[Callable[..., dict[str, ParallelS
         return None
     if any(type(m) is _conv1d() for m in model.modules()):
         return gpt2_tp_plan, "shardwise's plan for Hugging Face GPT-2 models"
-    if _declared_tp(model):
+    if declared_plan(model, "tp"):
         return declared_tp_plan, f"the plan transformers declares for {type(model).__name__}"
     if encoder_tp_plan(model):
         return encoder_tp_plan, "shardwise's plan for BERT-style encoders"

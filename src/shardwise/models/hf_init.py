@@ -25,6 +25,18 @@ def is_hf(model: nn.Module) -> bool:
     return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
+def declared_plan(model: nn.Module, kind: str) -> dict[str, Any]:
+    """A parallel plan transformers declares for a Hugging Face model (`kind`: `tp` or `pp`):
+    the instance's (`tp_plan`, with its config's base-model plan merged in), or its class's
+    (`_tp_plan`); empty for any other model or where it declares none."""
+    if not is_hf(model):
+        return {}
+    plan = getattr(model, f"{kind}_plan", None)
+    if not isinstance(plan, dict):
+        plan = getattr(model, f"_{kind}_plan", None)
+    return dict(plan) if isinstance(plan, dict) else {}
+
+
 def prepare(model: nn.Module) -> None:
     """Training settings a stock model needs: no generation cache."""
     config: Any = getattr(model, "config", None)
@@ -35,8 +47,9 @@ def prepare(model: nn.Module) -> None:
 def initializer(model: nn.Module) -> Callable[[str], None] | None:
     """Hugging Face's initialisation of the module named `name`: its `_init_weights` on that
     module, then on every module above it, nearest first (None for other models). On a model
-    built on the meta device only the module being initialised has storage, so the parents'
-    calls touch nothing else."""
+    whose parameters are on the meta device only the module being initialised has parameters
+    with storage, so the parents' calls set nothing else (but the buffers `__init__` computed,
+    which they set to the same values: BERT's position ids)."""
     if not is_hf(model):
         return None
     init_weights: Callable[[nn.Module], None] = getattr(model, "_init_weights")  # noqa: B009

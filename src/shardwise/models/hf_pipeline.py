@@ -19,12 +19,14 @@ No DTensor and no import of transformers here: the launcher checks every job wit
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from shardwise.models.hf_init import is_hf
+from shardwise.models.hf_init import declared_plan
 
 
 class PassThrough(nn.Module):
@@ -40,7 +42,8 @@ class PassThrough(nn.Module):
 
 def declared_blocks(model: nn.Module) -> list[str]:
     """The model's blocks from its declared pipeline plan, in the order of its modules; none
-    where it declares none, names a module it lacks, or leaves a parameter outside them."""
+    where it declares none, names a module it lacks, leaves a parameter outside them, or
+    changes the hidden state between them (`passes_through`)."""
     plan = _plan(model)
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     if not plan or any(name not in order for name in plan):
@@ -55,7 +58,50 @@ def declared_blocks(model: nn.Module) -> list[str]:
     inside = tuple(f"{b}." for b in blocks)
     if any(not n.startswith(inside) for n, _ in model.named_parameters(remove_duplicate=False)):
         return []
-    return blocks
+    return blocks if passes_through(model, blocks) else []
+
+
+_PASSES: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def passes_through(model: nn.Module, blocks: list[str]) -> bool:
+    """Whether the model's forward, with every block passed through, returns the hidden state
+    it was given as it is (or a view of it): then a stage, which runs that forward with the
+    other stages' blocks passed through, applies its own blocks and nothing else. Llama's does;
+    Gemma's scales the embeddings by √hidden, Granite's by a multiplier, Gemma 2's caps the
+    logits: run on every stage, those would be applied again and again, so such models are
+    traced instead. Decided by one forward of no block on two positions (no values are read:
+    meta tensors will do), once per model."""
+    if model in _PASSES:
+        return _PASSES[model]
+    weight = getattr(model.get_submodule(blocks[0]), "weight", None)
+    slots = [(model.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in blocks]
+    saved = [parent._modules[leaf] for parent, leaf in slots]
+    found = False
+    if isinstance(weight, torch.Tensor):  # the embedding: the hidden state's width and type
+        try:
+            for (parent, leaf), block in zip(slots, blocks, strict=True):
+                parent._modules[leaf] = pass_through(model, block)
+            found = _returns_its_input(model, blocks[0], weight)
+        except Exception:  # any model's code can fail here: then it is traced
+            found = False
+        finally:
+            for (parent, leaf), module in zip(slots, saved, strict=True):
+                parent._modules[leaf] = module
+    _PASSES[model] = found
+    return found
+
+
+def _returns_its_input(model: nn.Module, first: str, weight: torch.Tensor) -> bool:
+    """Whether the model (every block passed through) returns the hidden state it takes, on
+    fake tensors: transformers skips its checks of values there (a meta model's masks read
+    one)."""
+    name = _names(_plan(model)[first], outputs=True)[0]
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake, torch.no_grad():
+        given = torch.zeros(1, 2, weight.shape[-1], dtype=weight.dtype, device=weight.device)
+        hidden = fake.from_tensor(given)
+        out = _one_tensor(model, (), model(**{name: hidden}))
+        return bool(out is hidden or out._base is hidden)
 
 
 def pass_through(model: nn.Module, block: str) -> PassThrough:
@@ -78,10 +124,7 @@ def run_as_stage(stage: nn.Module, *, first: bool) -> None:
 
 
 def _plan(model: nn.Module) -> dict[str, Any]:
-    if not is_hf(model):
-        return {}
-    plan = getattr(model, "pp_plan", None) or getattr(model, "_pp_plan", None)
-    return dict(plan) if isinstance(plan, dict) else {}
+    return declared_plan(model, "pp")
 
 
 def _names(entry: Any, *, outputs: bool = False) -> list[str]:

@@ -154,10 +154,15 @@ def build_with_meta_parameters(config: JobConfig) -> nn.Module:
     initialiser may set again. Each parameter moves to the meta device as it is registered, so
     the build holds one at a time (uninitialised: its module's initialisers then skip it)."""
 
+    moved: dict[int, tuple[Any, nn.Parameter]] = {}  # the original kept: its id stays unique
+
     def to_meta(_module: nn.Module, _name: str, param: Any) -> Any:
         if param is None or param.is_meta:
             return None  # kept as it is: a tied parameter registered again stays one
-        return nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
+        if id(param) not in moved:  # one parameter registered in two modules stays one too
+            meta = nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
+            moved[id(param)] = (param, meta)
+        return moved[id(param)][1]
 
     hook = torch.nn.modules.module.register_module_parameter_registration_hook(to_meta)
     try:

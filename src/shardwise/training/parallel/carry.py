@@ -57,7 +57,9 @@ def _source(node: Any, stage_of: dict[str, int], roots: list[fx.Node]) -> Source
     if node.op == "placeholder":
         return (-1, roots.index(node))
     if node.op == "call_function" and node.target is operator.getitem:
-        return (stage_of[node.args[0].target], int(node.args[1]))
+        source = node.args[0]
+        if source.op == "call_module" and source.target in stage_of:
+            return (stage_of[source.target], int(node.args[1]))
     if node.op == "call_module" and node.target in stage_of:
         return (stage_of[node.target], None)
     raise ValueError(f"a stage takes {node.op} {node.target}, not another stage's output")

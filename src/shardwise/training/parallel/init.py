@@ -67,19 +67,26 @@ def _takes_one_argument(fn: Callable[..., Any]) -> bool:
 
 
 def materialize(
-    parts: list[nn.Module], template: nn.Module, *, seed: int, device: torch.device
+    parts: list[nn.Module],
+    template: nn.Module,
+    *,
+    seed: int,
+    device: torch.device,
+    strict: bool = True,
 ) -> None:
     """Give the (parallelized, meta) `parts` storage on `device` and fill every parameter and
     buffer with this rank's slice of the value the unsharded `template` would get: a
     parameter's from its module's initialisers, a buffer's from the template (built with
     `builders.build_with_meta_parameters`, its buffers as `__init__` computed them) and then
-    from those initialisers. The template is left as it was.
+    from those initialisers. The template's tensors are given back to it (an initialiser of a
+    parent module may write the template's own real buffers, with the values they hold).
 
     A name may be held by several parts (two pipeline stages on one rank both hold what is
     outside their blocks): each copy is filled. A tied parameter takes the value its first
     name's module gives it, on every stage that holds one of its names, as in the built model
-    (the output layer holds the embedding). A parameter that no initialiser sets is refused:
-    a run never starts from uninitialised memory."""
+    (the output layer holds the embedding). A parameter that no initialiser sets is refused
+    (`strict`), so a run never starts from uninitialised memory; not strict, it is left NaN,
+    for a run whose weights are loaded next (a resumed run, `model.init_from`)."""
     groups = tied_groups(template)
     tied = aliases(groups)
     targets: dict[str, list[torch.Tensor]] = {}
@@ -103,7 +110,7 @@ def materialize(
                 if tied.get(name, (name,))[0] != name:
                     continue
                 held = kept.get(name.rpartition(".")[2])
-                if held is None or held.is_meta:
+                if strict and (held is None or held.is_meta):
                     _check_initialised(template, module, name, full)
                 for target in targets.get(name, []):
                     copy_slice(full, target)
@@ -113,12 +120,14 @@ def materialize(
 def _check_initialised(
     template: nn.Module, module: nn.Module, name: str, tensor: torch.Tensor
 ) -> None:
-    """A parameter still holding the scratch's NaN was set by no initialiser."""
+    """A parameter (or a buffer the template has no value for) still holding the scratch's NaN
+    was set by no initialiser."""
     if tensor.is_floating_point() and bool(tensor.isnan().any()):
+        scheme = "_init_weights" if hf_initializer(template) else "init_weights"
         raise ConfigError(
             f"model.init = 'meta': nothing initialises {name} ({type(module).__name__} has no "
             f"reset_parameters() that sets it, nor does {type(template).__name__}."
-            "init_weights(module)); set it in one of them, or set model.init = 'full'"
+            f"{scheme}(module)); set it in one of them, or set model.init = 'full'"
         )
 
 

@@ -109,21 +109,12 @@ def _check_pipeline(config: JobConfig, derived: Derived, model: nn.Module, examp
                 "docs/training.md, 'Pipeline parallelism') or set parallel.tp = 1"
             )
         if parallel.pipeline_balance == "cost":
-            raise ConfigError(
-                "parallel.pipeline_balance = 'cost' times each block on its own, which needs a "
-                f"model that is a sequence of blocks; {name} is traced instead: use 'params' "
-                "or name the split with parallel.pipeline_split"
-            )
+            raise _no_cost_balance(name, "is traced instead")
         traced = trace_split(model, example, num_stages=num_stages, split=parallel.pipeline_split)
         _check_traced_stages_run(model, traced, example, parallel.pipeline_split)
         return
     if parallel.pipeline_balance == "cost" and not has_own_blocks(model):
-        raise ConfigError(
-            "parallel.pipeline_balance = 'cost' times each block on its own, which needs "
-            f"blocks that take what the one before returns; {name}'s are cut as transformers "
-            "declares (its layers take positions and masks too): use 'params' or name the "
-            "split with parallel.pipeline_split"
-        )
+        raise _no_cost_balance(name, "is cut as transformers declares (its layers take masks too)")
     blocks = pipeline_blocks(model)
     for block in blocks:
         if not has_submodule(model, block):
@@ -142,6 +133,14 @@ def _check_pipeline(config: JobConfig, derived: Derived, model: nn.Module, examp
     _check_stages_run(model, blocks, stage_blocks, example)
 
 
+def _no_cost_balance(name: str, instead: str) -> ConfigError:
+    return ConfigError(
+        "parallel.pipeline_balance = 'cost' times each block on its own, which needs blocks "
+        f"that take what the one before returns; {name} {instead}: use 'params' or name the "
+        "split with parallel.pipeline_split"
+    )
+
+
 def _check_stages_run(
     model: nn.Module, blocks: list[str], stage_blocks: dict[int, list[str]], example: Any
 ) -> None:
@@ -152,6 +151,12 @@ def _check_stages_run(
     failed = _run_stages(model, stages, example)
     if failed is None:
         return
+    if failed.startswith("the last stage"):
+        raise ConfigError(
+            f"{type(model).__name__}'s pipeline stages, run one after another, do not give "
+            f"what the model gives: {failed}; its forward must do nothing between its blocks "
+            "but pass on what one returns (see docs/training.md, 'Pipeline parallelism')"
+        )
     if not has_own_blocks(model):  # the stages of a plan transformers declares
         raise ConfigError(
             f"{type(model).__name__}'s pipeline plan (declared by transformers) cuts it into "

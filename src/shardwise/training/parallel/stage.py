@@ -20,12 +20,15 @@ class TimedStage(PipelineStage):
 
     busy_seconds: float = 0.0
 
-    def __init__(self, submodule: nn.Module, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, submodule: nn.Module, stage_index: int, num_stages: int, *args: Any, **kwargs: Any
+    ) -> None:
         # What a stage sends must be contiguous (gloo and NCCL send whole buffers): a traced
         # BERT's second stage receives the attention mask as its first stage expanded it.
-        # And no view (_own_memory).
-        submodule.register_forward_hook(_contiguous_outputs)
-        super().__init__(submodule, *args, **kwargs)
+        # And no view (_own_memory). The last stage sends nothing.
+        if stage_index < num_stages - 1:
+            submodule.register_forward_hook(_contiguous_outputs)
+        super().__init__(submodule, stage_index, num_stages, *args, **kwargs)
 
     def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
         """torch learns what flows between stages by running each stage once, in training mode,

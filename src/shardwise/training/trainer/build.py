@@ -61,7 +61,9 @@ def build_run(
     data = open_data(config, derived, dp_rank, dp_size)
     config, train_set, held_out = data.config, data.samples, data.held_out
     loss_fn = builders.build_loss(config)
-    layout = build_layout(config, derived, mesh, device, sample=train_set[0])
+    layout = build_layout(
+        config, derived, mesh, device, sample=train_set[0], loading=resume is not None
+    )
     builtin = config.train.loss in builders.LOSSES
     if layout.compiled:
         one_graph = layout.wrapper == "none"
@@ -349,9 +351,11 @@ def build_layout(
     *,
     sample: Any,
     materialize_weights: bool = True,
+    loading: bool = False,
 ) -> Layout:
     """Build the model (on the meta device when it supports it) and apply the layout; with
-    `materialize_weights` false (a dry run) the parameters stay on meta."""
+    `materialize_weights` false (a dry run) the parameters stay on meta; `loading`: the run's
+    weights are loaded from a checkpoint next (a resumed run)."""
     with torch.device("meta"):
         model = builders.build_model(config)
     use_meta = config.model.init == "meta" or (
@@ -362,14 +366,17 @@ def build_layout(
             "model.init = 'meta' but some module has no reset_parameters() and the model no "
             "init_weights(module); set model.init = 'full'"
         )
-    template = builders.build_with_meta_parameters(config)  # where initial values come from
+    by_cost = derived.degrees["pp"] > 1 and config.parallel.pipeline_balance == "cost"
+    # where the initial values come from: its parameters' initialisers, its buffers' values
+    template = builders.build_with_meta_parameters(config) if use_meta or by_cost else None
     if not use_meta and materialize_weights:
         torch.manual_seed(config.job.seed)  # identical initial weights on every rank
         model = builders.build_model(config)
 
     def init(parts: list[nn.Module]) -> None:
-        if use_meta:
-            materialize(parts, template, seed=config.job.seed, device=device)
+        if template is not None and use_meta:  # strict unless weights are loaded next
+            strict = not (loading or config.model.init_from)
+            materialize(parts, template, seed=config.job.seed, device=device, strict=strict)
         else:
             for part in parts:
                 part.to(device)
@@ -377,7 +384,7 @@ def build_layout(
             load_weights(parts, config.model.init_from)
 
     costs = None
-    if derived.degrees["pp"] > 1 and config.parallel.pipeline_balance == "cost":
+    if template is not None and by_cost:
         costs = measure_block_costs(
             template, config.job.seed, sample, micro_batch=derived.micro_batch
         )

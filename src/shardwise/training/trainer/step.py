@@ -275,11 +275,12 @@ def _evaluate(run: Run) -> dict[str, float]:
 
 def first_replicas_buffers(run: Run) -> None:
     """Give every data-parallel replica the first replica's buffers (a batch norm's running
-    statistics), as DDP does before every forward: FSDP and its replicate mode leave each
-    replica its own, updated by its own samples, while a checkpoint and its export hold the
-    first replica's. Evaluated with them, the run gives the loss its export gives. Training
-    normalises with each batch's own statistics, so it is not changed."""
-    if run.layout.wrapper not in ("fsdp", "replicate") or run.derived.dp == 1:
+    statistics), as DDP does before every forward: FSDP, its replicate mode and the replicas of
+    a `train.sync` other than every step leave each replica its own, updated by its own
+    samples, while a checkpoint and its export hold the first replica's. Evaluated with them,
+    the run gives the loss its export gives. Training normalises with each batch's own
+    statistics, so it is not changed."""
+    if run.layout.wrapper == "ddp" or run.derived.dp == 1:
         return
     first = dist.get_global_rank(run.dp_group, 0)
     for part in run.parts:
@@ -295,17 +296,19 @@ puts at the positions a masked or padded language model does not predict."""
 
 def batch_sums(loss_fn: builders.LossFn, outputs: Any, target: torch.Tensor) -> torch.Tensor:
     """One evaluation batch's [loss × targets, correct, targets, targets where accuracy
-    applies], without waiting for the device. A class target of -100 is no target: the loss
+    applies], without waiting for the device. A class target (integers, one class dimension
+    fewer than the outputs) of -100 is no target: the loss
     (a mean over the others) is weighted by the others' count and accuracy is taken over them
     (a batch with none adds nothing)."""
     sums = torch.zeros(4, dtype=torch.float64, device=target.device)
-    counted = None if target.is_floating_point() else target != IGNORE_INDEX
+    logits = builders.model_output(outputs)
+    classes = not target.is_floating_point() and logits.dim() == target.dim() + 1
+    counted = target != IGNORE_INDEX if classes else None
     count = target.numel() if counted is None else counted.sum()
     loss = loss_fn(outputs, target).double()
     sums[0] = torch.where(torch.as_tensor(count > 0), loss * count, 0.0)
     sums[2] = count
-    logits = builders.model_output(outputs)
-    if counted is not None and logits.dim() == target.dim() + 1:
+    if counted is not None:
         sums[1] = ((logits.argmax(-1) == target) & counted).sum()
         sums[3] = count
     return sums
