@@ -187,3 +187,37 @@ def test_a_users_iterable_dataset_with_a_state_resumes_bitwise(tmp_path, monkeyp
     assert want[30] < want[1] - 0.5  # 30 steps cross an epoch of each rank's 719 samples
     a, b = load_params(straight.checkpoint), load_params(killed.checkpoint)
     assert all(torch.equal(b[n], a[n]) for n in a)
+
+
+def test_a_bad_row_only_reading_finds_stops_the_run_in_one_line_and_it_resumes_once_mended(
+    tmp_path, data, monkeypatch
+):
+    """A null in the last file, written without statistics (so the check before launch cannot
+    see it): every rank stops, one line names the file, row group and row; the checkpoint
+    before it is whole, and once the file is mended the run continues from it."""
+    import shutil
+
+    copy = tmp_path / "table"
+    shutil.copytree(data, copy)
+    whole = pq.read_table(copy / "part-2.parquet")
+    tags = whole.column("tag").to_pylist()
+    tags[200] = None
+    broken = whole.set_column(1, "tag", pa.array(tags, pa.int64()))
+    pq.write_table(broken, copy / "part-2.parquet", row_group_size=150, write_statistics=False)
+    (tmp_path / "run" / "ids").mkdir(parents=True)
+    monkeypatch.setenv("SHARDWISE_TEST_IDS", str(tmp_path / "run" / "ids"))
+    sections = {"checkpoint": {"every_steps": 4}}
+    with pytest.raises(ConfigError) as refused:
+        shardwise.train(job(tmp_path / "run", copy, **sections), nproc=2)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "column 'tag' has 1 missing values" in message
+    assert "part-2.parquet, row group 1, row 50 first" in message
+    assert "--resume auto --set data.allow_changed=true" in message
+    saved = sorted((tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert saved and load_params(saved[-1])  # the last checkpoint loads
+    pq.write_table(whole, copy / "part-2.parquet", row_group_size=150)  # mended
+    mended = job(tmp_path / "run", copy, allow_changed=True, **sections)
+    summary = shardwise.train(mended, nproc=2, resume="auto")
+    assert summary is not None and summary.resumed_from == int(saved[-1].name.split("_")[1])
+    assert max(losses(tmp_path / "run")) == STEPS

@@ -247,7 +247,7 @@ def test_list_columns_become_tensors_and_next_token_shifts_sequences(tmp_path):
         (pa.table({"x": [1.0, 2.0], "y": [0, 1]}), "z", r"has no column 'z' \(it has: x, y\)"),
         (pa.table({"x": ["a", "b"], "y": [0, 1]}), "x", "column 'x' is of type string"),
         (pa.table({"x": [[1.0], [2.0, 3.0]], "y": [0, 1]}), "x", "lists of different lengths"),
-        (pa.table({"x": [1.0, None], "y": [0, 1]}), "x", "column 'x' has 1 missing values"),
+        (pa.table({"x": [1.0, None], "y": [0, 1]}), "x", "column 'x' has 1 missing value in"),
     ],
     ids=["missing", "string", "ragged", "nulls"],
 )
@@ -270,3 +270,74 @@ def test_an_empty_or_absent_table_is_named(tmp_path):
     (tmp_path / "b").mkdir()
     with pytest.raises(DataError, match="no Parquet files there"):
         build_parquet(path=str(tmp_path / "b"), inputs="x", target="y")[0].open()
+
+
+def write_parts(root: Path, tables: list[pa.Table], *, statistics: bool = True) -> Path:
+    """One file per table, two row groups each where it has rows enough."""
+    root.mkdir(parents=True, exist_ok=True)
+    for index, table in enumerate(tables):
+        pq.write_table(
+            table,
+            root / f"part-{index:03d}.parquet",
+            row_group_size=max(len(table) // 2, 1),
+            write_statistics=statistics,
+        )
+    return root
+
+
+def good(start: int, rows: int = 8) -> pa.Table:
+    return pa.table({"x": [float(i) for i in range(start, start + rows)], "y": range(rows)})
+
+
+def test_missing_values_anywhere_are_found_before_anything_is_read(tmp_path, monkeypatch):
+    """From the footers' statistics: the third file's second row group holds a null."""
+    bad = pa.table({"x": [1.0, 2.0, 3.0, 4.0, 5.0, None, 7.0, 8.0], "y": range(8)})
+    path = write_parts(tmp_path, [good(0), good(8), bad, good(24)])
+    train, _ = build_parquet(path=str(path), inputs="x", target="y")
+    reads = []
+    monkeypatch.setattr(pq.ParquetFile, "read_row_groups", lambda *a, **k: reads.append(a))
+    with pytest.raises(
+        DataError,
+        match=r"column 'x' has 1 missing value in .*part-002.parquet \(row group 1\); fill",
+    ):
+        train.open()
+    assert not reads
+
+
+def test_every_files_column_types_are_checked_before_anything_is_read(tmp_path):
+    strings = pa.table({"x": ["1.0", "n/a"] * 4, "y": range(8)})
+    path = write_parts(tmp_path / "a", [good(0), good(8), strings])
+    train, _ = build_parquet(path=str(path), inputs="x", target="y")
+    with pytest.raises(DataError, match=r"column 'x' is of type string in .*part-002.parquet"):
+        train.open()
+    integers = pa.table({"x": list(range(8)), "y": range(8)})
+    path = write_parts(tmp_path / "b", [good(0), integers])
+    train, _ = build_parquet(path=str(path), inputs="x", target="y")
+    with pytest.raises(DataError, match=r"column 'x' holds int64 in .*part-001.parquet.*double"):
+        train.open()
+
+
+def read_every_block(stream) -> None:
+    for index in range(len(stream.blocks)):
+        stream.read(index)
+
+
+def test_what_only_reading_finds_names_the_file_row_group_and_row(tmp_path):
+    """Without statistics a null shows when its row group is read; lists of different lengths
+    only ever do."""
+    bad = pa.table({"x": [1.0, 2.0, 3.0, 4.0, 5.0, None, 7.0, 8.0], "y": range(8)})
+    path = write_parts(tmp_path / "a", [good(0), bad], statistics=False)
+    stream = build_parquet(path=str(path), inputs="x", target="y")[0].open()
+    with pytest.raises(DataError, match=r"part-001.parquet, row group 1, row 1 first"):
+        read_every_block(stream)
+    lists = [[1.0, 2.0]] * 6 + [[1.0], [2.0, 3.0]]
+    ragged = pa.table({"x": lists, "y": range(8)})
+    even = pa.table({"x": [[1.0, 2.0]] * 8, "y": range(8)})
+    path = write_parts(tmp_path / "b", [even, ragged])
+    stream = build_parquet(path=str(path), inputs="x", target="y")[0].open()
+    with pytest.raises(
+        DataError,
+        match=r"lists of different lengths \(1 to 2; .*part-001.parquet, row group 1, "
+        r"row 2 first\)",
+    ):
+        read_every_block(stream)

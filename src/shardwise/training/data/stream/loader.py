@@ -29,6 +29,7 @@ from shardwise.common.errors import ConfigError
 from shardwise.training.data.sampling import enough
 from shardwise.training.data.stream.columns import widened
 from shardwise.training.data.stream.order import EpochOrder, rank_slice
+from shardwise.training.data.stream.source import READ_ERRORS, data_problem
 from shardwise.training.data.stream.table import Pair, Stream
 
 ASSEMBLE_BYTES = 1 * 2**20
@@ -77,9 +78,16 @@ class StreamLoader:
 
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         step = self.offset // self.global_batch
-        self._plan_through(step)
-        if step not in self._ready:
-            self._assemble(step)
+        try:
+            self._plan_through(step)
+            if step not in self._ready:
+                self._assemble(step)
+        except READ_ERRORS as e:  # what only reading finds, or storage that failed mid-run
+            raise ConfigError(
+                f"{data_problem(e)}; the run stopped before this step, its last checkpoint "
+                "is whole: mend the data, then continue with --resume auto --set "
+                "data.allow_changed=true"
+            ) from None
         inputs, target = self._ready.pop(step)
         batches = []
         for begin in range(0, len(inputs), self.micro_batch):

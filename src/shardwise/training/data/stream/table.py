@@ -11,6 +11,7 @@ tokens and the target its last L (the next token at every position), as language
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -136,13 +137,21 @@ class Stream:
     def read(self, index: int) -> Pair:
         """Block `index`'s rows as (inputs, target) tensors, batch first."""
         block = self.blocks[index]
+        groups = range(block.first, block.first + block.groups)
+        table = self._file(block.file).read_row_groups(groups, columns=self.source.columns.read)
+        return self.source.columns.tensors(table, functools.partial(self._locate, block))
+
+    def _locate(self, block: Block, row: int) -> str:
+        """Where row `row` of `block` is: its file, row group and row in that group."""
         url = self.snapshot.files[block.file]
-        last = block.first + block.groups - 1
-        where = f"{url}, row group {block.first}" + (f" to {last}" if block.groups > 1 else "")
-        table = self._file(block.file).read_row_groups(
-            range(block.first, last + 1), columns=self.source.columns.read
-        )
-        return self.source.columns.tensors(table, where)
+        if not self.snapshot.footers:
+            return f"{url}, row groups {block.first} to {block.first + block.groups - 1}, row {row}"
+        for group in range(block.first, block.first + block.groups):
+            rows = self.snapshot.footers[block.file].row_group(group).num_rows
+            if row < rows or group == block.first + block.groups - 1:
+                break
+            row -= rows
+        return f"{url}, row group {group}, row {row}"
 
     def batch(self, inputs: torch.Tensor, target: torch.Tensor | None) -> Pair:
         """Rows gathered from blocks (integers as narrow as stored), transformed into a batch
