@@ -4,8 +4,13 @@ data builder; nothing is read until the run starts (`TableSource.open`)."""
 
 from __future__ import annotations
 
+import datetime
+import functools
+import importlib
 from typing import Any
 
+import fsspec
+from fsspec.core import split_protocol
 from pydantic import NonNegativeInt, PositiveInt
 
 from shardwise.common.imports import import_object
@@ -31,8 +36,19 @@ def build_parquet(
     """Parquet files: `path` is a file, a directory or a glob, local or an fsspec URL
     (s3://bucket/prefix/); `eval_path` the same for held-out data (none by default)."""
     common = _common(inputs, target, transform, row_transform, shuffle_rows, read_threads)
-    train = TableSource(lambda: parquet_files(path), **common)
-    held_out = TableSource(lambda: parquet_files(eval_path), **common) if eval_path else None
+    train = TableSource(
+        lambda: parquet_files(path), where=path, prepare=lambda: _filesystem(path), **common
+    )
+    held_out = (
+        TableSource(
+            lambda: parquet_files(eval_path),
+            where=eval_path,
+            prepare=lambda: _filesystem(eval_path),
+            **common,
+        )
+        if eval_path
+        else None
+    )
     return train, held_out
 
 
@@ -42,24 +58,32 @@ def build_delta(
     inputs: str | list[str],
     target: str = "",
     version: NonNegativeInt | None = None,
-    timestamp: str | None = None,
+    timestamp: str | datetime.datetime | None = None,
     transform: str = "",
     row_transform: str = "",
     shuffle_rows: NonNegativeInt = SHUFFLE_ROWS,
     read_threads: PositiveInt = 8,
     eval_table: str = "",
 ) -> tuple[TableSource, TableSource | None]:
-    """A Delta Lake table (a path or URL) at `version`, or as of `timestamp` (ISO 8601), or its
-    latest version, which the run then pins (written into its resolved config)."""
+    """A Delta Lake table (a path or URL) at `version`, or as of `timestamp` (ISO 8601 text or a
+    TOML datetime), or its latest version, which the run then pins (written into its resolved
+    config)."""
     if version is not None and timestamp is not None:
         raise ValueError("data.args.version and data.args.timestamp: give one, not both")
     common = _common(inputs, target, transform, row_transform, shuffle_rows, read_threads)
+    prepare = functools.partial(_imported, "deltalake")
     train = TableSource(
         lambda: delta_table(table, version=version, timestamp=timestamp),
         pin=lambda snapshot: {"version": snapshot.version["version"], "timestamp": None},
+        where=table,
+        prepare=prepare,
         **common,
     )
-    held_out = TableSource(lambda: delta_table(eval_table), **common) if eval_table else None
+    held_out = (
+        TableSource(lambda: delta_table(eval_table), where=eval_table, prepare=prepare, **common)
+        if eval_table
+        else None
+    )
     return train, held_out
 
 
@@ -80,13 +104,23 @@ def build_iceberg(
     `{type = "sql", uri = "sqlite:///catalog.db", warehouse = "s3://bucket/warehouse"}`) at
     `snapshot_id`, or its current snapshot, which the run then pins."""
     common = _common(inputs, target, transform, row_transform, shuffle_rows, read_threads)
+    # the catalog's implementation (SQL: SQLAlchemy, seconds to import on a busy machine)
+    kind = {"sql": "pyiceberg.catalog.sql", "rest": "pyiceberg.catalog.rest"}
+    prepare = functools.partial(_imported, kind.get(str(catalog.get("type")), "pyiceberg.catalog"))
     train = TableSource(
         lambda: iceberg_table(table, catalog=catalog, snapshot_id=snapshot_id),
         pin=lambda snapshot: {"snapshot_id": snapshot.version["snapshot_id"]},
+        where=f"iceberg table {table}",
+        prepare=prepare,
         **common,
     )
     held_out = (
-        TableSource(lambda: iceberg_table(eval_table, catalog=catalog), **common)
+        TableSource(
+            lambda: iceberg_table(eval_table, catalog=catalog),
+            where=f"iceberg table {eval_table}",
+            prepare=prepare,
+            **common,
+        )
         if eval_table
         else None
     )
@@ -116,6 +150,15 @@ def _common(
         "transform": _transform(transform, "data.args.transform"),
         "row_transform": _transform(row_transform, "data.args.row_transform"),
     }
+
+
+def _imported(module: str) -> None:
+    importlib.import_module(module)
+
+
+def _filesystem(path: str) -> None:
+    """The filesystem class of `path`'s protocol imported (s3fs, and botocore under it)."""
+    fsspec.get_filesystem_class(split_protocol(path)[0] or "file")
 
 
 def _transform(name: str, key: str) -> Transform | None:

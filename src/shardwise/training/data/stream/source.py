@@ -95,10 +95,31 @@ class Snapshot:
         )
 
 
-def within(seconds: float, what: str, call: Callable[[], T]) -> T:
+STORAGE_LIBRARIES = frozenset(
+    {"botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "adlfs", "urllib3", "requests"}
+)
+"""Libraries whose errors are storage's (an endpoint that refuses, an unknown host, access
+denied, no such bucket), whatever class they give them: botocore's are not OSErrors."""
+
+
+def storage_problem(error: BaseException, where: str) -> DataError | None:
+    """A storage library's error as one line naming `where`; None for any other error."""
+    if isinstance(error, DataError):
+        return None
+    library = type(error).__module__.split(".")[0]
+    if not isinstance(error, OSError) and library not in STORAGE_LIBRARIES:
+        return None
+    return DataError(
+        f"{where}: {type(error).__name__}: {first_line(error)[:300]}; check the path or URL, "
+        "and for object stores the endpoint and credentials (AWS_ENDPOINT_URL, "
+        "AWS_ACCESS_KEY_ID, …)"
+    )
+
+
+def within(seconds: float, what: str, call: Callable[[], T], where: str = "") -> T:
     """`call()`, or a DataError when it has not answered after `seconds` (storage that does not
-    answer: a wrong endpoint, a blocked port) rather than a hang. The call goes on in a daemon
-    thread, which never holds the process back."""
+    answer: a wrong endpoint, a blocked port) rather than a hang; a storage error as one line
+    naming `where`. The call goes on in a daemon thread, which never holds the process back."""
     box: dict[str, Any] = {}
 
     def run() -> None:
@@ -116,7 +137,8 @@ def within(seconds: float, what: str, call: Callable[[], T]) -> T:
             "stores the endpoint and credentials (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, …)"
         )
     if "error" in box:
-        raise box["error"]
+        error = box["error"]
+        raise storage_problem(error, f"{what} {where}".strip()) or error
     return box["value"]  # type: ignore[no-any-return]
 
 
@@ -143,8 +165,11 @@ def parquet_files(path: str) -> Snapshot:
     return _snapshot("parquet", path, files, version, sizes)
 
 
-def delta_table(uri: str, *, version: int | None = None, timestamp: str | None = None) -> Snapshot:
-    """A Delta Lake table at `version`, or as of `timestamp` (ISO 8601), or its latest."""
+def delta_table(
+    uri: str, *, version: int | None = None, timestamp: str | datetime.datetime | None = None
+) -> Snapshot:
+    """A Delta Lake table at `version`, or as of `timestamp` (ISO 8601, or a TOML datetime; UTC
+    where it names no zone), or its latest."""
     from deltalake import DeltaTable
     from deltalake.exceptions import TableNotFoundError
 
@@ -152,7 +177,7 @@ def delta_table(uri: str, *, version: int | None = None, timestamp: str | None =
     try:
         table = DeltaTable(uri, version=version, storage_options=options)
         if timestamp is not None:
-            table.load_as_version(datetime.datetime.fromisoformat(timestamp))
+            table.load_as_version(as_of(timestamp))
     except TableNotFoundError:
         raise DataError(f"{uri}: no Delta table there") from None
     except Exception as e:  # delta-rs's errors for a version or time it does not have
@@ -161,6 +186,8 @@ def delta_table(uri: str, *, version: int | None = None, timestamp: str | None =
         if version is not None or timestamp is not None:
             raise DataError(f"{uri}: cannot load {asked}: {first}") from None
         raise
+    if timestamp is not None:
+        _check_existed(table, uri, as_of(timestamp))
     partitions = table.metadata().partition_columns
     features = table.protocol().reader_features or []
     if "deletionVectors" in features:
@@ -172,6 +199,39 @@ def delta_table(uri: str, *, version: int | None = None, timestamp: str | None =
     snapshot = _snapshot("delta", uri, files, {"version": table.version()})
     why = "a partition column of the Delta table, whose values its files do not hold"
     return dataclasses.replace(snapshot, absent=(*snapshot.absent, *((c, why) for c in partitions)))
+
+
+def as_of(timestamp: str | datetime.datetime) -> datetime.datetime:
+    """A moment, from ISO 8601 text or a datetime; UTC where it names no zone."""
+    try:
+        moment = (
+            timestamp
+            if isinstance(timestamp, datetime.datetime)
+            else datetime.datetime.fromisoformat(timestamp)
+        )
+    except ValueError:
+        raise DataError(
+            f"data.args.timestamp = {timestamp!r} is not a date and time; write it as ISO 8601 "
+            "(2026-01-31T12:00:00Z)"
+        ) from None
+    return moment if moment.tzinfo else moment.replace(tzinfo=datetime.UTC)
+
+
+def _check_existed(table: Any, uri: str, moment: datetime.datetime) -> None:
+    """delta-rs loads the first version for a moment before the table's first commit: refuse
+    it, as there was no table then."""
+    if table.version() != 0:
+        return
+    # the oldest commit's time (delta-rs numbers a history read at version 0 off by one)
+    stamps = [c["timestamp"] for c in table.history() if "timestamp" in c]
+    if not stamps:
+        return
+    created = datetime.datetime.fromtimestamp(min(stamps) / 1000, tz=datetime.UTC)
+    if moment < created:
+        raise DataError(
+            f"{uri}: no version at {moment.isoformat()}: its first commit is of "
+            f"{created.isoformat()}; give a later data.args.timestamp or a version"
+        )
 
 
 def iceberg_table(

@@ -28,6 +28,7 @@ from shardwise.training.data.stream.source import (
     REACH_S,
     DataError,
     Snapshot,
+    storage_problem,
     within,
 )
 
@@ -63,11 +64,17 @@ class TableSource:
     """The builder's arguments that pin `snapshot`'s version (Delta's `version`, Iceberg's
     `snapshot_id`): written into the resolved config, so that re-running it reads the same
     data."""
+    where: str = ""
+    """What the job file names (a path, URL or table), for messages."""
+    prepare: Callable[[], None] = field(default=lambda: None)
+    """What listing needs that is not storage (importing a table format's library, an object
+    store's filesystem): done before the time storage is given starts."""
 
     def listed(self) -> Snapshot:
         """The data listed and its version pinned now; a `DataError` when the storage has not
-        answered within `REACH_S` seconds."""
-        return within(REACH_S, "listing the data", self.resolve)
+        answered within `REACH_S` seconds, or failed (one line naming the data)."""
+        self.prepare()
+        return within(REACH_S, "listing", self.resolve, self.where)
 
     def open(self, snapshot: Snapshot | None = None) -> Stream:
         """The stream of `snapshot` (listed now when not given), its columns checked."""
@@ -138,7 +145,12 @@ class Stream:
         """Block `index`'s rows as (inputs, target) tensors, batch first."""
         block = self.blocks[index]
         groups = range(block.first, block.first + block.groups)
-        table = self._file(block.file).read_row_groups(groups, columns=self.source.columns.read)
+        try:
+            parquet = self._file(block.file)
+            table = parquet.read_row_groups(groups, columns=self.source.columns.read)
+        except Exception as e:  # storage that failed: one line naming the file
+            url = self.snapshot.files[block.file]
+            raise storage_problem(e, f"reading {url}") or e from None
         return self.source.columns.tensors(table, functools.partial(self._locate, block))
 
     def _locate(self, block: Block, row: int) -> str:
