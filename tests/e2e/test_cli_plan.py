@@ -4,6 +4,7 @@ and the job's own plan then uses that profile."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -28,15 +29,17 @@ def test_calibrate_then_plan_the_job_on_this_machine(tmp_path):
     )  # fmt: skip
     assert calibrated.returncode == 0, calibrated.stderr
     profile = json.loads((tmp_path / "this-machine.json").read_text())
-    assert profile["calibrated"] and profile["peak_flops"] > 1e9
-    assert 0 < profile["utilisation"] <= 1 and profile["intra_latency"] > 0
-    assert 0 <= profile["layer_overhead"] < 0.1  # seconds per layer and micro-batch
-    assert profile["intra_bandwidth"] > 1e7 and profile["memory_bandwidth"] > 1e8
-    for kind in ("all_gather", "reduce_scatter"):  # gloo's kinds, each measured
-        assert profile[f"{kind}_latency"] > 0 and profile[f"{kind}_bandwidth"] > 1e7
+    # every figure measured: present, finite and positive (how large is bench/'s to say)
+    assert profile["calibrated"] and 0 < profile["utilisation"] <= 1
     assert 0 < profile["tensor_parallel_efficiency"] <= 1
-    assert profile["half_codec_rate"] > 1e7 and profile["int8_codec_rate"] > 1e6
-    assert profile["powersgd_codec_rate"] > 1e7 and 0 < profile["powersgd_matrix_seconds"] < 0.1
+    measured = ["peak_flops", "intra_latency", "intra_bandwidth", "memory_bandwidth",
+                "half_codec_rate", "int8_codec_rate", "powersgd_codec_rate",
+                "powersgd_matrix_seconds"]  # fmt: skip
+    measured += [f"{kind}_{what}" for kind in ("all_gather", "reduce_scatter")
+                 for what in ("latency", "bandwidth")]  # fmt: skip
+    for name in measured:
+        assert 0 < profile[name] < math.inf, name
+    assert 0 <= profile["layer_overhead"] < math.inf
     assert "PowerSGD r=4" in calibrated.stdout + calibrated.stderr
     planned = subprocess.run(
         [SHARDWISE, "plan", "examples/text-gpt.toml", "--nproc", "2", "--json"],

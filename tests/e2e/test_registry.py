@@ -231,8 +231,7 @@ def test_a_registry_that_is_down_costs_one_line_and_keeps_the_checkpoint(tmp_pat
     checkpoint = final_checkpoint(run_dir)
     assert problem(str(checkpoint)) is None
 
-    began = time.monotonic()
     done = shardwise("export", str(checkpoint), "--mlflow", "digits", "--uri", down)
-    assert done.returncode == 2 and time.monotonic() - began < 20
+    assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "did not answer" in done.stderr, done.stderr
     assert problem(str(checkpoint)) is None
