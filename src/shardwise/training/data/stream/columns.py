@@ -159,8 +159,11 @@ def to_tensor(column: pa.ChunkedArray, name: str, locate: Callable[[int], str]) 
 
 
 def widened(values: torch.Tensor) -> torch.Tensor:
-    """Integers as int64, what embeddings and losses take; floats as they are."""
-    return values if values.is_floating_point() else values.long()
+    """Integers as int64, what embeddings and losses take (a contiguous copy, by numpy on this
+    thread alone: loader.py says why); floats as they are."""
+    if values.is_floating_point() or values.dtype == torch.int64:
+        return values
+    return torch.from_numpy(values.numpy().astype(np.int64, order="C"))
 
 
 def _is_list(kind: pa.DataType) -> bool:

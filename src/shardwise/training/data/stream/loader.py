@@ -4,17 +4,19 @@ The order of samples (order.py) is fixed by the seed and the epoch; the position
 into the epoch's sequence) is the whole state, as for map-style data (sampling.py): saved after a
 step and restored, the run goes on with the very next sample, on any number of ranks.
 
-Reading. A rank plans its steps a window ahead: which fragments each step needs and which rows of
-them. Reading threads (`read_threads`) fetch and decode the fragments (pyarrow releases the GIL)
-of this window and the next while the model trains; each fragment is read once per epoch by the
-one rank (and the one thread) that needs it.
+Reading. A rank plans its steps two windows ahead (one where two would pass
+`READ_AHEAD_BYTES`): which fragments each step needs and which rows of them. Reading threads
+(`read_threads`) fetch and decode the fragments (pyarrow releases the GIL) of those windows while
+the model trains on this one; each fragment is read once per epoch by the one rank (and the one
+thread) that needs it.
 
 Assembling. When a window's first step is due, the rank's fragments of that window are joined
 into one tensor (integers as narrow as stored), and the steps' rows are gathered from it a run of
 steps at a time (up to `ASSEMBLE_BYTES` of int64 rows): one gather per run, already in the steps'
 order. Per step, gathering from each fragment and reordering cost more than the copy the join
-makes once per window (bench/stream_read.py). A rank holds its share of two windows, about
-`2 · shuffle_rows / dp` rows, and of a third while it joins the next one.
+makes once per window (bench/stream_read.py). A rank holds its share of three windows, about
+`3 · shuffle_rows / dp` rows (two where `READ_AHEAD_BYTES` says so), and of one more while it
+joins the next one.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ import torch
 
 from shardwise.common.errors import ConfigError
 from shardwise.training.data.sampling import enough
-from shardwise.training.data.stream.columns import widened
 from shardwise.training.data.stream.order import EpochOrder, rank_slice
 from shardwise.training.data.stream.source import READ_ERRORS, data_problem
 from shardwise.training.data.stream.table import Pair, Stream
 
+READ_AHEAD_BYTES = 256 * 2**20
+"""The most a rank reads ahead of the window it trains on (uncompressed, as the footers count
+it) to read two windows ahead rather than one."""
 ASSEMBLE_BYTES = 1 * 2**20
 """The most a run of assembled steps holds (its rows as int64 or float32): one step of long
 token sequences, dozens of short ones."""
@@ -137,15 +141,15 @@ class StreamLoader:
         self._ready: dict[int, Pair] = {}  # assembled steps
 
     def _plan_through(self, step: int) -> None:
-        """Plan, and start reading for, every step to the end of the window after the one that
-        holds `step`'s samples: the next window's row groups arrive while this one trains, and
-        every window up to that one has all its steps planned (so it is known which of its
+        """Plan, and start reading for, every step to the end of the windows ahead of the one
+        that holds `step`'s samples (`_ahead`): their row groups arrive while this one trains,
+        and every window up to them has all its steps planned (so it is known which of its
         fragments this rank reads, once each)."""
         last = self.steps_per_epoch - 1
         end = (min(step, last) + 1) * self.global_batch
         ends = self._order.window_ends
         current = next((i for i, e in enumerate(ends) if e >= end), len(ends) - 1)
-        window_end = ends[min(current + 1, len(ends) - 1)]
+        window_end = ends[min(current + self._ahead(current), len(ends) - 1)]
         through = min((window_end - 1) // self.global_batch, last)
         if self._planned > through:
             return
@@ -153,9 +157,12 @@ class StreamLoader:
         # them, located in their fragments): the same plan as step by step, in a few tensor
         # operations per window instead of several per step
         first, steps, batch = self._planned, through - self._planned + 1, self.global_batch
-        ids = self._order.sequence(first * batch, (through + 1) * batch).view(steps, batch)
-        mine = rank_slice(ids.sort(dim=1).values.T, self.dp_rank, self.dp_size).T.contiguous()
-        fragments, rows = (t.view(steps, -1).numpy() for t in self._order.locate(mine.view(-1)))
+        ids = self._order.sequence(first * batch, (through + 1) * batch).numpy()
+        ordered = np.sort(ids.reshape(steps, batch), axis=1)  # numpy: loader.py's note below
+        mine = rank_slice(ordered.T, self.dp_rank, self.dp_size).T  # type: ignore[arg-type]
+        starts = self._order.starts.numpy()
+        fragments = np.searchsorted(starts, mine, side="right") - 1
+        rows = mine - starts[fragments]
         for i in range(steps):
             self._plans[first + i] = (fragments[i], rows[i])
         needed, at = np.unique(fragments, return_index=True)
@@ -164,6 +171,18 @@ class StreamLoader:
                 self._requested.add(f)
                 self._read[f] = self._pool.submit(self.stream.read, f)
         self._planned = through + 1
+
+    def _ahead(self, current: int) -> int:
+        """How many windows to read ahead of window `current`: two where their share of this
+        rank fits in `READ_AHEAD_BYTES` (decoding a window takes longer than training on one
+        can: with one ahead the reads fell behind, bench/stream_read.py 0.70x pyarrow's scan,
+        0.86-0.94x with two), else one."""
+        windows = self._order.windows
+        share = (
+            sum(self.stream.blocks[f].bytes for w in windows[current + 1 : current + 3] for f in w)
+            / self.dp_size
+        )
+        return 2 if share <= READ_AHEAD_BYTES else 1
 
     def _window(self, index: int) -> Pair:
         """Window `index`'s fragments that this rank reads, joined into one tensor (waiting
@@ -199,7 +218,7 @@ class StreamLoader:
         plans = [self._plans.pop(s) for s in range(step, step + count)]
         where = np.concatenate([f for f, _ in plans])
         windows = self._order.window_of[where]
-        for index in np.unique(windows).tolist():
+        for index in _distinct(windows):
             self._window(index)
         at = torch.from_numpy(self._offset[where] + np.concatenate([r for _, r in plans]))
         inputs, target = self._gather(windows, at)
@@ -211,16 +230,15 @@ class StreamLoader:
             )
 
     def _gather(self, windows: np.ndarray, at: torch.Tensor) -> Pair:
-        """The rows at `at` of the joined windows `windows` (one per row), widened."""
-        first = int(windows[0])
-        if (windows == first).all():
-            inputs, target = self._windows[first]
-            return widened(inputs.index_select(0, at)), (
-                None if target is None else widened(target.index_select(0, at))
-            )
+        """The rows at `at` of the joined windows `windows` (one per row), as narrow as stored
+        (`Stream.batch` widens them, after slicing where `next_token` does: one copy fewer)."""
+        found = _distinct(windows)
+        if len(found) == 1:
+            inputs, target = self._windows[found[0]]
+            return _take(inputs, at), None if target is None else _take(target, at)
         pieces = [  # a run whose first step spans windows
             (torch.from_numpy(np.flatnonzero(windows == w)), self._windows[w])
-            for w in np.unique(windows).tolist()
+            for w in _distinct(windows)
         ]
         gathered: list[torch.Tensor | None] = []
         for side in (0, 1):
@@ -229,17 +247,35 @@ class StreamLoader:
                 continue
             out: torch.Tensor | None = None
             for positions, joined in pieces:
-                values = joined[side].index_select(0, at[positions])  # type: ignore[union-attr]
+                values = _take(joined[side], at[positions])  # type: ignore[arg-type]
                 if out is None:
                     out = values.new_empty((len(at), *values.shape[1:]))
                 out[positions] = values
-            gathered.append(widened(out))  # type: ignore[arg-type]
+            gathered.append(out)
         assert gathered[0] is not None
         return gathered[0], gathered[1]
 
 
+# The loader moves data with numpy, on the calling thread alone: torch's operators would run
+# them on its intra-op threads, which wait on the cores the reading threads decode on (a run of
+# steps gathered 5 to 7 times slower than alone; bench/stream_read.py: 0.6x pyarrow's scan with
+# torch's, 0.85x with one thread).
+
+
+def _distinct(windows: np.ndarray) -> list[int]:
+    """The windows a run of steps reads from: nearly always one (np.unique sorts)."""
+    first = int(windows[0])
+    return [first] if (windows == first).all() else np.unique(windows).tolist()
+
+
+def _take(values: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(np.take(values.numpy(), at.numpy(), axis=0))
+
+
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+    if len(parts) == 1:
+        return parts[0]
+    return torch.from_numpy(np.concatenate([p.numpy() for p in parts]))
 
 
 def changed_message(saved: Any, now: dict[str, Any]) -> str:

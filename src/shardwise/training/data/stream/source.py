@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
 from pyarrow import ArrowException
 
 from shardwise.common.errors import first_line
@@ -282,15 +283,24 @@ def _snapshot(
 
     def footer(url: str, size: int | None) -> tuple[pq.FileMetaData, int]:
         fs, path = url_to_fs(url)
-        with fs.open(path, "rb", size=size) as f:
-            try:
+        try:
+            if isinstance(fs, LocalFileSystem):  # Arrow's own read: no Python file between
+                return pq.read_metadata(path), size or os.path.getsize(path)
+            with fs.open(path, "rb", size=size) as f:
                 return pq.ParquetFile(f).metadata, int(f.size)
-            except pa.ArrowInvalid as e:
-                raise DataError(f"{url}: not a Parquet file ({e})") from None
+        except pa.ArrowInvalid as e:
+            raise DataError(f"{url}: not a Parquet file ({e})") from None
 
-    with ThreadPoolExecutor(min(16, len(files))) as pool:
-        found = pool.map(footer, files, listed or [None] * len(files))
-        footers, sizes = zip(*found, strict=True)
+    # an object store's footers in parallel (each a request's wait); local ones one after
+    # another (Arrow reads a small footer faster than threads hand the GIL around: 2,000 files
+    # 0.06 s serially, 0.2 s on 16 threads)
+    sized = listed or (None,) * len(files)
+    if isinstance(url_to_fs(files[0])[0], LocalFileSystem):
+        found = list(map(footer, files, sized))
+    else:
+        with ThreadPoolExecutor(min(16, len(files))) as pool:
+            found = list(pool.map(footer, files, sized))
+    footers, sizes = zip(*found, strict=True)
     schema = footers[0].schema.to_arrow_schema()
     lacking: dict[str, str] = {}  # a column some file does not have: the first such file
     fragments: list[Fragment] = []

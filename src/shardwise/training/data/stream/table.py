@@ -21,6 +21,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import torch
 from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
 from torch.utils.data import TensorDataset
 
 from shardwise.training.data.stream.columns import Columns, widened
@@ -170,8 +171,11 @@ class Stream:
         of samples (integers as int64), each tensor contiguous: a transform's views (as
         `next_token`'s) copied to a GPU would go through an unpinned copy, and a copy from
         unpinned memory makes the host wait for the device."""
-        inputs, target = widened(inputs), None if target is None else widened(target)
         row, whole = self.source.row_transform, self.source.transform
+        if whole is next_token and row is None:  # slices: widened after, in the same copy
+            inputs, target = next_token(inputs, target)
+            return widened(inputs).contiguous(), widened(target).contiguous()
+        inputs, target = widened(inputs), None if target is None else widened(target)
         if row is not None:
             pairs = [
                 row(inputs[i], None if target is None else target[i]) for i in range(len(inputs))
@@ -223,9 +227,11 @@ class Stream:
             opened.move_to_end(file)
             return opened[file]
         fs, path = url_to_fs(self.snapshot.files[file])
-        if self.snapshot.footers:  # known footer and size: a block is one ranged read
+        footer = self.snapshot.footers[file] if self.snapshot.footers else None
+        if isinstance(fs, LocalFileSystem):  # Arrow's own reads: no Python file in between
+            parquet = pq.ParquetFile(path, metadata=footer, memory_map=True)
+        elif footer is not None:  # known footer and size: a block is one ranged read
             handle = fs.open(path, "rb", cache_type="none", size=self.snapshot.sizes[file])
-            footer = self.snapshot.footers[file]
             parquet = pq.ParquetFile(handle, metadata=footer, pre_buffer=True)
         else:
             parquet = pq.ParquetFile(fs.open(path, "rb"))
