@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import functools
 import importlib
+import os
 from typing import Any
 
 import fsspec
@@ -15,7 +16,12 @@ from pydantic import NonNegativeInt, PositiveInt
 
 from shardwise.common.imports import import_object
 from shardwise.training.data.stream.columns import Columns
-from shardwise.training.data.stream.source import delta_table, iceberg_table, parquet_files
+from shardwise.training.data.stream.source import (
+    delta_table,
+    iceberg_table,
+    parquet_files,
+    refused_endpoint,
+)
 from shardwise.training.data.stream.table import TableSource, Transform, next_token
 
 TRANSFORMS: dict[str, Transform] = {"next_token": next_token}
@@ -71,7 +77,7 @@ def build_delta(
     if version is not None and timestamp is not None:
         raise ValueError("data.args.version and data.args.timestamp: give one, not both")
     common = _common(inputs, target, transform, row_transform, shuffle_rows, read_threads)
-    prepare = functools.partial(_imported, "deltalake")
+    prepare = functools.partial(_prepared, "deltalake", table)
     train = TableSource(
         lambda: delta_table(table, version=version, timestamp=timestamp),
         pin=lambda snapshot: {"version": snapshot.version["version"], "timestamp": None},
@@ -156,9 +162,23 @@ def _imported(module: str) -> None:
     importlib.import_module(module)
 
 
+def _prepared(module: str, table: str) -> None:
+    """A table format's library imported, and an S3 endpoint that refuses said at once."""
+    _imported(module)
+    endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
+    if table.startswith(("s3://", "s3a://")) and endpoint:
+        refused_endpoint(endpoint, table)
+
+
 def _filesystem(path: str) -> None:
-    """The filesystem class of `path`'s protocol imported (s3fs, and botocore under it)."""
-    fsspec.get_filesystem_class(split_protocol(path)[0] or "file")
+    """The filesystem class of `path`'s protocol imported (s3fs, and botocore under it); an S3
+    endpoint named by AWS_ENDPOINT_URL that refuses connections is said at once (botocore would
+    retry it for seconds, past the listing's time)."""
+    protocol = split_protocol(path)[0] or "file"
+    fsspec.get_filesystem_class(protocol)
+    endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
+    if protocol in ("s3", "s3a") and endpoint:
+        refused_endpoint(endpoint, path)
 
 
 def _transform(name: str, key: str) -> Transform | None:

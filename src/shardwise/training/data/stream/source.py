@@ -17,10 +17,12 @@ import functools
 import hashlib
 import json
 import os
+import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -98,6 +100,7 @@ class Snapshot:
 
 STORAGE_LIBRARIES = frozenset(
     {"botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "adlfs", "urllib3", "requests"}
+    | {"deltalake", "pyiceberg"}  # their readers' errors, where the listing asked them
 )
 """Libraries whose errors are storage's (an endpoint that refuses, an unknown host, access
 denied, no such bucket), whatever class they give them: botocore's are not OSErrors."""
@@ -117,6 +120,22 @@ def storage_problem(error: BaseException, where: str) -> DataError | None:
     )
 
 
+def refused_endpoint(endpoint: str, where: str) -> None:
+    """A DataError where nothing listens at `endpoint` (an http(s) URL): a connection refused
+    at once, or a host that does not resolve. One that accepts and stays silent is `within`'s."""
+    url = urlsplit(endpoint)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname or "", port), timeout=REACH_S).close()
+    except TimeoutError:
+        return  # the listing's own timer says it
+    except OSError as e:
+        raise DataError(
+            f"listing {where}: the endpoint {endpoint} (AWS_ENDPOINT_URL) cannot be reached "
+            f"({type(e).__name__}: {first_line(e)}); check it"
+        ) from None
+
+
 def within(seconds: float, what: str, call: Callable[[], T], where: str = "") -> T:
     """`call()`, or a DataError when it has not answered after `seconds` (storage that does not
     answer: a wrong endpoint, a blocked port) rather than a hang; a storage error as one line
@@ -134,8 +153,9 @@ def within(seconds: float, what: str, call: Callable[[], T], where: str = "") ->
     thread.join(seconds)
     if thread.is_alive():
         raise DataError(
-            f"{what}: no answer within {seconds:.0f} s; check the path or URL, and for object "
-            "stores the endpoint and credentials (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, …)"
+            f"{what} {where}".strip() + f": no answer within {seconds:.0f} s; check the path or "
+            "URL, and for object stores the endpoint and credentials (AWS_ENDPOINT_URL, "
+            "AWS_ACCESS_KEY_ID, …)"
         )
     if "error" in box:
         error = box["error"]
