@@ -361,15 +361,16 @@ def _through_stages(pipe: Pipeline, inputs: Any) -> Any:
             continue
         if index > 0 and pipe.owner[index - 1] != me:
             h = _recv(pipe.group, pipe.owner[index - 1], pipe.device)
-        # a stage's outputs are the next stage's arguments (several, from a traced stage)
-        h = (
-            pipe.modules[index](*h)
-            if index > 0 and isinstance(h, tuple)
-            else pipe.modules[index](h)
-        )
+        h = run_stage(pipe.modules[index], index, h)
         if index < pipe.num_stages - 1 and pipe.owner[index + 1] != me:
             _send(h, pipe.group, pipe.owner[index + 1])
     return h if pipe.has_last else None
+
+
+def run_stage(stage: nn.Module, index: int, h: Any) -> Any:
+    """Stage `index` on what the stage before it returned (the model's input for the first):
+    a stage's outputs are the next stage's arguments (several, from a traced stage)."""
+    return stage(*h) if index > 0 and isinstance(h, tuple) else stage(h)
 
 
 _DTYPES = [

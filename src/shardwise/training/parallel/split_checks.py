@@ -27,6 +27,7 @@ from shardwise.training.parallel.pipeline import (
     has_submodule,
     model_blocks,
     pipeline_blocks,
+    run_stage,
     stage_module,
 )
 from shardwise.training.parallel.tensor import check_plan, tensor_parallel_plan
@@ -148,10 +149,10 @@ def _check_stages_run(
     on the meta device, as the pipeline will: a forward that calls blocks it does not skip
     when they are missing fails here, not in every rank after launch."""
     stages = [stage_module(model, blocks, set(names)) for _, names in sorted(stage_blocks.items())]
-    failed = _run_stages(model, stages, example)
+    failed, wrong_shape = _run_stages(model, stages, example)
     if failed is None:
         return
-    if failed.startswith("the last stage"):
+    if wrong_shape:
         raise ConfigError(
             f"{type(model).__name__}'s pipeline stages, run one after another, do not give "
             f"what the model gives: {failed}; its forward must do nothing between its blocks "
@@ -180,7 +181,7 @@ def _check_traced_stages_run(
     """torch.export may trace a forward into stages that cannot run (pytorch/pytorch#184361: a
     stage that expects an input no stage before it sends): run them, on the meta device."""
     stages = [split.modules[index] for index in sorted(split.modules)]
-    failed = _run_stages(model, stages, example)
+    failed, _ = _run_stages(model, stages, example)
     if failed is not None:
         where = (
             f"cut where parallel.pipeline_split = {named} says"
@@ -195,9 +196,10 @@ def _check_traced_stages_run(
         )
 
 
-def _run_stages(model: nn.Module, stages: list[nn.Module], example: Any) -> str | None:
+def _run_stages(model: nn.Module, stages: list[nn.Module], example: Any) -> tuple[str | None, bool]:
     """Run `stages` in order on `example`, each on what the one before returned, and compare
-    what the last returns with the whole model's output; what went wrong, in words, or None.
+    what the last returns with the whole model's output: what went wrong, in words (None if
+    nothing), and whether it is that comparison (else a stage raised).
     They run on fake tensors (shapes without values, over the meta model), where transformers
     skips the checks that read values; nothing is judged where the whole model does not run
     so (its forward reads values): the stages would fail for the same reason."""
@@ -210,14 +212,15 @@ def _run_stages(model: nn.Module, stages: list[nn.Module], example: Any) -> str 
         try:
             whole = model_output(model(inputs))
         except Exception:
-            return None
+            return None, False
         h = inputs
         for index, stage in enumerate(stages):
             try:
-                h = stage(*h) if index > 0 and isinstance(h, tuple) else stage(h)
+                h = run_stage(stage, index, h)
             except Exception as e:
-                return f"stage {index}: {type(e).__name__}: {first_line(e)[:200]}"
+                return f"stage {index}: {type(e).__name__}: {first_line(e)[:200]}", False
         out = model_output(h)
     if out.shape != whole.shape:
-        return f"the last stage returns shape {tuple(out.shape)}, the model {tuple(whole.shape)}"
-    return None
+        shapes = f"{tuple(out.shape)}, the model {tuple(whole.shape)}"
+        return f"the last stage returns shape {shapes}", True
+    return None, False

@@ -42,20 +42,12 @@ def build_parquet(
     """Parquet files: `path` is a file, a directory or a glob, local or an fsspec URL
     (s3://bucket/prefix/); `eval_path` the same for held-out data (none by default)."""
     common = _common(inputs, target, transform, row_transform, shuffle_rows, read_threads)
-    train = TableSource(
-        lambda: parquet_files(path), where=path, prepare=lambda: _filesystem(path), **common
-    )
-    held_out = (
-        TableSource(
-            lambda: parquet_files(eval_path),
-            where=eval_path,
-            prepare=lambda: _filesystem(eval_path),
-            **common,
-        )
-        if eval_path
-        else None
-    )
-    return train, held_out
+
+    def files(at: str) -> TableSource:
+        prepare = functools.partial(_filesystem, at)
+        return TableSource(lambda: parquet_files(at), where=at, prepare=prepare, **common)
+
+    return files(path), files(eval_path) if eval_path else None
 
 
 def build_delta(
@@ -165,20 +157,22 @@ def _imported(module: str) -> None:
 def _prepared(module: str, table: str) -> None:
     """A table format's library imported, and an S3 endpoint that refuses said at once."""
     _imported(module)
-    endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
-    if table.startswith(("s3://", "s3a://")) and endpoint:
-        refused_endpoint(endpoint, table)
+    _reachable(table)
 
 
 def _filesystem(path: str) -> None:
-    """The filesystem class of `path`'s protocol imported (s3fs, and botocore under it); an S3
-    endpoint named by AWS_ENDPOINT_URL that refuses connections is said at once (botocore would
-    retry it for seconds, past the listing's time)."""
-    protocol = split_protocol(path)[0] or "file"
-    fsspec.get_filesystem_class(protocol)
+    """The filesystem class of `path`'s protocol imported (s3fs, and botocore under it), and
+    an S3 endpoint that refuses said at once."""
+    fsspec.get_filesystem_class(split_protocol(path)[0] or "file")
+    _reachable(path)
+
+
+def _reachable(url: str) -> None:
+    """For an S3 URL, the endpoint AWS_ENDPOINT_URL names checked: one that refuses is said at
+    once (botocore would retry it for seconds, past the listing's time)."""
     endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
-    if protocol in ("s3", "s3a") and endpoint:
-        refused_endpoint(endpoint, path)
+    if split_protocol(url)[0] in ("s3", "s3a") and endpoint:
+        refused_endpoint(endpoint, url)
 
 
 def _transform(name: str, key: str) -> Transform | None:

@@ -188,8 +188,7 @@ def _kind(kind: pa.DataType) -> str:
 
 def _type_problem(kind: pa.DataType) -> str | None:
     """Why a column of this type cannot be a tensor, or None."""
-    while _is_list(kind):
-        kind = kind.value_type
-    if pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind):
+    leaf = _leaf(kind)
+    if pa.types.is_integer(leaf) or pa.types.is_floating(leaf) or pa.types.is_boolean(leaf):
         return None
-    return f"of type {kind}"
+    return f"of type {leaf}"

@@ -139,6 +139,9 @@ class StreamLoader:
         self._offset = np.zeros(len(self.stream.counts), dtype=np.int64)  # a fragment's first
         # row in its joined window
         self._ready: dict[int, Pair] = {}  # assembled steps
+        self._window_bytes = [  # each window's bytes, uncompressed (for `_ahead`)
+            sum(self.stream.blocks[f].bytes for f in window) for window in self._order.windows
+        ]
 
     def _plan_through(self, step: int) -> None:
         """Plan, and start reading for, every step to the end of the windows ahead of the one
@@ -160,9 +163,7 @@ class StreamLoader:
         ids = self._order.sequence(first * batch, (through + 1) * batch).numpy()
         ordered = np.sort(ids.reshape(steps, batch), axis=1)  # numpy: loader.py's note below
         mine = rank_slice(ordered.T, self.dp_rank, self.dp_size).T  # type: ignore[arg-type]
-        starts = self._order.starts.numpy()
-        fragments = np.searchsorted(starts, mine, side="right") - 1
-        rows = mine - starts[fragments]
+        fragments, rows = self._order.locate(mine)
         for i in range(steps):
             self._plans[first + i] = (fragments[i], rows[i])
         needed, at = np.unique(fragments, return_index=True)
@@ -177,11 +178,7 @@ class StreamLoader:
         rank fits in `READ_AHEAD_BYTES` (decoding a window takes longer than training on one
         can: with one ahead the reads fell behind, bench/stream_read.py 0.70x pyarrow's scan,
         0.86-0.94x with two), else one."""
-        windows = self._order.windows
-        share = (
-            sum(self.stream.blocks[f].bytes for w in windows[current + 1 : current + 3] for f in w)
-            / self.dp_size
-        )
+        share = sum(self._window_bytes[current + 1 : current + 3]) / self.dp_size
         return 2 if share <= READ_AHEAD_BYTES else 1
 
     def _window(self, index: int) -> Pair:
@@ -218,10 +215,11 @@ class StreamLoader:
         plans = [self._plans.pop(s) for s in range(step, step + count)]
         where = np.concatenate([f for f, _ in plans])
         windows = self._order.window_of[where]
-        for index in _distinct(windows):
+        found = _distinct(windows)
+        for index in found:
             self._window(index)
         at = torch.from_numpy(self._offset[where] + np.concatenate([r for _, r in plans]))
-        inputs, target = self._gather(windows, at)
+        inputs, target = self._gather(windows, found, at)
         share = len(rows)
         for k in range(count):
             self._ready[step + k] = (
@@ -229,16 +227,15 @@ class StreamLoader:
                 None if target is None else target[k * share : (k + 1) * share],
             )
 
-    def _gather(self, windows: np.ndarray, at: torch.Tensor) -> Pair:
-        """The rows at `at` of the joined windows `windows` (one per row), as narrow as stored
-        (`Stream.batch` widens them, after slicing where `next_token` does: one copy fewer)."""
-        found = _distinct(windows)
+    def _gather(self, windows: np.ndarray, found: list[int], at: torch.Tensor) -> Pair:
+        """The rows at `at` of the joined windows `windows` (one per row; `found`: the distinct
+        ones), as narrow as stored (`Stream.batch` widens them, after slicing where
+        `next_token` does: one copy fewer)."""
         if len(found) == 1:
             inputs, target = self._windows[found[0]]
             return _take(inputs, at), None if target is None else _take(target, at)
         pieces = [  # a run whose first step spans windows
-            (torch.from_numpy(np.flatnonzero(windows == w)), self._windows[w])
-            for w in _distinct(windows)
+            (torch.from_numpy(np.flatnonzero(windows == w)), self._windows[w]) for w in found
         ]
         gathered: list[torch.Tensor | None] = []
         for side in (0, 1):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 import torch
@@ -125,10 +126,16 @@ class EpochOrder:
         """The sample ids of the epoch's step `step` (0-based), sorted."""
         return self.sequence(step * global_batch, (step + 1) * global_batch).sort().values
 
-    def locate(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(fragment, row within the fragment) of each sample id."""
-        fragment = torch.searchsorted(self.starts, ids, right=True) - 1
-        return fragment, ids - self.starts[fragment]
+    def locate(self, ids: torch.Tensor | np.ndarray) -> tuple[Any, Any]:
+        """(fragment, row within the fragment) of each sample id, as tensors or arrays as
+        `ids` is (numpy does the work: loader.py's note on torch's intra-op threads)."""
+        given = ids.numpy() if isinstance(ids, torch.Tensor) else ids
+        starts = self.starts.numpy()
+        fragment = np.searchsorted(starts, given, side="right") - 1
+        row = given - starts[fragment]
+        if isinstance(ids, torch.Tensor):
+            return torch.from_numpy(fragment), torch.from_numpy(row)
+        return fragment, row
 
 
 def rank_slice(ids: torch.Tensor, dp_rank: int, dp_size: int) -> torch.Tensor:
