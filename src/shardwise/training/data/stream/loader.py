@@ -96,9 +96,9 @@ class StreamLoader:
         batches = []
         for begin in range(0, len(inputs), self.micro_batch):
             end = begin + self.micro_batch
-            x, y = self.stream.batch(
-                inputs[begin:end], None if target is None else target[begin:end]
-            )
+            x, y = inputs[begin:end], None if target is None else target[begin:end]
+            if not self.stream.by_rows:  # else made a run of steps at a time (`_assemble`)
+                x, y = self.stream.batch(x, y)
             assert y is not None
             batches.append((x.pin_memory(), y.pin_memory()) if self.pin_memory else (x, y))
         self._advance()
@@ -133,6 +133,7 @@ class StreamLoader:
         # per planned step: the fragment and the row in it of each of this rank's samples
         self._plans: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._planned = self.offset // self.global_batch  # the next step to plan
+        self._quiet_through = -1  # the last step planning has nothing to add for
         self._read: dict[int, Future[Pair]] = {}  # fragments read or being read
         self._requested: set[int] = set()  # every fragment this epoch asked for
         self._windows: dict[int, Pair] = {}  # joined windows: this rank's fragments of each
@@ -147,11 +148,15 @@ class StreamLoader:
         """Plan, and start reading for, every step to the end of the windows ahead of the one
         that holds `step`'s samples (`_ahead`): their row groups arrive while this one trains,
         and every window up to them has all its steps planned (so it is known which of its
-        fragments this rank reads, once each)."""
+        fragments this rank reads, once each). Steps that end in the window the last call's
+        step ended in add nothing: those return at once."""
+        if step <= self._quiet_through:
+            return
         last = self.steps_per_epoch - 1
         end = (min(step, last) + 1) * self.global_batch
         ends = self._order.window_ends
         current = next((i for i, e in enumerate(ends) if e >= end), len(ends) - 1)
+        self._quiet_through = ends[current] // self.global_batch - 1
         window_end = ends[min(current + self._ahead(current), len(ends) - 1)]
         through = min((window_end - 1) // self.global_batch, last)
         if self._planned > through:
@@ -220,6 +225,8 @@ class StreamLoader:
             self._window(index)
         at = torch.from_numpy(self._offset[where] + np.concatenate([r for _, r in plans]))
         inputs, target = self._gather(windows, found, at)
+        if self.stream.by_rows:  # the run's samples made at once (widened), not step by step
+            inputs, target = self.stream.batch(inputs, target)
         share = len(rows)
         for k in range(count):
             self._ready[step + k] = (

@@ -166,6 +166,12 @@ class Stream:
             row -= rows
         return f"{url}, row group {group}, row {row}"
 
+    @property
+    def by_rows(self) -> bool:
+        """Whether a sample depends on its own row alone (no transform of a whole micro-batch
+        but `next_token`): then rows are made samples many steps at a time, in one copy."""
+        return self.source.row_transform is None and self.source.transform in (None, next_token)
+
     def batch(self, inputs: torch.Tensor, target: torch.Tensor | None) -> Pair:
         """Rows gathered from blocks (integers as narrow as stored), transformed into a batch
         of samples (integers as int64), each tensor contiguous: a transform's views (as
