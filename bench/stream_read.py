@@ -9,7 +9,7 @@ size, and turn every batch into what a training step takes: inputs (the first 12
 targets (the next token at each), contiguous int64 tensors. shardwise also shuffles (a window
 of `shuffle_rows`) and plans a global order; pyarrow reads in file order. The default table
 (524,288 rows) is eight of shardwise's windows: a smaller one is read mostly before the timing
-starts, which would flatter it. Nothing sets the threads
+starts, which would flatter it (refused). Nothing sets the threads
 a user does not: torch and OpenMP run as they do by default (`--one-thread` for one each).
 
 Steady state: each contender is opened and gives its first batch outside the timing (imports,
@@ -42,7 +42,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from local_s3 import local_s3
 
+from shardwise.training.data.stream.builtins import SHUFFLE_ROWS
+
 SEQ = 129
+READ_AHEAD = 3
+"""Windows shardwise reads before its first batch: that one and two ahead (loader.py)."""
+STEADY_WINDOWS = 8
+"""The fewest windows a table holds for its epoch to be mostly read in the timing."""
 
 
 def write(fs, prefix: str, files: int, groups: int, rows: int) -> int:
@@ -109,6 +115,14 @@ def main() -> None:
     parser.add_argument("--s3", action="store_true", help="from a local S3 server, not files")
     parser.add_argument("--one-thread", action="store_true", help="torch and OpenMP: one each")
     args = parser.parse_args()
+    windows = args.files * args.groups * args.rows / SHUFFLE_ROWS
+    if windows < STEADY_WINDOWS:
+        fewest = -(-STEADY_WINDOWS * SHUFFLE_ROWS // (args.groups * args.rows))
+        parser.error(
+            f"{args.files} files hold {windows:.1f} shuffle windows of {SHUFFLE_ROWS:,} rows: "
+            f"shardwise reads the first {READ_AHEAD} before the timing starts, so steady state "
+            f"needs at least {STEADY_WINDOWS} (--files {fewest} or more)"
+        )
     if args.one_thread:
         torch.set_num_threads(1)
     with contextlib.ExitStack() as stack:

@@ -135,28 +135,29 @@ def test_each_rank_reads_only_the_fragments_its_samples_are_in(tmp_path):
 def counted_reads(rank: StreamLoader) -> list[tuple[int, int]]:
     """(epoch, fragment) of every read `rank` makes from now on."""
     reads: list[tuple[int, int]] = []
-    read = rank.stream.read
+    read = rank.stream.read_parts
 
     def counting(fragment: int):
         reads.append((rank.epoch, fragment))
         return read(fragment)
 
-    rank.stream.read = counting  # type: ignore[method-assign]
+    rank.stream.read_parts = counting  # type: ignore[method-assign]
     return reads
 
 
 @pytest.mark.parametrize("shuffle_rows", [0, 20])
 def test_each_fragment_is_read_once_an_epoch_and_a_rank_holds_two_windows(tmp_path, shuffle_rows):
-    """A window's fragments are joined when its first step is due and let go after its last:
-    over two epochs on 2 ranks, no fragment is read twice in an epoch, and a rank never holds
-    more than two joined windows (the one a step spans from and the one it spans into)."""
+    """A window is gathered from once its fragments arrived and let go after its last step:
+    over two epochs on 2 ranks, no fragment is read twice in an epoch, a rank never gathers
+    from more than two windows (the one a step spans from and the one it spans into) and holds
+    at most three more being read: two ahead, and the one the last step planned spans into."""
     path = write_ids(tmp_path / "t")
     for r in range(2):
         rank = loader(path, dp_rank=r, dp_size=2, shuffle_rows=shuffle_rows)
         reads = counted_reads(rank)
         for _ in range(24):
             rank.next_step()
-            assert len(rank._windows) <= 2
+            assert len(rank._arrived) <= 2 and len(rank._windows) <= 5
         assert len(reads) == len(set(reads)) and {e for e, _ in reads} == {0, 1}
 
 
@@ -341,3 +342,40 @@ def test_what_only_reading_finds_names_the_file_row_group_and_row(tmp_path):
         r"row 2 first\)",
     ):
         read_every_block(stream)
+
+
+def test_lists_of_one_length_per_file_but_another_elsewhere_are_named(tmp_path):
+    """Each row group's lists are of one length, but not the table's: named where it changes,
+    within a block (row group 1 of a file) and across files (a window gathers rows of both)."""
+    two, three = [[1.0, 2.0]] * 4, [[1.0, 2.0, 3.0]] * 4
+    within = pa.table({"x": two + three, "y": range(8)})
+    path = write_parts(tmp_path / "a", [within])
+    stream = build_parquet(path=str(path), inputs="x", target="y")[0].open()
+    with pytest.raises(
+        DataError,
+        match=r"lists of .*length.*part-000.parquet, row group 1, row 0",
+    ):
+        read_every_block(stream)
+    files = [pa.table({"x": two * 2, "y": range(8)}), pa.table({"x": three * 2, "y": range(8)})]
+    path = write_parts(tmp_path / "b", files)
+    train, _ = build_parquet(path=str(path), inputs="x", target="y", shuffle_rows=16)
+    rank = StreamLoader(train.open(), global_batch=4, micro_batch=4, dp_rank=0, dp_size=1, seed=0)
+    with pytest.raises(ConfigError) as raised:
+        for _ in range(4):
+            rank.next_step()
+    message = str(raised.value)
+    assert "\n" not in message and "lists of length" in message and "part-00" in message
+
+
+def test_integers_of_different_widths_per_file_are_gathered_whole(tmp_path):
+    """int16 in one file, int32 in another: a window holds both as int32, values whole."""
+    narrow = pa.table({"x": pa.array([[i, i + 1] for i in range(8)], pa.list_(pa.int16()))})
+    wide = pa.table({"x": pa.array([[70000 + i, i] for i in range(8)], pa.list_(pa.int32()))})
+    path = write_parts(tmp_path, [narrow, wide])
+    train, _ = build_parquet(path=str(path), inputs="x", transform="next_token", shuffle_rows=16)
+    rank = StreamLoader(train.open(), global_batch=16, micro_batch=16, dp_rank=0, dp_size=1, seed=0)
+    ((x, y),) = rank.next_step()
+    assert x.dtype == torch.int64
+    assert sorted(zip(x[:, 0].tolist(), y[:, 0].tolist(), strict=True)) == sorted(
+        [(i, i + 1) for i in range(8)] + [(70000 + i, i) for i in range(8)]
+    )

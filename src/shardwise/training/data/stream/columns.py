@@ -9,6 +9,7 @@ structs, maps, lists of different lengths, nulls) is refused, naming the column 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,7 +41,7 @@ class Columns:
         not have or whose type cannot be a tensor, in any file, and missing values the files'
         footers count (their row groups' statistics: Delta's and Iceberg's data files are
         Parquet too). What only reading finds (lists of different lengths, a null in a file
-        written without statistics) is named when its row group is read (`tensors`)."""
+        written without statistics) is named when its row group is read (`parts`)."""
         absent = dict(snapshot.absent)
         names = snapshot.schema.names
         for name in self.read:
@@ -57,14 +58,16 @@ class Columns:
                         f"column '{name}' holds lists: several input columns are stacked as "
                         "features and must hold single numbers; name one list column as inputs"
                     )
-        footers = snapshot.footers or ()
         first = {name: snapshot.schema.field(name).type for name in self.read}
-        for url, footer in zip(snapshot.files, footers, strict=False):
-            self._check_file(url, footer, first)
+        for url, footer, schema in zip(
+            snapshot.files, snapshot.footers, snapshot.schemas, strict=False
+        ):
+            self._check_file(url, footer, schema, first)
 
-    def _check_file(self, url: str, footer: pq.FileMetaData, first: dict[str, pa.DataType]) -> None:
+    def _check_file(
+        self, url: str, footer: pq.FileMetaData, schema: pa.Schema, first: dict[str, pa.DataType]
+    ) -> None:
         """One file's types (tensors of one kind in every file) and counted missing values."""
-        schema = footer.schema.to_arrow_schema()
         for name in self.read:
             kind = schema.field(name).type
             wrong = _type_problem(kind)
@@ -93,28 +96,82 @@ class Columns:
                         f"in {url} (row group {group}); fill or drop them before training"
                     )
 
+    def dtypes(self, snapshot: Snapshot) -> tuple[np.dtype, np.dtype | None]:
+        """What the inputs and the target become (`parts`) in every file: the widest of the
+        files' (integers as narrow as the widest file stores them), so that a window holds
+        blocks of every file in one array."""
+
+        def widest(name: str) -> np.dtype:
+            files = snapshot.schemas or (snapshot.schema,)
+            kinds = {schema.field(name).type for schema in files}
+            return np.result_type(*(_dtype(_leaf(kind)) for kind in kinds))
+
+        inputs = widest(self.inputs[0]) if len(self.inputs) == 1 else np.dtype(np.float32)
+        return inputs, widest(self.target) if self.target else None
+
+    def parts(self, table: pa.Table, locate: Callable[[int], str]) -> Parts:
+        """The inputs and target of every row of `table` (a block), in pieces (`to_parts`);
+        `locate(row)` says where a row of it is (file, row group, row), for what reading it
+        finds wrong."""
+        if len(self.inputs) == 1:
+            inputs = to_parts(table.column(self.inputs[0]), self.inputs[0], locate)
+        else:  # single numbers, stacked as features
+            columns = [joined(to_parts(table.column(n), n, locate)) for n in self.inputs]
+            inputs = [np.stack(columns, axis=1).astype(np.float32, copy=False)]
+        target = to_parts(table.column(self.target), self.target, locate) if self.target else None
+        return inputs, target
+
     def tensors(
         self, table: pa.Table, locate: Callable[[int], str]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The inputs and target of every row of `table` (a block); `locate(row)` says where
-        a row of it is (file, row group, row), for what reading it finds wrong."""
-        if len(self.inputs) == 1:
-            inputs = to_tensor(table.column(self.inputs[0]), self.inputs[0], locate)
-        else:
-            inputs = torch.stack(
-                [to_tensor(table.column(n), n, locate).float() for n in self.inputs], dim=1
-            )
-        target = to_tensor(table.column(self.target), self.target, locate) if self.target else None
-        return inputs, target
+        """`parts`, each side joined into one tensor of its own memory."""
+        inputs, target = self.parts(table, locate)
+        return (
+            torch.from_numpy(joined(inputs)),
+            None if target is None else torch.from_numpy(joined(target)),
+        )
 
 
+Parts = tuple[list[np.ndarray], list[np.ndarray] | None]
+"""A block's inputs and target (None: a transform makes it), each in pieces (`to_parts`)."""
 NARROW_INTEGERS = tuple(np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.int32, np.int64))
-"""The integer widths a fragment keeps as read (the ones torch gathers); others become int64."""
+"""The integer widths a block keeps as read (the ones torch gathers); others become int64."""
 
 
-def to_tensor(column: pa.ChunkedArray, name: str, locate: Callable[[int], str]) -> torch.Tensor:
-    """A column as a tensor of shape (rows, *value shape)."""
-    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+def to_parts(column: pa.ChunkedArray, name: str, locate: Callable[[int], str]) -> list[np.ndarray]:
+    """A column's rows as arrays of shape (rows, *value shape), one per Arrow chunk (one or
+    several row groups), each Arrow's own memory where it can be (read-only: nothing is
+    copied before the rows reach where they are gathered from)."""
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    parts: list[np.ndarray] = []
+    first = 0
+    for chunk in chunks:
+        if len(chunk) or not parts:
+            part = _array(chunk, name, functools.partial(_shifted, locate, first))
+            if parts and part.shape[1:] != parts[0].shape[1:]:
+                raise DataError(lengths_differ(name, parts[0], part, locate(first)))
+            parts.append(part)
+        first += len(chunk)
+    return parts
+
+
+def joined(parts: list[np.ndarray]) -> np.ndarray:
+    """Pieces as one array of its own (writable) memory."""
+    return np.concatenate(parts) if len(parts) > 1 else np.array(parts[0], copy=True)
+
+
+def lengths_differ(name: str, before: np.ndarray, here: np.ndarray, where: str) -> str:
+    def shape(a: np.ndarray) -> str:
+        return " x ".join(map(str, a.shape[1:])) or "single numbers"
+
+    return (
+        f"column '{name}' holds lists of length {shape(here)} from {where} on but "
+        f"{shape(before)} before; pad or cut them to one length (or write a fixed-size list)"
+    )
+
+
+def _array(array: pa.Array, name: str, locate: Callable[[int], str]) -> np.ndarray:
+    """One chunk of a column as an array of shape (rows, *value shape)."""
     if array.null_count:
         first = pc.index(pc.is_null(array), True).as_py()
         raise DataError(
@@ -148,14 +205,25 @@ def to_tensor(column: pa.ChunkedArray, name: str, locate: Callable[[int], str]) 
         shape.append(size)
         array = values
     numbers = array.to_numpy(zero_copy_only=False)
-    if pa.types.is_integer(array.type):
-        # as narrow as stored (token ids are often int16): a step gathers its rows from the
-        # fragment in that width, and `widened` makes the batch int64
-        if numbers.dtype not in NARROW_INTEGERS:
-            numbers = numbers.astype(np.int64)
-    else:
-        numbers = numbers.astype(np.float32, copy=False)
-    return torch.from_numpy(np.require(numbers, requirements=["C", "W"])).reshape(-1, *shape)
+    wanted = _dtype(array.type)
+    if numbers.dtype != wanted:
+        numbers = numbers.astype(wanted)
+    shaped: np.ndarray = numbers.reshape(-1, *shape)
+    return shaped
+
+
+def _shifted(locate: Callable[[int], str], first: int, row: int) -> str:
+    return locate(first + row)
+
+
+def _dtype(leaf: pa.DataType) -> np.dtype:
+    """What a column's numbers become: integers as narrow as stored (token ids are often
+    int16: a step gathers its rows in that width, and `widened` makes the batch int64) where
+    torch has the width, else int64; floating point and booleans float32."""
+    if pa.types.is_integer(leaf):
+        stored = np.dtype(leaf.to_pandas_dtype())
+        return stored if stored in NARROW_INTEGERS else np.dtype(np.int64)
+    return np.dtype(np.float32)
 
 
 def widened(values: torch.Tensor) -> torch.Tensor:

@@ -10,13 +10,14 @@ Reading. A rank plans its steps two windows ahead (one where two would pass
 the model trains on this one; each fragment is read once per epoch by the one rank (and the one
 thread) that needs it.
 
-Assembling. When a window's first step is due, the rank's fragments of that window are joined
-into one tensor (integers as narrow as stored), and the steps' rows are gathered from it a run of
-steps at a time (up to `ASSEMBLE_BYTES` of int64 rows): one gather per run, already in the steps'
-order. Per step, gathering from each fragment and reordering cost more than the copy the join
-makes once per window (bench/stream_read.py). A rank holds its share of three windows, about
-`3 · shuffle_rows / dp` rows (two where `READ_AHEAD_BYTES` says so), and of one more while it
-joins the next one.
+Assembling. A reading thread copies each fragment it read to its place in its window's array
+(window.py: integers as narrow as stored; the arrays of windows let go are written over), and
+the steps' rows are gathered from that array a run of steps at a time (up to `ASSEMBLE_BYTES`
+of int64 rows): one gather per run, already in the steps' order, and (with no transform of a
+whole batch, or `next_token`) widened to int64 in one copy per run. Per step, gathering from
+each fragment and reordering cost more than the one copy a fragment takes into its window
+(bench/stream_read.py). A rank holds its share of three windows, about `3 · shuffle_rows / dp`
+rows (two where `READ_AHEAD_BYTES` says so), and up to `SPARE_ARRAYS` arrays of windows let go.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from shardwise.training.data.sampling import enough
 from shardwise.training.data.stream.order import EpochOrder, rank_slice
 from shardwise.training.data.stream.source import READ_ERRORS, data_problem
 from shardwise.training.data.stream.table import Pair, Stream
+from shardwise.training.data.stream.window import Spare, Window
 
 READ_AHEAD_BYTES = 256 * 2**20
 """The most a rank reads ahead of the window it trains on (uncompressed, as the footers count
@@ -70,6 +72,7 @@ class StreamLoader:
         self._pool = ThreadPoolExecutor(
             stream.source.read_threads, thread_name_prefix="shardwise-read"
         )
+        self._spare = Spare()
         self._reset()
 
     @property
@@ -134,11 +137,13 @@ class StreamLoader:
         self._plans: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._planned = self.offset // self.global_batch  # the next step to plan
         self._quiet_through = -1  # the last step planning has nothing to add for
-        self._read: dict[int, Future[Pair]] = {}  # fragments read or being read
+        self._read: dict[int, Future[None]] = {}  # fragments being read into their windows
         self._requested: set[int] = set()  # every fragment this epoch asked for
-        self._windows: dict[int, Pair] = {}  # joined windows: this rank's fragments of each
-        self._offset = np.zeros(len(self.stream.counts), dtype=np.int64)  # a fragment's first
-        # row in its joined window
+        self._windows: dict[int, Window] = {}  # windows read into
+        self._arrived: dict[int, Pair] = {}  # windows whose fragments (this rank's) all arrived
+        self._place = np.zeros(len(self.stream.counts), dtype=np.int64)  # a fragment's first
+        # row in its window's arrays (the rows of the fragments asked for before it)
+        self._filled: dict[int, int] = {}  # rows asked for of each window
         self._ready: dict[int, Pair] = {}  # assembled steps
         self._window_bytes = [  # each window's bytes, uncompressed (for `_ahead`)
             sum(self.stream.blocks[f].bytes for f in window) for window in self._order.windows
@@ -175,8 +180,28 @@ class StreamLoader:
         for f in needed[np.argsort(at, kind="stable")].tolist():  # in the order steps need them
             if f not in self._requested:
                 self._requested.add(f)
-                self._read[f] = self._pool.submit(self.stream.read, f)
+                window = self._window_of(f)
+                place = self._place[f] = self._filled[window]
+                self._filled[window] += self.stream.counts[f]
+                self._read[f] = self._pool.submit(self._read_into, f, self._windows[window], place)
         self._planned = through + 1
+
+    def _window_of(self, fragment: int) -> int:
+        """The window `fragment` is read into (made when the first of its fragments is asked
+        for)."""
+        index = int(self._order.window_of[fragment])
+        if index not in self._windows:
+            ends = self._order.window_ends
+            rows = ends[index] - (ends[index - 1] if index else 0)
+            columns = self.stream.source.columns
+            names = (", ".join(columns.inputs), columns.target)
+            self._windows[index] = Window(rows, self.stream.dtypes, names, self._spare)
+            self._filled[index] = 0
+        return index
+
+    def _read_into(self, fragment: int, window: Window, place: int) -> None:
+        """Read `fragment` (on a reading thread) to rows `place` on of `window`."""
+        window.put(place, self.stream.read_parts(fragment), self.stream.locate(fragment))
 
     def _ahead(self, current: int) -> int:
         """How many windows to read ahead of window `current`: two where their share of this
@@ -187,22 +212,20 @@ class StreamLoader:
         return 2 if share <= READ_AHEAD_BYTES else 1
 
     def _window(self, index: int) -> Pair:
-        """Window `index`'s fragments that this rank reads, joined into one tensor (waiting
-        for their reads), and each one's first row in it: a run of steps is then one gather.
-        Their blocks are let go; the window is, once its last step is assembled."""
-        joined = self._windows.get(index)
-        if joined is not None:
-            return joined
+        """Window `index`'s arrays, once the fragments this rank reads of it arrived: a run
+        of steps is then one gather. The window is let go once its last step is assembled."""
+        arrived = self._arrived.get(index)
+        if arrived is not None:
+            return arrived
         last_step = min((self._order.window_ends[index] - 1) // self.global_batch,
                         self.steps_per_epoch - 1)  # fmt: skip
-        assert self._planned > last_step, "a window is joined once all its steps are planned"
-        mine = [f for f in self._order.windows[index] if f in self._read]
-        parts = [self._read.pop(f).result() for f in mine]
-        self._offset[mine] = np.cumsum([0, *(len(p[0]) for p in parts[:-1])])
-        inputs = _joined([p[0] for p in parts])
-        target = None if parts[0][1] is None else _joined([p[1] for p in parts])  # type: ignore[misc]
-        joined = self._windows[index] = (inputs, target)
-        return joined
+        assert self._planned > last_step, "a window is gathered from once its steps are planned"
+        for fragment in self._order.windows[index]:
+            reading = self._read.pop(fragment, None)
+            if reading is not None:
+                reading.result()
+        arrived = self._arrived[index] = self._windows[index].tensors()
+        return arrived
 
     def _assemble(self, step: int) -> None:
         """Gather the rows of `step` and of the planned steps after it in its window, up to
@@ -213,7 +236,9 @@ class StreamLoader:
         window_end = next(e for e in window_ends if e >= (step + 1) * self.global_batch)
         last = min((window_end // self.global_batch) - 1, self._planned - 1)
         for index in [i for i in self._windows if (window_ends[i] - 1) // self.global_batch < step]:
-            del self._windows[index]  # every later step is past it
+            window = self._windows.pop(index)  # every later step is past it
+            if self._arrived.pop(index, None) is not None:  # its reads are done
+                self._spare.give(window)
         fragments, rows = self._plans[step]
         row_bytes = self._window(int(self._order.window_of[fragments[0]]))[0][0].numel() * 8
         count = max(1, min(last - step + 1, ASSEMBLE_BYTES // (row_bytes * len(rows))))
@@ -223,7 +248,7 @@ class StreamLoader:
         found = _distinct(windows)
         for index in found:
             self._window(index)
-        at = torch.from_numpy(self._offset[where] + np.concatenate([r for _, r in plans]))
+        at = torch.from_numpy(self._place[where] + np.concatenate([r for _, r in plans]))
         inputs, target = self._gather(windows, found, at)
         if self.stream.by_rows:  # the run's samples made at once (widened), not step by step
             inputs, target = self.stream.batch(inputs, target)
@@ -235,14 +260,14 @@ class StreamLoader:
             )
 
     def _gather(self, windows: np.ndarray, found: list[int], at: torch.Tensor) -> Pair:
-        """The rows at `at` of the joined windows `windows` (one per row; `found`: the distinct
+        """The rows at `at` of the windows `windows` (one per row; `found`: the distinct
         ones), as narrow as stored (`Stream.batch` widens them, after slicing where
         `next_token` does: one copy fewer)."""
         if len(found) == 1:
-            inputs, target = self._windows[found[0]]
+            inputs, target = self._arrived[found[0]]
             return _take(inputs, at), None if target is None else _take(target, at)
         pieces = [  # a run whose first step spans windows
-            (torch.from_numpy(np.flatnonzero(windows == w)), self._windows[w]) for w in found
+            (torch.from_numpy(np.flatnonzero(windows == w)), self._arrived[w]) for w in found
         ]
         gathered: list[torch.Tensor | None] = []
         for side in (0, 1):
@@ -274,12 +299,6 @@ def _distinct(windows: np.ndarray) -> list[int]:
 
 def _take(values: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.take(values.numpy(), at.numpy(), axis=0))
-
-
-def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    if len(parts) == 1:
-        return parts[0]
-    return torch.from_numpy(np.concatenate([p.numpy() for p in parts]))
 
 
 def changed_message(saved: Any, now: dict[str, Any]) -> str:

@@ -86,6 +86,11 @@ class Snapshot:
     partition's, whose value lives in the table's log."""
 
     @functools.cached_property
+    def schemas(self) -> tuple[pa.Schema, ...]:
+        """Each file's own schema (from its footer)."""
+        return tuple(footer.schema.to_arrow_schema() for footer in self.footers)
+
+    @functools.cached_property
     def rows(self) -> int:
         """Every row (summed once: the loader asks at every step)."""
         return sum(f.rows for f in self.fragments)

@@ -18,13 +18,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from torch.utils.data import TensorDataset
 
-from shardwise.training.data.stream.columns import Columns, widened
+from shardwise.training.data.stream.columns import Columns, Parts, widened
 from shardwise.training.data.stream.source import (
     REACH_S,
     DataError,
@@ -144,6 +146,24 @@ class Stream:
 
     def read(self, index: int) -> Pair:
         """Block `index`'s rows as (inputs, target) tensors, batch first."""
+        return self.source.columns.tensors(*self._table(index))
+
+    def read_parts(self, index: int) -> Parts:
+        """Block `index`'s rows as (inputs, target), each in pieces that are Arrow's memory
+        (`Columns.parts`): what the loader copies straight to where its rows are gathered."""
+        return self.source.columns.parts(*self._table(index))
+
+    def locate(self, index: int) -> Callable[[int], str]:
+        """Where row `row` of block `index` is: its file, row group and row in that group."""
+        return functools.partial(self._locate, self.blocks[index])
+
+    @functools.cached_property
+    def dtypes(self) -> tuple[np.dtype, np.dtype | None]:
+        """What the inputs and target become in every block (`Columns.dtypes`)."""
+        return self.source.columns.dtypes(self.snapshot)
+
+    def _table(self, index: int) -> tuple[pa.Table, Callable[[int], str]]:
+        """Block `index`'s columns as read, and where each of its rows is."""
         block = self.blocks[index]
         groups = range(block.first, block.first + block.groups)
         try:
@@ -152,7 +172,7 @@ class Stream:
         except Exception as e:  # storage that failed: one line naming the file
             url = self.snapshot.files[block.file]
             raise storage_problem(e, f"reading {url}") or e from None
-        return self.source.columns.tensors(table, functools.partial(self._locate, block))
+        return table, self.locate(index)
 
     def _locate(self, block: Block, row: int) -> str:
         """Where row `row` of `block` is: its file, row group and row in that group."""
