@@ -95,32 +95,29 @@ class EpochOrder:
     def window_ids(self, index: int) -> torch.Tensor:
         """Window `index`'s sample ids, shuffled."""
         cached = self._window_cache.get(index)
-        if cached is not None:
-            return cached
-        ids = torch.cat(
-            [
-                torch.arange(int(self.starts[f]), int(self.starts[f]) + self.counts[f])
-                for f in self.windows[index]
-            ]
-        )
-        if self.shuffle_rows > 0:
-            ids = ids[torch.randperm(len(ids), generator=_generator(self.seed, self.epoch, index))]
-        if len(self._window_cache) >= 2:  # a step spans at most a few windows; keep the latest
-            self._window_cache.pop(next(iter(self._window_cache)))
-        self._window_cache[index] = ids
-        return ids
+        if cached is None:
+            starts = self.starts.numpy()
+            ids = np.concatenate(
+                [np.arange(starts[f], starts[f] + self.counts[f]) for f in self.windows[index]]
+            )
+            if self.shuffle_rows > 0:
+                ids = ids[_permutation(len(ids), _generator(self.seed, self.epoch, index))]
+            if len(self._window_cache) >= 2:  # a step spans at most a few windows; keep the latest
+                self._window_cache.pop(next(iter(self._window_cache)))
+            cached = self._window_cache[index] = torch.from_numpy(ids)
+        return cached
 
     def sequence(self, begin: int, end: int) -> torch.Tensor:
         """The sample ids at positions [begin, end) of the epoch's sequence."""
         parts, start = [], 0
         for index, stop in enumerate(self.window_ends):
             if stop > begin and start < end:
-                ids = self.window_ids(index)
+                ids = self.window_ids(index).numpy()
                 parts.append(ids[max(begin - start, 0) : min(end, stop) - start])
             if stop >= end:
                 break
             start = stop
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        return torch.from_numpy(np.concatenate(parts) if parts else np.empty(0, dtype=np.int64))
 
     def step_ids(self, step: int, global_batch: int) -> torch.Tensor:
         """The sample ids of the epoch's step `step` (0-based), sorted."""
@@ -136,6 +133,18 @@ class EpochOrder:
         if isinstance(ids, torch.Tensor):
             return torch.from_numpy(fragment), torch.from_numpy(row)
         return fragment, row
+
+
+def _permutation(n: int, generator: torch.Generator) -> np.ndarray:
+    """torch's `randperm` (the same draws on any number of threads), on one thread: it fills
+    0..n-1 in parallel first, which wakes torch's intra-op threads, and they then spin for
+    milliseconds on the cores the reading threads decode on (numpy moves the rest: loader.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return torch.randperm(n, generator=generator).numpy()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def rank_slice(ids: torch.Tensor, dp_rank: int, dp_size: int) -> torch.Tensor:
