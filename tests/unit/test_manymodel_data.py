@@ -131,7 +131,7 @@ def test_leading_and_trailing_empty_targets(tmp_path):
     [
         (daily("a", 20), {"target": "sold"}, "no column 'sold'; its columns are shop, day, units"),
         ([*daily("a", 20), ("a", "2024-01-05", 1.0)], {}, "appear more than once, e.g. shop=a"),
-        (daily("a", 5) + daily("a", 20, start=7), {}, "do not follow the previous one by 1d"),
+        (daily("a", 5) + daily("a", 20, start=7), {}, "not follow the previous one by 1d"),
     ],
 )
 def test_bad_tables_get_one_line(tmp_path, rows, change, message):
@@ -491,3 +491,121 @@ def test_the_eta_counts_time_in_tasks_after_each_workers_warm_up():
     assert eta.seconds() == pytest.approx(4500 * (21.0 / 1500) / 2)
     eta.done(1000)  # lost with its worker: less left, no time learnt
     assert eta.seconds() == pytest.approx(3500 * (21.0 / 1500) / 2)
+
+
+def monthly_rows(shop: str, dates: list[date]) -> list[tuple[str, str, float]]:
+    return [(shop, d.isoformat(), float(i % 7 + 1)) for i, d in enumerate(dates)]
+
+
+def ends(first: date, months: int, periods: int) -> list[date]:
+    """The last day of every `months`-th month from `first`'s (pandas' ME, QE, YE)."""
+    out = []
+    for k in range(periods):
+        index = first.year * 12 + first.month - 1 + k * months
+        year, month = divmod(index, 12)
+        following = date(year + (month + 1) // 12, (month + 1) % 12 + 1, 1)
+        out.append(date.fromordinal(following.toordinal() - 1))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("months", "freq", "set_freq"),
+    [(1, "1mo", ""), (1, "1mo", "1mo"), (3, "3mo", ""), (3, "1q", "1q"), (12, "1y", "")],
+)
+def test_month_quarter_and_year_ends_are_regular_and_the_future_ends_months_too(
+    tmp_path, months, freq, set_freq
+):
+    """pandas' month-end dates (2000-02-29, 2000-03-31, …): each step moves the month and
+    keeps the series' day, clipped to the month's length; the future rows end months too."""
+    dates = ends(date(1999, 11, 30), months, 60)
+    source = write_csv(tmp_path, monthly_rows("a", dates) + monthly_rows("b", dates[5:]))
+    job = config(
+        source,
+        data={"freq": set_freq},
+        backtest={"horizon": 4, "n_windows": 2, "min_train": 8},
+        features={"lags": [4, 5]},
+    )
+    table = load_series(job)
+    assert table.freq == freq
+    future = table.frame.filter(pl.col(FUTURE) & (pl.col("shop") == "a"))["day"].to_list()
+    assert future == ends(dates[-1], months, 5)[1:]
+
+
+def test_a_fixed_day_of_the_month_is_kept_and_clipped_to_short_months(tmp_path):
+    """The 30th of every month is the 28th or 29th in February; the 15th stays the 15th."""
+    thirtieth = [date(2001 + (m // 12), m % 12 + 1, 28 if m % 12 == 1 else 30) for m in range(36)]
+    fifteenth = [date(2001 + (m // 12), m % 12 + 1, 15) for m in range(36)]
+    source = write_csv(tmp_path, monthly_rows("a", thirtieth) + monthly_rows("b", fifteenth))
+    table = load_series(config(source, backtest={"horizon": 3, "n_windows": 2, "min_train": 8}))
+    assert table.freq == "1mo"
+    future = table.frame.filter(pl.col(FUTURE)).sort("shop", "day")["day"].to_list()
+    assert future == [date(2004, 1, 30), date(2004, 2, 29), date(2004, 3, 30)] + [
+        date(2004, 1, 15),
+        date(2004, 2, 15),
+        date(2004, 3, 15),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("set_freq", "message"),
+    [
+        (
+            "",
+            r"by 1mo \(inferred from the data\), e\.g\. series shop=a at 2000-06-30 \(after 2000-04-30"
+            r"\); add the missing rows \(empty target\) or set data\.freq",
+        ),
+        (
+            "1mo",
+            r"by 1mo \(data\.freq\), e\.g\. series shop=a at 2000-06-30 \(after 2000-04-30\); add "
+            r"the missing rows \(empty target\)$",
+        ),
+        (
+            "1d",
+            r"by 1d \(data\.freq\), e\.g\. series shop=a at .*; the data steps by 1mo: set data\.freq"
+            r" = \"1mo\" or leave it empty to infer it$",
+        ),
+    ],
+)
+def test_the_frequency_error_says_what_to_change(tmp_path, set_freq, message):
+    dates = ends(date(2000, 1, 31), 1, 40)
+    source = write_csv(tmp_path, monthly_rows("a", dates[:4] + dates[5:]))
+    with pytest.raises(ConfigError, match=message) as info:
+        load_series(config(source, data={"freq": set_freq}))
+    assert "\n" not in str(info.value)
+
+
+def test_ids_in_a_csv_are_text_as_written(tmp_path):
+    """ "007" and "07" are two series, "+01.3" stays "+01.3": ids are names, not numbers."""
+    rows = [
+        (shop, day, units)
+        for name in ("007", "07", "+01.3")
+        for shop, day, units in daily(name, 20)
+    ]
+    path = tmp_path / "sales.csv"
+    path.write_text("shop,day,units\n" + "".join(f"{s},{d},{u}\n" for s, d, u in rows))
+    table = load_series(config(path))
+    assert table.series_ids()["shop"].to_list() == ["+01.3", "007", "07"]
+
+
+def test_a_job_of_models_that_read_the_target_only_needs_no_feature_warm_up(tmp_path):
+    """60 monthly observations, 3 windows of 12: enough for statistical models (statsforecast
+    cross-validates the same windows); a model that reads lags needs the lags' rows too."""
+    dates = ends(date(2000, 1, 31), 1, 60)
+    source = write_csv(tmp_path, monthly_rows("a", dates) + monthly_rows("b", dates))
+    backtest = {"horizon": 12, "n_windows": 3, "min_train": 0}
+    statistical = config(
+        source,
+        backtest=backtest,
+        features={"lags": []},
+        models={"names": ["seasonal_naive", "auto_ets", "auto_theta"]},
+    )
+    assert load_series(statistical).num_series == 2
+    with pytest.raises(ConfigError, match=r"the backtest needs 83 observations .* lower the "):
+        load_series(
+            config(
+                source,
+                backtest=backtest,
+                features={"lags": []},
+                models={"names": ["auto_ets", "ridge"]},
+            )
+        )

@@ -21,6 +21,8 @@ from shardwise.common.job_files import RunName, Section, load_job_file
 BUILTIN_SOURCES = ("us_employment", "retail_synthetic")
 STATISTICAL_MODELS = ("auto_ets", "auto_arima", "auto_theta", "mstl", "croston", "tsb", "adida")
 """statsforecast's models (manymodel/statistical.py): they read the target only, unscaled."""
+TARGET_ONLY_MODELS = ("seasonal_naive", *STATISTICAL_MODELS)
+"""Models that read the target alone: no feature is computed for a job of only these."""
 BUILTIN_MODELS = ("seasonal_naive", "ridge", "lightgbm", "mlp", *STATISTICAL_MODELS)
 MAX_SYNTHETIC_ROWS = 100_000_000
 """`retail_synthetic` builds its table at once: this many rows take several GiB."""
@@ -327,6 +329,13 @@ class ManyModelsConfig(Section):
     @property
     def window_shift(self) -> int:
         return self.features.window_shift or self.backtest.horizon
+
+    @property
+    def reads_features(self) -> bool:
+        """Whether a model of the job reads the computed features (lags, windows, calendar
+        parts): seasonal naive and statsforecast's models read the target only, user models
+        may read anything."""
+        return any(name not in TARGET_ONLY_MODELS for name in self.models.names)
 
     @property
     def backtest_step(self) -> int:

@@ -18,6 +18,7 @@ from typing import Any
 import polars as pl
 
 from shardwise.common.errors import ConfigError
+from shardwise.manymodel import calendar
 from shardwise.manymodel.columns import FUTURE, SERIES, Columns, run_numbers
 from shardwise.manymodel.config import BUILTIN_SOURCES, ManyModelsConfig
 
@@ -90,7 +91,9 @@ def _read_file(source: str, columns: Columns) -> pl.DataFrame:
     try:
         with fsspec.open(source, "rb") as handle:
             if suffix == ".csv":
-                frame = pl.read_csv(handle, try_parse_dates=True)
+                # ids are names as written ("007" is not "07" or 7)
+                text = dict.fromkeys(columns.ids, pl.String)
+                frame = pl.read_csv(handle, try_parse_dates=True, schema_overrides=text)
             else:
                 frame = _parquet_rows(handle, columns)
     except FileNotFoundError:
@@ -157,8 +160,8 @@ def load_series(config: ManyModelsConfig) -> SeriesTable:
         frame = frame.filter(pl.col(SERIES).is_in(keep.implode()))
     if frame.height == 0:
         raise ConfigError(f"the table has no rows with a value in '{y}'")
-    freq = config.data.freq or infer_freq(frame, columns)
-    _check_regular(frame, columns, freq, names)
+    freq = config.data.freq or calendar.infer(frame, columns.timestamp)
+    _check_regular(frame, columns, freq, bool(config.data.freq), names)
     season = config.data.season_length or _SEASONS.get(freq, 1)
     frame, skipped = _drop_short(frame, columns, config, season, names)
     frame = _append_future(frame, planned, columns, freq, config.backtest.horizon)
@@ -323,50 +326,45 @@ def _check_duplicates(frame: pl.DataFrame, columns: Columns, names: pl.DataFrame
         )
 
 
-def infer_freq(frame: pl.DataFrame, columns: Columns) -> str:
-    """The spacing of timestamps as a polars duration: calendar months, quarters and years when
-    every step moves the month by the same amount on the same day, else the most common gap."""
-    ts = pl.col(columns.timestamp)
-    steps = frame.select(
-        (ts.dt.year() * 12 + ts.dt.month()).diff().over(SERIES).alias("months"),
-        ts.dt.day().alias("day"),
-        ts.diff().over(SERIES).alias("gap"),
-    ).drop_nulls()
-    if steps.height == 0:
-        raise ConfigError("cannot infer the frequency from one row per series; set data.freq")
-    months = steps["months"].mode().sort()[0]
-    if steps["day"].n_unique() == 1 and months in (1, 3, 12):
-        return {1: "1mo", 3: "3mo", 12: "1y"}[int(months)]
-    gap = steps["gap"].mode().sort()[0]
-    seconds = int(gap.total_seconds())
-    if seconds % 86400 == 0:
-        days = seconds // 86400
-        return "1w" if days == 7 else f"{days}d"
-    if seconds % 3600 == 0:
-        return f"{seconds // 3600}h"
-    return f"{seconds}s"
-
-
-def _check_regular(frame: pl.DataFrame, columns: Columns, freq: str, names: pl.DataFrame) -> None:
+def _check_regular(
+    frame: pl.DataFrame, columns: Columns, freq: str, given: bool, names: pl.DataFrame
+) -> None:
+    """Every row follows its series' row before by one step of `freq` (`given`: data.freq set,
+    else inferred); a one-line error naming the first that does not, and what to change."""
     ts = columns.timestamp
-    expected = pl.col(ts).shift(1).dt.offset_by(freq).over(SERIES)
-    bad = frame.filter(pl.col(ts).shift(1).over(SERIES).is_not_null() & (pl.col(ts) != expected))
-    if bad.height:
-        row = bad.row(0, named=True)
+    before = pl.col(ts).shift(1).over(SERIES).alias("_before")
+    bad = frame.with_columns(before).filter(calendar.off_step(ts, freq))
+    if not bad.height:
+        return
+    row = bad.row(0, named=True)
+    where = (
+        f"{bad.height} {'rows do' if bad.height > 1 else 'row does'} not follow the previous "
+        f"one by {freq} "
+        f"({'data.freq' if given else 'inferred from the data'}), e.g. series "
+        f"{_ids_of(names, row[SERIES])} at {row[ts]} (after {row['_before']})"
+    )
+    own = calendar.infer(frame, ts) if given else freq
+    if own != freq:
         raise ConfigError(
-            f"{bad.height} rows do not follow the previous one by {freq}, e.g. series "
-            f"{_ids_of(names, row[SERIES])} at {row[ts]}; add the missing rows (empty target) or "
-            "set data.freq"
+            f'{where}; the data steps by {own}: set data.freq = "{own}" or leave it empty to '
+            "infer it"
         )
+    fix = "" if given else " or set data.freq"
+    raise ConfigError(f"{where}; add the missing rows (empty target){fix}")
 
 
 def _append_future(
     frame: pl.DataFrame, planned: pl.DataFrame, columns: Columns, freq: str, horizon: int
 ) -> pl.DataFrame:
     ts = columns.timestamp
-    last = frame.group_by(SERIES).agg(pl.col(ts).max().alias("_last"))
+    last = frame.group_by(SERIES).agg(
+        pl.col(ts).max().alias("_last"), pl.col(ts).dt.day().max().alias(calendar.ANCHOR)
+    )
     steps = [
-        last.select(SERIES, pl.col("_last").dt.offset_by(_times(freq, k)).alias(ts))
+        last.select(
+            SERIES,
+            calendar.after(pl.col("_last"), freq, k, pl.col(calendar.ANCHOR)).alias(ts),
+        )
         for k in range(1, horizon + 1)
     ]
     future = pl.concat(steps).with_columns(pl.lit(None, dtype=pl.Float64).alias(columns.target))
@@ -382,13 +380,6 @@ def _append_future(
     # both sorted by series and time: merged, not sorted again (a copy of the table less)
     observed = frame.with_columns(pl.lit(False).alias(FUTURE))
     return observed.merge_sorted(future.sort(SERIES, ts), key=[SERIES, ts])
-
-
-def _times(freq: str, k: int) -> str:
-    """A polars duration string for k steps of `freq` (`1mo` × 3 = `3mo`)."""
-    digits = len(freq) - len(freq.lstrip("0123456789"))
-    count = int(freq[:digits] or 1)
-    return f"{count * k}{freq[digits:]}"
 
 
 def required_observations(config: ManyModelsConfig, reach: int, season: int) -> int:
@@ -424,17 +415,20 @@ def _drop_short(
             f"({longest} observations); the backtest needs training rows before every window: "
             "lower backtest.horizon"
         )
-    need = required_observations(config, FeatureSpec.from_config(config, season).reach(), season)
+    reach = FeatureSpec.from_config(config, season).reach()  # 0 where no model reads features
+    need = required_observations(config, reach, season)
     short = counts.filter(pl.col("observations") < need).with_columns(
         pl.format("{} observations, the backtest needs {}", "observations", pl.lit(need)).alias(
             "reason"
         )
     )
     if short.height == counts.height:
+        warm_up, lower = (
+            ("feature warm-up + ", "the longest lag or window, ") if reach else ("", "")
+        )
         raise ConfigError(
-            f"every series is too short: the backtest needs {need} observations (feature warm-up "
-            f"+ backtest.min_train + the windows) and the longest has "
-            f"{longest}; lower the longest lag or window, "
+            f"every series is too short: the backtest needs {need} observations ({warm_up}"
+            f"backtest.min_train + the windows) and the longest has {longest}; lower {lower}"
             "backtest.min_train, n_windows or horizon"
         )
     dropped = names.join(short, on=SERIES, maintain_order="left").drop(SERIES)

@@ -51,6 +51,8 @@ class FeatureSpec:
 
     @classmethod
     def from_config(cls, config: ManyModelsConfig, season_length: int) -> FeatureSpec:
+        if not config.reads_features:  # no model would read them: nothing to compute
+            return cls((), config.window_shift, (), (), (), (), (), ())
         f: FeaturesSection = config.features
         horizon = config.backtest.horizon
         lags = f.lags or list(range(horizon, horizon + max(season_length, 1)))
