@@ -172,3 +172,47 @@ def test_the_forecast_files_carry_the_intervals_method_in_their_metadata(tmp_pat
         out.write("f", pl.DataFrame({"a": [1]}))
     metadata = pq.read_schema(path).metadata
     assert json.loads(metadata[METADATA_KEY.encode()]) == {"80": {"honoured": True}}
+
+
+def _shocked(series: int, shocks: np.ndarray, windows: int, horizon: int) -> pl.LazyFrame:
+    """Backtest rows of one model: every series' error is 1 except at the time steps `shocks`
+    marks, where a shock moves every series at once (error 10)."""
+    rows = []
+    for w in range(windows):
+        for step in range(1, horizon + 1):
+            error = 10.0 if shocks[w * horizon + step - 1] else 1.0
+            rows += [
+                {SERIES: s, "model": "m", "window": w, "origin": 0, "step": step,
+                 "forecast": 0.0, "actual": error, "scale": 1.0}
+                for s in range(series)
+            ]  # fmt: skip
+    return pl.DataFrame(rows).lazy()
+
+
+def test_coverage_comes_with_an_interval_over_time_steps_not_series():
+    """A shock that moves every series at once is one miss per time step, however many series
+    it hits: the coverage's interval (a block bootstrap over time steps) is the same with 1
+    series as with 200 copies of it (at 50%, where the copies' conformal rank picks the same
+    error), and wide: about 1 in 5 of the 36 time steps reported is shocked."""
+    windows, horizon = 6, 12
+    shocks = np.random.default_rng(7).random(windows * horizon) < 0.2
+    got = {}
+    for series in (1, 200):
+        rows = _shocked(series, shocks, windows, horizon)
+        got[series] = calibrate(rows, [50], windows, "pooled", sources=lambda r: r).levels[50]
+    one, many = got[1].scores, got[200].scores
+    assert got[200].reported_on == [3, 4, 5] and many["coverage_50_time_steps"] == 36.0
+    for name in ("coverage_50", "coverage_50_low", "coverage_50_high"):
+        assert one[name] == pytest.approx(many[name]), name
+    assert many["coverage_50_low"] < many["coverage_50"] < many["coverage_50_high"]
+    assert many["coverage_50_high"] - many["coverage_50_low"] > 0.15
+
+
+def test_coverage_from_too_few_time_steps_is_said_to_be_too_few():
+    rows = _shocked(50, np.zeros(3 * 2, dtype=bool), 3, 2)  # windows 1 and 2: 4 time steps
+    level = calibrate(rows, [80], 3, "pooled", sources=lambda r: r).levels[80]
+    assert level.scores["coverage_80_time_steps"] == 2.0
+    assert np.isnan(level.scores["coverage_80_low"])
+    from shardwise.manymodel.intervals import describe
+
+    assert "2 time steps: too few to judge" in describe({80: level})

@@ -23,6 +23,14 @@ than two such windows nothing is chosen: pooled. The forecasts' intervals use ev
 Scores, per level, on windows whose interval comes from the windows before them only: coverage
 (share of actual values inside), the Winkler (interval) score (width plus 2/α times the miss,
 mean over steps: lower is better) and MSIS (the Winkler score scaled like MASE).
+
+The coverage comes with a 95% interval of its own (`coverage_<L>_low`, `_high`). Series move
+together (a shock in one month hits the whole panel), so thousands of series are not thousands
+of independent checks: the interval resamples time steps (a window's step j is the time step
+`window · spacing + j`, the same for every series that ends with the panel), in moving blocks
+(serial dependence), each time step with all its series' rows. With fewer than
+`FEWEST_TIME_STEPS` time steps it is not estimated, and the summary says the coverage is from
+too few to judge.
 """
 
 from __future__ import annotations
@@ -32,12 +40,17 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import polars as pl
 
 from shardwise.manymodel.columns import SERIES
 
 AUTO = ("pooled", "series")
 """The methods `backtest.intervals = "auto"` chooses between."""
+FEWEST_TIME_STEPS = 10
+"""Time steps the reported windows need for the coverage's own interval."""
+DRAWS = 2000
+"""Bootstrap resamples for the coverage's interval."""
 METADATA_KEY = "shardwise.intervals"
 """The forecast files' Parquet metadata key: each level's method and whether it is honoured."""
 
@@ -49,6 +62,11 @@ def bound_names(level: int) -> tuple[str, str]:
 
 def score_names(level: int) -> tuple[str, str, str]:
     return (f"coverage_{level}", f"winkler_{level}", f"msis_{level}")
+
+
+def spread_names(level: int) -> tuple[str, str, str]:
+    """The coverage's own 95% interval and the time steps it comes from."""
+    return (f"coverage_{level}_low", f"coverage_{level}_high", f"coverage_{level}_time_steps")
 
 
 def needed(level: int) -> int:
@@ -125,11 +143,12 @@ def calibrate(
     n_windows: int,
     method: str,
     sources: Callable[[pl.LazyFrame], pl.LazyFrame],
+    spacing: int | None = None,
 ) -> Calibration:
     """The run's intervals from every chunk's `backtest` rows (backtest.py: series, model,
     window, step, forecast, actual, scale, own intervals): `method` is `backtest.intervals`;
     `sources` keeps the rows of the model each series' forecasts come from (selection.py),
-    which the scores are of."""
+    which the scores are of; `spacing`: steps between windows' origins (None: the horizon)."""
     rows = backtest.with_columns(
         (pl.col("actual") - pl.col("forecast")).abs().alias("_error"),
         pl.when(pl.col("scale") > 0).then(pl.col("scale")).alias("scale"),
@@ -163,6 +182,8 @@ def calibrate(
         source = sources(frame.lazy().filter(pl.col("window").is_in(report_on)))
         got = _scored(source, pooled, series, level, picked) if report_on else {}
         scores = {k: v for k, v in got.items() if not k.startswith("_")}
+        if report_on:
+            scores |= _coverage_spread(source, pooled, series, level, picked, spacing)
         missing, total, needs = _honoured(frame, pooled, series, level, picked, n_windows)
         chosen[level] = Level(level, picked, choose_on, report_on, scores, missing, total, needs)
     return Calibration(chosen, pooled, series, n_windows)
@@ -255,6 +276,47 @@ def _scored(
     return {k: float(v) if v is not None else math.nan for k, v in got.items()}
 
 
+def _coverage_spread(
+    rows: pl.LazyFrame,
+    pooled: pl.DataFrame,
+    series: pl.DataFrame,
+    level: int,
+    method: str,
+    spacing: int | None,
+) -> dict[str, float]:
+    """The coverage's 95% interval at `level` by a moving-block bootstrap of time steps (module
+    docstring), and how many time steps there are; NaN bounds below `FEWEST_TIME_STEPS`."""
+    lo, hi = bound_names(level)
+    gap = spacing or pl.col("step").max()
+    per_time = (
+        with_bounds(rows, pooled, series, {level: method})
+        .filter(pl.col("actual").is_not_null() & pl.col(lo).is_not_null())
+        .group_by((pl.col("window") * gap + pl.col("step")).alias("_time"))
+        .agg(
+            ((pl.col("actual") >= pl.col(lo)) & (pl.col("actual") <= pl.col(hi)))
+            .sum()
+            .alias("_inside"),
+            pl.len().alias("_n"),
+        )
+        .sort("_time")
+        .collect()
+    )
+    low, high, count = spread_names(level)
+    times = per_time.height
+    if times < FEWEST_TIME_STEPS:
+        return {low: math.nan, high: math.nan, count: float(times)}
+    inside = per_time["_inside"].to_numpy().astype(np.float64)
+    total = per_time["_n"].to_numpy().astype(np.float64)
+    block = max(1, round(times ** (1 / 3)))
+    blocks = -(-times // block)
+    rng = np.random.default_rng(level)  # the same interval for the same rows
+    starts = rng.integers(0, times - block + 1, size=(DRAWS, blocks))
+    drawn = (starts[:, :, None] + np.arange(block)).reshape(DRAWS, -1)[:, :times]
+    rates = inside[drawn].sum(axis=1) / total[drawn].sum(axis=1)
+    bounds = np.quantile(rates, [0.025, 0.975])
+    return {low: float(bounds[0]), high: float(bounds[1]), count: float(times)}
+
+
 def _honoured(
     frame: pl.DataFrame,
     pooled: pl.DataFrame,
@@ -307,6 +369,14 @@ def describe(levels: dict[int, Level]) -> str:
     for level, v in levels.items():
         coverage, winkler, msis = (v.scores.get(n, math.nan) for n in score_names(level))
         shown = f"{level}% → {coverage:.1%}" if math.isfinite(coverage) else f"{level}% → –"
+        low, high, times = (v.scores.get(n, math.nan) for n in spread_names(level))
+        if math.isfinite(low):
+            shown += f" [{low:.0%}–{high:.0%} over {times:.0f} time steps]"
+        elif math.isfinite(coverage) and math.isfinite(times):
+            shown += (
+                f" [{times:.0f} time steps: too few to judge, {FEWEST_TIME_STEPS} needed: "
+                "more backtest.n_windows]"
+            )
         if math.isfinite(winkler):
             shown += f" (Winkler {winkler:.4g}, MSIS {msis:.3g})"
         if not v.honoured:

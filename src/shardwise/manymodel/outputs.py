@@ -58,6 +58,7 @@ def assemble(
             config.backtest.n_windows,
             config.backtest.intervals,
             sources=lambda rows: forecasts(rows, chosen, selection),
+            spacing=config.backtest_step,
         )
     _write_forecasts(
         run_dir, table, (ids, outputs["choices"]), (selection, calibration), paths, chunk_size

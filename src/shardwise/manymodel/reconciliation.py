@@ -50,6 +50,7 @@ def reconcile_run(
             config.backtest.n_windows,
             "pooled" if method == "model" else method,  # a reconciliation has none of its own
             sources=lambda frame: frame,
+            spacing=config.backtest_step,
         )
         console.print("reconciled " + describe(calibration.levels))
     _reconcile(config, table, paths, (chosen, past), calibration, console)
