@@ -539,11 +539,8 @@ def test_a_fixed_day_of_the_month_is_kept_and_clipped_to_short_months(tmp_path):
     table = load_series(config(source, backtest={"horizon": 3, "n_windows": 2, "min_train": 8}))
     assert table.freq == "1mo"
     future = table.frame.filter(pl.col(FUTURE)).sort("shop", "day")["day"].to_list()
-    assert future == [date(2004, 1, 30), date(2004, 2, 29), date(2004, 3, 30)] + [
-        date(2004, 1, 15),
-        date(2004, 2, 15),
-        date(2004, 3, 15),
-    ]
+    thirtieths = [date(2004, 1, 30), date(2004, 2, 29), date(2004, 3, 30)]
+    assert future == [*thirtieths, date(2004, 1, 15), date(2004, 2, 15), date(2004, 3, 15)]
 
 
 @pytest.mark.parametrize(
@@ -551,8 +548,8 @@ def test_a_fixed_day_of_the_month_is_kept_and_clipped_to_short_months(tmp_path):
     [
         (
             "",
-            r"by 1mo \(inferred from the data\), e\.g\. series shop=a at 2000-06-30 \(after 2000-04-30"
-            r"\); add the missing rows \(empty target\) or set data\.freq",
+            r"by 1mo \(inferred from the data\), e\.g\. series shop=a at 2000-06-30 "
+            r"\(after 2000-04-30\); add the missing rows \(empty target\) or set data\.freq",
         ),
         (
             "1mo",
@@ -561,8 +558,8 @@ def test_a_fixed_day_of_the_month_is_kept_and_clipped_to_short_months(tmp_path):
         ),
         (
             "1d",
-            r"by 1d \(data\.freq\), e\.g\. series shop=a at .*; the data steps by 1mo: set data\.freq"
-            r" = \"1mo\" or leave it empty to infer it$",
+            r"by 1d \(data\.freq\), e\.g\. series shop=a at .*; the data steps by 1mo: set "
+            r"data\.freq = \"1mo\" or leave it empty to infer it$",
         ),
     ],
 )
