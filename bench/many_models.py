@@ -39,11 +39,12 @@ import polars as pl
 from shardwise.common.job_files import validate_as
 from shardwise.manymodel.backtest import Plan
 from shardwise.manymodel.chunk import run_chunk
+from shardwise.manymodel.chunk_tasks import THREAD_ENV
 from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.manymodel.data import SeriesTable, load_series
 from shardwise.manymodel.features import FeatureSpec, polars_features
-from shardwise.manymodel.ray_tasks import THREAD_ENV, start_ray
+from shardwise.manymodel.ray_tasks import start_ray
 from shardwise.manymodel.runner import make_plan, run
 
 MODELS = {

@@ -13,7 +13,6 @@ from typing import Any
 
 import polars as pl
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from shardwise.common.console import warn
 from shardwise.common.errors import ConfigError
@@ -21,19 +20,14 @@ from shardwise.common.ray_cluster import loopback_ray, ray_logs_to
 from shardwise.manymodel.backtest import Plan
 from shardwise.manymodel.chunk import run_chunk
 from shardwise.manymodel.chunk_result import ChunkResult
-from shardwise.manymodel.chunk_store import GLOBAL_FILE, write_chunk
+from shardwise.manymodel.chunk_store import GLOBAL_FILE
+from shardwise.manymodel.chunk_tasks import THREAD_ENV, longest_first, lost_chunk, progress_of
 from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import (
     BUILTIN_MODELS,
     ManyModelsConfig,
 )
-from shardwise.manymodel.eta import Eta
 from shardwise.manymodel.feature_files import FeatureChunks
-
-THREAD_ENV = {
-    name: "1"
-    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "POLARS_MAX_THREADS")
-}
 
 
 def task_slots(ray: Any, config: ManyModelsConfig) -> int:
@@ -163,6 +157,9 @@ def run_chunks(
     done: set[int],
     console: Console,
 ) -> list[tuple[float, float]]:
+    """Run the chunks `todo` as Ray tasks, a few per task slot in flight (each read from disk
+    and put in the object store when it is submitted, not all of them at the start); each
+    chunk's start and end."""
     runner = config.runner
     features, given = parts
     task = ray.remote(run_chunk).options(
@@ -172,10 +169,7 @@ def run_chunks(
         memory=runner.memory_mb * 2**20 or None,
     )
     plan_ref = ray.put(plan)
-    # Longest chunks first, so the run does not end waiting on one long chunk (the work grows
-    # with the rows); a few per task slot in flight, each read from disk and put into the
-    # object store when it is submitted, not all of them at the start.
-    queue = sorted(todo, key=lambda i: -features.rows[i])
+    queue = longest_first(features, todo)
     in_flight = max(2, 2 * slots)
     pending: dict[Any, int] = {}
 
@@ -188,22 +182,7 @@ def run_chunks(
             pending[task.remote(rows, plan_ref, forecasts)] = index
 
     submit()
-    total_series = features.series
-    reused = sum(len(features.series_of(i)) for i in done)
-    intervals: list[tuple[float, float]] = []
-    started, finished, failed = time.monotonic(), reused, 0
-    eta = Eta(rows=sum(features.rows[i] for i in todo), slots=slots)
-    with Progress(
-        TextColumn("[bold]series"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total} done · {task.fields[failed]} failed"),
-        TimeElapsedColumn(),
-        TextColumn("ETA {task.fields[eta]}"),
-        console=console,
-        transient=False,
-        disable=not console.is_terminal,
-    ) as progress:
-        bar = progress.add_task("series", total=total_series, completed=reused, failed=0, eta="–")
+    with progress_of(config, features, todo, done, slots, console) as finished:
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1)
             for ref in ready:
@@ -212,41 +191,8 @@ def run_chunks(
                     result: ChunkResult = ray.get(ref)
                     took: float | None = result.finished - result.started
                 except ray.exceptions.RayError as e:
-                    result, took = _lost_chunk(features.series_of(index), e, plan.levels), None
-                write_chunk(config.run_dir / "chunks", index, result)
-                intervals.append((result.started, result.finished))
-                failed += result.failed_series
-                finished += result.series
-                eta.done(features.rows[index], took, result.pid)
-                left = eta.seconds()
-                progress.update(bar, completed=finished, failed=failed, eta=f"{left:.0f} s")
+                    why = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+                    result, took = lost_chunk(features.series_of(index), why, plan.levels), None
+                finished.chunk(index, result, took)
                 submit()
-                if not console.is_terminal:  # a log line per chunk instead of a bar
-                    console.print(
-                        f"series {finished}/{total_series} done · {failed} failed · "
-                        f"{time.monotonic() - started:.0f} s · ETA {left:.0f} s",
-                        highlight=False,
-                    )
-    return intervals
-
-
-def _lost_chunk(series: range, error: Exception, levels: tuple[int, ...]) -> ChunkResult:
-    """A chunk whose worker died more often than `max_retries`: every series in it failed (its
-    tables have the interval columns of the others, `levels`)."""
-    result = ChunkResult(started=time.time(), finished=time.time(), levels=levels)
-    message = f"{type(error).__name__}: worker lost after retries ({str(error).splitlines()[0]})"
-    for number in series:
-        result.failures.append({SERIES: number, "model": "*", "stage": "task", "error": message})
-        result.series += 1
-        result.failed_series += 1
-    return result
-
-
-def peak_concurrency(intervals: list[tuple[float, float]]) -> int:
-    """Most chunks that were running at the same moment, from their measured start and end."""
-    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
-    peak = running = 0
-    for _, change in events:
-        running += change
-        peak = max(peak, running)
-    return peak
+    return finished.intervals

@@ -29,6 +29,7 @@ from shardwise.manymodel.chunk_store import (
     saved_chunk_size,
     start_run_dir,
 )
+from shardwise.manymodel.chunk_tasks import peak_concurrency
 from shardwise.manymodel.config import (
     BUILTIN_SOURCES,
     ManyModelsConfig,
@@ -42,13 +43,7 @@ from shardwise.manymodel.data import SeriesTable, load_series
 from shardwise.manymodel.feature_files import write_features
 from shardwise.manymodel.features import FeatureSpec
 from shardwise.manymodel.outputs import assemble, chosen_forecasts
-from shardwise.manymodel.ray_tasks import (
-    global_forecasts,
-    peak_concurrency,
-    run_chunks,
-    start_ray,
-    task_slots,
-)
+from shardwise.manymodel.ray_tasks import global_forecasts, run_chunks, start_ray, task_slots
 from shardwise.manymodel.summary import Summary, print_summary, start_tracking, summarise, track
 from shardwise.manymodel.transforms import TARGET, TargetTransform
 
