@@ -69,6 +69,7 @@ def test_us_employment_with_spark_features(tmp_path):
         "--features-backend", "spark",
         "--spark-master", "local[2]",
         "--set", "backtest.levels=[80]",
+        "--set", "runner.backend='ray'",  # auto runs 8 series in worker processes, not Ray
         "--plot",
         listening=listening,
     )  # fmt: skip

@@ -1,5 +1,6 @@
-"""The many-models runner on a real local Ray instance: a full run on real data, failures,
-retries of a crashed worker, fractional CPUs observed, MLflow run contents."""
+"""The many-models runner on both its backends (worker processes of this machine, and a real
+local Ray instance): a full run on real data, failures, retries of a crashed worker, fractional
+CPUs observed, MLflow run contents, and the same outputs whichever runs the job (issue 57)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,13 @@ from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.manymodel.runner import run
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(params=["local", "ray"])
+def backend(request) -> str:
+    """`runner.backend`; the tests ask for the module's Ray instance either way (`ray_cluster`:
+    started before a test's leaked-process snapshot, so not counted as the test's)."""
+    return str(request.param)
 
 
 def job(tmp_path, **sections) -> ManyModelsConfig:
@@ -36,8 +44,8 @@ def job(tmp_path, **sections) -> ManyModelsConfig:
     return validate_as(ManyModelsConfig, raw)
 
 
-def test_real_subset_best_beats_seasonal_naive_and_is_tracked(ray_cluster, tmp_path):
-    config = job(tmp_path, tracking={"mlflow": True})
+def test_real_subset_best_beats_seasonal_naive_and_is_tracked(backend, ray_cluster, tmp_path):
+    config = job(tmp_path, tracking={"mlflow": True}, runner={"backend": backend})
     summary = run(config)
     run_dir = tmp_path / "run"
     metrics = pl.read_parquet(run_dir / "backtest_metrics.parquet")
@@ -70,7 +78,7 @@ def test_real_subset_best_beats_seasonal_naive_and_is_tracked(ray_cluster, tmp_p
     assert {f"{name}.parquet" for name in tables} <= artifacts
 
 
-def test_failures_are_isolated_and_a_crashed_worker_is_retried(ray_cluster, tmp_path):
+def test_failures_are_isolated_and_a_crashed_worker_is_retried(backend, ray_cluster, tmp_path):
     marker = tmp_path / "crashed-once"
     config = job(
         tmp_path,
@@ -78,19 +86,19 @@ def test_failures_are_isolated_and_a_crashed_worker_is_retried(ray_cluster, tmp_
             "names": ["seasonal_naive", "bad_models:Misbehaves"],
             "args": {"Misbehaves": {"marker": str(marker)}},
         },
-        runner={"num_cpus": 0.5, "chunk_size": 3},
+        runner={"num_cpus": 0.5, "chunk_size": 3, "backend": backend},
     )
     summary = run(config)
     failures = pl.read_parquet(tmp_path / "run" / "failures.parquet")
     # the model raises for two series: recorded with the error, other models carry them
     assert sorted(failures["series_id"].to_list()) == sorted(["CEU0500000001", "CEU0600000001"])
     assert failures["error"].str.contains("ValueError: no data for this sector").all()
-    # the worker process that ran the first series died once (os._exit); Ray reran its chunk
+    # the worker process that ran the first series died once (os._exit); its chunk ran again
     assert marker.exists()
     assert summary.completed == 12 and summary.failed == 0
 
 
-def test_fractional_cpus_admit_more_tasks_than_cores(ray_cluster, tmp_path):
+def test_fractional_cpus_admit_more_tasks_than_cores(backend, ray_cluster, tmp_path):
     """Each worker's first fit waits for three workers to have begun one (bad_models.Meets):
     with 0.25 CPU a task, Ray runs a third task on the 2 CPUs while two wait. With Sleeps'
     0.3 s fits this depended on Ray starting a third worker before two had done every chunk,
@@ -98,14 +106,16 @@ def test_fractional_cpus_admit_more_tasks_than_cores(ray_cluster, tmp_path):
     config = job(
         tmp_path,
         models={"names": ["bad_models:Meets"], "args": {"Meets": {"room": str(tmp_path / "room")}}},
-        runner={"num_cpus": 0.25, "chunk_size": 1},
+        runner={"num_cpus": 0.25, "chunk_size": 1, "backend": backend},
     )
     summary = run(config)
     assert summary.completed == 12
     assert summary.peak_concurrency > 2  # 2 CPUs, yet more tasks were running at once
 
 
-def test_a_chunk_lost_for_good_fails_its_series_and_the_rest_are_assembled(ray_cluster, tmp_path):
+def test_a_chunk_lost_for_good_fails_its_series_and_the_rest_are_assembled(
+    backend, ray_cluster, tmp_path
+):
     """With no retries left, the chunk whose worker died has every series failed; the other
     chunks' tables (with interval columns) are assembled as usual."""
     config = job(
@@ -114,7 +124,7 @@ def test_a_chunk_lost_for_good_fails_its_series_and_the_rest_are_assembled(ray_c
             "names": ["seasonal_naive", "bad_models:Misbehaves"],
             "args": {"Misbehaves": {"marker": str(tmp_path / "crashed-once")}},
         },
-        runner={"num_cpus": 0.5, "chunk_size": 3, "max_retries": 0},
+        runner={"num_cpus": 0.5, "chunk_size": 3, "max_retries": 0, "backend": backend},
         backtest={"levels": [80]},
     )
     summary = run(config)
@@ -124,3 +134,26 @@ def test_a_chunk_lost_for_good_fails_its_series_and_the_rest_are_assembled(ray_c
     assert summary.failed == 3 and summary.completed == 9
     forecasts = pl.read_parquet(tmp_path / "run" / "forecasts.parquet")
     assert forecasts["series_id"].n_unique() == 9 and "lo_80" in forecasts.columns
+
+
+def test_the_outputs_are_the_same_whichever_runs_the_job(ray_cluster, tmp_path):
+    """Worker processes, this process alone (one task fits: num_cpus = the cores) and Ray give
+    the same tables, with intervals: the backend changes where chunks run, not what they
+    compute."""
+    from shardwise.manymodel.local_tasks import cores
+
+    tables = ("forecasts", "forecasts_by_model", "backtest_forecasts", "backtest_metrics",
+              "best_models", "failures")  # fmt: skip
+    got = {}
+    for name, runner in {
+        "processes": {"backend": "local"},
+        "in-process": {"backend": "local", "num_cpus": cores()},
+        "ray": {"backend": "ray"},
+    }.items():
+        config = job(tmp_path / name, runner={**runner, "chunk_size": 5}, backtest={"levels": [80]})
+        run(config)
+        got[name] = {t: pl.read_parquet(tmp_path / name / "run" / f"{t}.parquet") for t in tables}
+    for table in tables:
+        for name in ("in-process", "ray"):
+            assert got[name][table].equals(got["processes"][table]), (table, name)
+    assert got["processes"]["forecasts"]["lo_80"].is_finite().all()

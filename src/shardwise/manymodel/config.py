@@ -254,13 +254,20 @@ class HierarchySection(Section):
 
 
 class RunnerSection(Section):
-    """The Ray tasks the series are forecast in: which cluster, the resources each task
-    reserves, how many series a task takes, the workers of global models, and retries."""
+    """The tasks the series are forecast in: where they run (worker processes on this machine,
+    or Ray), the resources each task reserves, how many series a task takes, the workers of
+    global models, and retries."""
 
+    backend: Literal["auto", "local", "ray"] = "auto"
+    """Where the chunks of series run: `local` in worker processes on this machine (in this
+    process where one task at a time fits on the cores), `ray` on Ray; `auto` takes Ray for
+    a cluster (`ray_address`), a Ray the caller started, global models or GPUs, else local
+    (a local Ray would cost its start and its processes' time: manymodel/local_tasks.py)."""
     ray_address: str = ""
     """"" starts a local Ray instance; `auto` or `ray://host:port` joins a cluster."""
     num_cpus: float = Field(1.0, gt=0)
-    """CPUs reserved per task; fractions (0.25) let more tasks share a core."""
+    """CPUs reserved per task; fractions (0.25) let more tasks share a core (locally: as many
+    worker processes as the cores hold)."""
     num_gpus: float = Field(0.0, ge=0)
     """GPUs reserved per task; fractions (0.25) let more tasks share a GPU. The built-in models
     run on the CPU: this is for user models that use a GPU."""
@@ -273,7 +280,7 @@ class RunnerSection(Section):
     """Ray actors that fit each global model together, each holding a part of the series; 0
     means one per task slot."""
     max_retries: int = Field(3, ge=0)
-    """Times Ray reruns a chunk whose worker process died."""
+    """Times a chunk whose worker process died runs again on a new one."""
 
 
 class TrackingSection(Section):

@@ -1,13 +1,14 @@
 """`shardwise many-models`: read the series, compute features, then backtest, select and forecast
-every series in chunks on Ray, persisting each chunk's results as it finishes.
+every series in chunks, on worker processes of this machine or on Ray (local_tasks.choose),
+persisting each chunk's results as it finishes.
 
 Main flow (`run`): `load_series` → `feature_files.write_features` (chunks of whole series, on disk
-in `<run_dir>/features/`) → one task per chunk (`ray_tasks.run_chunks` runs `chunk.run_chunk`
-with fractional CPUs/GPUs, retried when its worker dies; each chunk is read and put in Ray's object
-store as Arrow when it is submitted) → each finished chunk written atomically to the chunk store
-(`chunk_store.py`, `<run_dir>/chunks/`) → output tables from them, a few chunks at a time
-(`outputs.assemble`) → MLflow run, summary. `--resume` reuses the chunks already written and runs
-only the rest.
+in `<run_dir>/features/`) → one task per chunk (`chunk.run_chunk`, retried when its worker dies:
+`local_tasks.run_local` in worker processes of this machine, or `ray_tasks.run_chunks` with
+fractional CPUs/GPUs, each chunk put in Ray's object store as Arrow when it is submitted) → each
+finished chunk written atomically to the chunk store (`chunk_store.py`, `<run_dir>/chunks/`) →
+output tables from them, a few chunks at a time (`outputs.assemble`) → MLflow run, summary.
+`--resume` reuses the chunks already written and runs only the rest.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import math
 import shutil
 import sys
 import time
+from contextlib import nullcontext
+from typing import Any
 
 from rich.console import Console
 
@@ -40,8 +43,9 @@ from shardwise.manymodel.config import (
 )
 from shardwise.manymodel.context import ModelContext
 from shardwise.manymodel.data import SeriesTable, load_series
-from shardwise.manymodel.feature_files import write_features
+from shardwise.manymodel.feature_files import FeatureChunks, write_features
 from shardwise.manymodel.features import FeatureSpec
+from shardwise.manymodel.local_tasks import Backend, Pool, choose, describe, run_local
 from shardwise.manymodel.outputs import assemble, chosen_forecasts
 from shardwise.manymodel.ray_tasks import global_forecasts, run_chunks, start_ray, task_slots
 from shardwise.manymodel.summary import Summary, print_summary, start_tracking, summarise, track
@@ -62,6 +66,21 @@ def run(
         check_ray_address(
             config.runner.ray_address, f"runner.ray_address = '{config.runner.ray_address}'"
         )
+    backend = choose(config, any(model_global(config, n) for n in config.models.names), connected)
+    with Pool(config, backend.slots) if backend.name == "processes" else nullcontext() as pool:
+        return _run(config, (backend, pool), done, console, started)
+
+
+def _run(
+    config: ManyModelsConfig,
+    where: tuple[Backend, Pool | None],
+    done: set[int],
+    console: Console,
+    started: float,
+) -> Summary:
+    """`run`, once it knows where the models run (`where`: a `Pool` already starting)."""
+    run_dir = config.run_dir
+    backend = where[0]
     table = load_series(config)
     if table.skipped.height:
         console.print(
@@ -80,9 +99,9 @@ def run(
     saved_size = saved_chunk_size(run_dir, table.num_series, done)
     start_run_dir(run_dir, config)
     mlflow_run = start_tracking(config, run_dir)
-    ray, started_ray = start_ray(config)
+    ray, started_ray = start_ray(config) if backend.name == "ray" else (None, False)
     try:
-        slots = task_slots(ray, config)
+        slots = task_slots(ray, config) if ray is not None else backend.slots
         chunk_size = saved_size or choose_chunk_size(run_dir, config, table.num_series, slots)
         n_chunks = math.ceil(table.num_series / chunk_size)
         todo = [i for i in range(n_chunks) if i not in done]
@@ -104,13 +123,15 @@ def run(
             console.print(
                 f"resuming: {len(done)} of {n_chunks} chunks already done, {len(todo)} to run"
             )
+        console.print(describe(backend), highlight=False)
         train_started = time.perf_counter()
-        given = global_forecasts(ray, config, plan, features, todo, slots, console)
-        intervals = run_chunks(ray, config, plan, (features, given), todo, slots, done, console)
+        intervals = _run_models((ray, *where, slots), config, plan, (features, todo, done), console)
         train_seconds = time.perf_counter() - train_started
     finally:
-        if started_ray:
+        if started_ray and ray is not None:
             ray.shutdown()
+        if where[1] is not None:  # idle now: not held through the assembly
+            where[1].stop()
         shutil.rmtree(run_dir / "features", ignore_errors=True)  # scratch: big, and redone
     outputs, selection, calibration = assemble(config, table, n_chunks, chunk_size)
     # the chosen forecasts were streamed to their file: read back once, for what needs them
@@ -147,6 +168,24 @@ def run(
         summary.model_uri = _register(config, summary, list(table.columns.ids))
         console.print(f"mlflow model: {summary.model_uri}")
     return summary
+
+
+def _run_models(
+    where: tuple[Any, Backend, Pool | None, int],
+    config: ManyModelsConfig,
+    plan: Plan,
+    chunks: tuple[FeatureChunks, list[int], set[int]],
+    console: Console,
+) -> list[tuple[float, float]]:
+    """Run the chunks `todo` of `features` (`done`: those a resumed run has) where `where`
+    says: on Ray where it runs, in `slots` tasks at once, else as the backend says; each
+    chunk's start and end."""
+    ray, backend, pool, slots = where
+    features, todo, done = chunks
+    if ray is not None:
+        given = global_forecasts(ray, config, plan, features, todo, slots, console)
+        return run_chunks(ray, config, plan, (features, given), todo, slots, done, console)
+    return run_local(config, (backend, pool), plan, features, todo, done, console)
 
 
 def _register(config: ManyModelsConfig, summary: Summary, ids: list[str]) -> str:

@@ -1,0 +1,272 @@
+"""Running a many-models job's chunks on this machine without Ray: in worker processes of its
+own, or in this process where one worker would run every chunk anyway.
+
+Ray pays for a cluster, for global models (its actors fit them together) and for GPUs it shares
+out. On one machine it costs a local instance's start and stop (3.1 s and 1.4 s around a
+20-series job on 2 cores) and its own processes' time on the cores the tasks need: issue 57
+measured a 20-series job 2.5× slower than statsforecast alone. `choose` says which runs a job.
+
+Workers are spawned (the driver has polars' threads: a fork could copy a lock one of them holds)
+with one thread for each numeric library (`THREAD_ENV`), `runner.num_cpus` each: as many as the
+cores hold. Each takes one chunk at a time over a pipe, longest first, and sends its result
+back; the driver writes it to the chunk store as it arrives. A worker that dies (killed, out of
+memory, a model that exits) costs the chunk it ran an attempt: the chunk runs again on a new
+worker, up to `runner.max_retries` times, then its series fail (`lost_chunk`), as on Ray.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+import multiprocessing
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from rich.console import Console
+
+from shardwise.common.errors import ConfigError
+from shardwise.common.spawned import without_main_module
+from shardwise.manymodel.backtest import Plan
+from shardwise.manymodel.chunk import run_chunk
+from shardwise.manymodel.chunk_result import ChunkResult
+from shardwise.manymodel.chunk_tasks import (
+    THREAD_ENV,
+    Finished,
+    longest_first,
+    lost_chunk,
+    progress_of,
+)
+from shardwise.manymodel.config import ManyModelsConfig
+from shardwise.manymodel.feature_files import FeatureChunks
+from shardwise.manymodel.models import libraries
+
+STOP_S = 10.0
+"""How long a worker has to exit once told to, before it is terminated."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What runs a job's chunks, and why (the start line says both)."""
+
+    name: str
+    """`ray`, `processes` or `in-process`."""
+    slots: int
+    """Chunks run at once (for Ray: decided once it has started, `ray_tasks.task_slots`)."""
+    why: str
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def choose(config: ManyModelsConfig, global_models: bool, ray_running: bool) -> Backend:
+    """`runner.backend` resolved: "auto" takes Ray for a cluster (`runner.ray_address`), a Ray
+    the caller started, global models or GPUs, else this machine's processes (this process
+    where only one task fits on the cores)."""
+    runner = config.runner
+    needs = [
+        (runner.ray_address, f"runner.ray_address = '{runner.ray_address}'"),
+        (global_models, "global models fit on Ray's actors"),
+        (runner.num_gpus, "runner.num_gpus shares GPUs out through Ray"),
+    ]
+    reasons = [why for need, why in needs if need]  # what only Ray gives
+    preferred = [*reasons, *(["Ray already runs in this process"] if ray_running else [])]
+    if runner.backend == "ray" or (runner.backend == "auto" and preferred):
+        why = "runner.backend = 'ray'" if runner.backend == "ray" else preferred[0]
+        return Backend("ray", 0, why)
+    if reasons:  # runner.backend = "local", and something only Ray gives
+        raise ConfigError(
+            f"runner.backend = 'local' cannot run this job: {reasons[0]}; set runner.backend = "
+            "'auto' or 'ray'"
+        )
+    slots = max(1, math.floor(cores() / runner.num_cpus + 1e-9))
+    how = "runner.backend = 'local'" if runner.backend == "local" else "no Ray cluster, "
+    if runner.backend == "auto":
+        how += "global model or GPU asked for: Ray would cost its start and its processes' time"
+    if slots == 1:
+        return Backend("in-process", 1, f"{how}; one task at a time fits on {cores()} cores")
+    return Backend("processes", slots, how)
+
+
+def describe(backend: Backend) -> str:
+    """The start line's words for where the chunks run."""
+    where = {
+        "ray": "on Ray",
+        "processes": f"in {backend.slots} worker processes on this machine",
+        "in-process": "in this process",
+    }[backend.name]
+    return f"models run {where} ({backend.why})"
+
+
+def run_local(
+    config: ManyModelsConfig,
+    where: tuple[Backend, Pool | None],
+    plan: Plan,
+    features: FeatureChunks,
+    todo: list[int],
+    done: set[int],
+    console: Console,
+) -> list[tuple[float, float]]:
+    """Run the chunks `todo` as the backend says: on the `Pool` started for it, or in this
+    process; each chunk's start and end."""
+    backend, pool = where
+    queue = longest_first(features, todo)
+    with progress_of(config, features, todo, done, backend.slots, console) as finished:
+        if pool is None:
+            for index in queue:
+                result = run_chunk(features.read(index), plan)
+                finished.chunk(index, result, result.finished - result.started)
+        else:
+            pool.run(plan, features, queue, finished)
+    return finished.intervals
+
+
+@dataclass
+class _Worker:
+    process: Any
+    conn: Connection
+    index: int | None = None
+    """The chunk it runs (None: idle)."""
+    planned: bool = False
+    """Whether it has been sent the plan."""
+
+
+class Pool:
+    """Worker processes, each running one chunk at a time (module docstring). They start as
+    soon as the job is known to need them, before its data is read: each imports what the
+    models need (`models.libraries`) while the driver reads the data and plans, then waits for
+    the plan and its chunks. `stop` ends them (a `with` block does)."""
+
+    def __init__(self, config: ManyModelsConfig, slots: int) -> None:
+        self.slots = slots
+        self.retries = config.runner.max_retries
+        self._warm = libraries(config.models.names)
+        self._context = multiprocessing.get_context("spawn")
+        self._workers: list[_Worker] = []
+        self._ended = False
+
+    def __enter__(self) -> Pool:
+        with _environment(THREAD_ENV):
+            self._workers = [self._start() for _ in range(self.slots)]
+        return self
+
+    def __exit__(self, *failed: object) -> None:
+        self.stop(wait_s=STOP_S if failed[0] is None else 0.0)
+
+    def stop(self, wait_s: float = STOP_S) -> None:
+        """End the workers (`_stop`); again: nothing."""
+        _stop(self._workers, wait_s)
+        self._workers = []
+
+    def run(self, plan: Plan, features: FeatureChunks, queue: list[int], done: Finished) -> None:
+        """Run the chunks `queue` (in that order) of `features` by `plan`; each result to
+        `done` as it arrives."""
+        attempts: dict[int, int] = {}
+        workers = self._workers[: max(1, min(self.slots, len(queue)))]
+        while queue or any(w.index is not None for w in workers):
+            for worker in workers:
+                if worker.index is None and queue:
+                    if not worker.planned:
+                        worker.conn.send(plan)
+                        worker.planned = True
+                    worker.index = queue.pop(0)
+                    worker.conn.send((worker.index, features.read(worker.index)))
+            busy = [w for w in workers if w.index is not None]
+            wait([w.conn for w in busy] + [w.process.sentinel for w in busy])
+            for worker in busy:
+                index = worker.index
+                assert index is not None
+                result = _result(worker)
+                if result is not None:
+                    worker.index = None
+                    done.chunk(index, result, result.finished - result.started)
+                elif not worker.process.is_alive():  # died: its chunk again, or lost
+                    attempts[index] = attempts.get(index, 0) + 1
+                    if attempts[index] > self.retries:
+                        why = f"its worker exited with code {worker.process.exitcode}"
+                        series = features.series_of(index)
+                        done.chunk(index, lost_chunk(series, why, plan.levels), None)
+                    else:
+                        queue.insert(0, index)
+                    with _environment(THREAD_ENV):
+                        new = self._start()
+                    workers[workers.index(worker)] = new
+                    self._workers[self._workers.index(worker)] = new
+
+    def _start(self) -> _Worker:
+        ours, theirs = self._context.Pipe()
+        process = self._context.Process(
+            target=_serve, args=(theirs, self._warm), name="shardwise-chunks", daemon=True
+        )
+        with without_main_module():  # models are named by import path, never in __main__
+            process.start()
+        theirs.close()
+        return _Worker(process, ours)
+
+
+def _result(worker: _Worker) -> ChunkResult | None:
+    """The worker's result where it has sent one (None: still running, or dead)."""
+    try:
+        if not worker.conn.poll():
+            return None
+        index, result = worker.conn.recv()
+    except (EOFError, OSError):  # the worker died
+        return None
+    assert index == worker.index
+    return result  # type: ignore[no-any-return]
+
+
+def _serve(conn: Connection, warm: list[str]) -> None:
+    """A worker: import `warm`, take the plan, then run each chunk it is sent and send back
+    its result; stop at None or EOF."""
+    for module in warm:
+        with contextlib.suppress(Exception):  # building the model says what is wrong
+            importlib.import_module(module)
+    plan: Plan | None = None
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            return
+        if job is None:
+            return
+        if isinstance(job, Plan):
+            plan = job
+            continue
+        assert plan is not None, "the plan comes before the chunks"
+        index, rows = job
+        conn.send((index, run_chunk(rows, plan)))
+
+
+def _stop(workers: list[_Worker], wait_s: float) -> None:
+    """Tell every worker to stop, then terminate those that have not within `wait_s` (0: a
+    run that failed or was interrupted, whose workers may be mid-chunk)."""
+    for worker in workers:
+        with contextlib.suppress(OSError):
+            worker.conn.send(None)
+    for worker in workers:
+        worker.process.join(wait_s)
+        if worker.process.is_alive():
+            worker.process.terminate()
+            worker.process.join()
+        worker.conn.close()
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """`values` in os.environ while workers start (they take the environment at start)."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

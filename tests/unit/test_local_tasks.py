@@ -1,0 +1,64 @@
+"""Where a many-models job's chunks run (issue 57 point 6): `runner.backend` resolved, and a
+script without a `__main__` guard that calls the Python API runs its job once."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from shardwise.common.errors import ConfigError
+from shardwise.common.job_files import validate_as
+from shardwise.manymodel.config import ManyModelsConfig
+from shardwise.manymodel.local_tasks import choose, cores, describe
+
+
+def config(**runner) -> ManyModelsConfig:
+    return validate_as(ManyModelsConfig, {"runner": runner})
+
+
+@pytest.mark.parametrize(
+    ("runner", "global_models", "ray_running", "name", "why"),
+    [
+        ({}, False, False, "processes", "no Ray cluster, global model or GPU asked for"),
+        ({"num_cpus": 64}, False, False, "in-process", "one task at a time fits"),
+        ({"ray_address": "auto"}, False, False, "ray", "runner.ray_address = 'auto'"),
+        ({}, True, False, "ray", "global models fit on Ray's actors"),
+        ({"num_gpus": 0.5}, False, False, "ray", "runner.num_gpus shares GPUs"),
+        ({}, False, True, "ray", "Ray already runs in this process"),
+        ({"backend": "local"}, False, True, "processes", "runner.backend = 'local'"),
+        ({"backend": "ray"}, False, False, "ray", "runner.backend = 'ray'"),
+    ],
+)
+def test_auto_takes_ray_only_where_it_pays(runner, global_models, ray_running, name, why):
+    backend = choose(config(**runner), global_models, ray_running)
+    assert backend.name == name and why in backend.why
+    assert why in describe(backend)
+    if name == "processes":
+        assert backend.slots == cores() // int(runner.get("num_cpus", 1))
+
+
+def test_local_refuses_what_only_ray_gives():
+    with pytest.raises(ConfigError, match=r"runner\.backend = 'local' cannot run this job: global"):
+        choose(config(backend="local"), True, False)
+
+
+def test_a_script_without_a_main_guard_runs_its_job_once(tmp_path):
+    """spawn imports the caller's `__main__` in each worker: without the guard every worker would
+    start the job again (common/spawned.py keeps it out)."""
+    script = tmp_path / "forecast.py"
+    script.write_text(
+        "import shardwise\n"
+        "print('script ran', flush=True)\n"
+        "jobs = shardwise.load_many_models('examples/us-employment-stats.toml', [\n"
+        f"    'job.run_dir={tmp_path / 'run'}', 'data.num_series=4', 'tracking.mlflow=true',\n"
+        "    'models.names=[\"seasonal_naive\"]', 'backtest.levels=[]', 'runner.chunk_size=1'])\n"
+        "print(shardwise.many_models(jobs).completed)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["script ran", "4"]
+    assert "models run in" in done.stderr
