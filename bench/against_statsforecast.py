@@ -1,0 +1,151 @@
+"""A many-models job against statsforecast alone, for the same work on the same cores: 20, 500 and
+10,000 monthly series by default, each size in the same run, interleaved, ratios printed.
+
+The series (60 months: trend, yearly season, noise; seeded) are written once per size to a
+Parquet file both read. shardwise runs `shardwise many-models` on it as a user does (its start
+line says where the models ran: worker processes or Ray, `runner.backend`), with the same models,
+horizon (12) and windows (3, 12 apart, each model fitted again on every one) and its defaults
+for the rest. statsforecast runs `cross_validation` of the same models with `n_jobs` = the cores
+and then `forecast`: what its user runs for the same outputs. Each side is a fresh process timed
+from start to exit, imports included: both are what a user waits for.
+
+    python bench/against_statsforecast.py                          # about 25 minutes on 2 cores
+    python bench/against_statsforecast.py --series 20,500 --repeats 3
+    python bench/against_statsforecast.py --models seasonal_naive,auto_ets,auto_theta,mstl
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+BIN = Path(sys.executable).parent
+MONTHS, HORIZON, WINDOWS = 60, 12, 3
+STATSFORECAST = {
+    "seasonal_naive": "SeasonalNaive(season_length=12)",
+    "auto_ets": "AutoETS(season_length=12)",
+    "auto_theta": "AutoTheta(season_length=12)",
+    "auto_arima": "AutoARIMA(season_length=12)",
+    "mstl": "MSTL(season_length=12)",
+}
+BASELINE = """
+import os, sys
+import pandas as pd
+from statsforecast import StatsForecast
+from statsforecast.models import AutoARIMA, AutoETS, AutoTheta, MSTL, SeasonalNaive
+
+frame = pd.read_parquet(sys.argv[1])
+sf = StatsForecast(models=[{models}], freq="MS", n_jobs={cores})
+sf.cross_validation(df=frame, h={horizon}, n_windows={windows}, step_size={horizon}, refit=True)
+sf.forecast(df=frame, h={horizon})
+"""
+
+
+def write_series(path: Path, count: int) -> None:
+    rng = np.random.default_rng(count)
+    month = np.arange(MONTHS)
+    level = rng.uniform(50, 500, (count, 1))
+    trend = rng.normal(0, 0.5, (count, 1)) * month
+    season = rng.uniform(0, 0.3, (count, 1)) * level * np.sin(2 * np.pi * month / 12)
+    noise = rng.normal(0, 1, (count, MONTHS)) * level * 0.05
+    values = level + trend + season + noise
+    dates = pl.date_range(pl.date(2015, 1, 1), pl.date(2019, 12, 1), "1mo", eager=True)
+    pl.DataFrame(
+        {
+            "unique_id": np.repeat([f"s{i:05d}" for i in range(count)], MONTHS),
+            "ds": np.tile(dates.to_numpy(), count),
+            "y": values.reshape(-1),
+        }
+    ).with_columns(pl.col("ds").cast(pl.Datetime("ns"))).write_parquet(path)
+
+
+def job_file(directory: Path, data: Path, models: list[str]) -> Path:
+    path = directory / "job.toml"
+    path.write_text(
+        f"""[job]
+name = "against-statsforecast"
+
+[data]
+source = "{data}"
+id_columns = ["unique_id"]
+timestamp = "ds"
+target = "y"
+
+[models]
+names = {models!r}
+
+[backtest]
+horizon = {HORIZON}
+n_windows = {WINDOWS}
+"""
+    )
+    return path
+
+
+def timed(command: list[str], env: dict[str, str]) -> tuple[float, str]:
+    began = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    seconds = time.perf_counter() - began
+    if done.returncode:
+        raise SystemExit(f"{command[:3]} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    return seconds, done.stdout + done.stderr
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--series", default="20,500,10000")
+    parser.add_argument("--models", default="seasonal_naive,auto_ets,auto_theta")
+    parser.add_argument("--repeats", type=int, default=1)
+    args = parser.parse_args()
+    models = args.models.split(",")
+    cores = len(os.sched_getaffinity(0))
+    env = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
+    print(f"{cores} cores; models {', '.join(models)}; horizon {HORIZON}, {WINDOWS} windows")
+    baseline = BASELINE.format(
+        models=", ".join(STATSFORECAST[m] for m in models),
+        cores=cores,
+        horizon=HORIZON,
+        windows=WINDOWS,
+    )
+    rows = []
+    for count in (int(s) for s in args.series.split(",")):
+        with tempfile.TemporaryDirectory() as temp:
+            directory = Path(temp)
+            data = directory / "series.parquet"
+            write_series(data, count)
+            job = job_file(directory, data, models)
+            times: dict[str, list[float]] = {"shardwise": [], "statsforecast": []}
+            where = ""
+            for _ in range(args.repeats):
+                run_dir = directory / f"run-{len(times['shardwise'])}"  # a fresh run each time
+                command = [str(BIN / "shardwise"), "many-models", str(job)]
+                seconds, out = timed([*command, "--set", f"job.run_dir={run_dir}"], env)
+                times["shardwise"].append(seconds)
+                where = next((ln for ln in out.splitlines() if "models run" in ln), where)
+                seconds, _ = timed([sys.executable, "-c", baseline, str(data)], env)
+                times["statsforecast"].append(seconds)
+            ours, theirs = (statistics.median(times[k]) for k in ("shardwise", "statsforecast"))
+            print(
+                f"{count:>6} series: shardwise {ours:7.1f} s {times['shardwise']}, statsforecast "
+                f"{theirs:7.1f} s {times['statsforecast']}: {theirs / ours:.2f}x "
+                f"(> 1: shardwise faster)\n        {where.strip()}",
+                flush=True,
+            )
+            rows.append((count, ours, theirs))
+    print("\n| series | shardwise | statsforecast (CV + forecast) | statsforecast / shardwise |")
+    print("|---|---|---|---|")
+    for count, ours, theirs in rows:
+        print(f"| {count:,} | {ours:.1f} s | {theirs:.1f} s | {theirs / ours:.2f}× |")
+
+
+if __name__ == "__main__":
+    main()
