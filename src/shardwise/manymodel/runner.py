@@ -34,6 +34,7 @@ from shardwise.manymodel.chunk_store import (
 )
 from shardwise.manymodel.chunk_tasks import peak_concurrency
 from shardwise.manymodel.config import (
+    BUILTIN_MODELS,
     BUILTIN_SOURCES,
     ManyModelsConfig,
     model_differenced,
@@ -226,11 +227,14 @@ def make_plan(config: ManyModelsConfig, table: SeriesTable, spec: FeatureSpec) -
         (model_label(name), name, dict(config.models.args.get(model_label(name), {})))
         for name in config.models.names
     )
-    # Build each model once here: a bad name or argument fails before any task starts.
+    # Build each model once here: a bad name or argument fails before any task starts. A
+    # built-in without arguments has nothing to check: building it would only import its
+    # library here (statsforecast: a second of CPU the workers need, as they import it too).
     from shardwise.manymodel.models import build
 
     for _, name, args in models:
-        build(name, args, context)
+        if args or name not in BUILTIN_MODELS:
+            build(name, args, context)
     return Plan(
         columns=table.columns,
         context=context,
