@@ -4,11 +4,15 @@ CPUs observed, MLflow run contents, and the same outputs whichever runs the job 
 
 from __future__ import annotations
 
+import json
+
 import polars as pl
+import pyarrow.parquet as pq
 import pytest
 
 from shardwise.common.job_files import validate_as
 from shardwise.manymodel.config import ManyModelsConfig
+from shardwise.manymodel.intervals import METADATA_KEY
 from shardwise.manymodel.runner import run
 
 pytestmark = pytest.mark.slow
@@ -45,7 +49,9 @@ def job(tmp_path, **sections) -> ManyModelsConfig:
 
 
 def test_real_subset_best_beats_seasonal_naive_and_is_tracked(backend, ray_cluster, tmp_path):
-    config = job(tmp_path, tracking={"mlflow": True}, runner={"backend": backend})
+    config = job(
+        tmp_path, tracking={"mlflow": True}, runner={"backend": backend}, backtest={"levels": [80]}
+    )
     summary = run(config)
     run_dir = tmp_path / "run"
     metrics = pl.read_parquet(run_dir / "backtest_metrics.parquet")
@@ -73,6 +79,14 @@ def test_real_subset_best_beats_seasonal_naive_and_is_tracked(backend, ray_clust
     assert "seasonal_naive/win_share" in record.data.metrics
     held_out = summary.selection.held_out["per_series"]["mase"]
     assert record.data.metrics["held_out/per_series_mase"] == pytest.approx(held_out)
+    # the coverage's own interval over the held-out window's 12 time steps (issue 57)
+    assert record.data.metrics["intervals/coverage_80_time_steps"] == 12
+    low, high = (record.data.metrics[f"intervals/coverage_80_{k}"] for k in ("low", "high"))
+    assert low <= record.data.metrics["intervals/coverage_80"] <= high
+    shown = json.loads(
+        pq.read_schema(run_dir / "forecasts.parquet").metadata[METADATA_KEY.encode()]
+    )
+    assert shown["80"]["coverage_80_low"] == pytest.approx(low)
     artifacts = {a.path for a in client.list_artifacts(summary.mlflow_run_id)}
     tables = ("forecasts", "best_models", "backtest_metrics", "backtest_forecasts")
     assert {f"{name}.parquet" for name in tables} <= artifacts
