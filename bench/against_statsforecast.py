@@ -12,6 +12,7 @@ from start to exit, imports included: both are what a user waits for.
     python bench/against_statsforecast.py                          # about 25 minutes on 2 cores
     python bench/against_statsforecast.py --series 20,500 --repeats 3
     python bench/against_statsforecast.py --models seasonal_naive,auto_ets,auto_theta,mstl
+    python bench/against_statsforecast.py --series 20 --backend ray   # as before issue 57
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ def main() -> None:
     parser.add_argument("--series", default="20,500,10000")
     parser.add_argument("--models", default="seasonal_naive,auto_ets,auto_theta")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--backend", default="auto", help="shardwise's runner.backend")
     args = parser.parse_args()
     models = args.models.split(",")
     cores = len(os.sched_getaffinity(0))
@@ -128,7 +130,13 @@ def main() -> None:
             for _ in range(args.repeats):
                 run_dir = directory / f"run-{len(times['shardwise'])}"  # a fresh run each time
                 command = [str(BIN / "shardwise"), "many-models", str(job)]
-                seconds, out = timed([*command, "--set", f"job.run_dir={run_dir}"], env)
+                sets = [
+                    "--set",
+                    f"job.run_dir={run_dir}",
+                    "--set",
+                    f"runner.backend={args.backend}",
+                ]
+                seconds, out = timed([*command, *sets], env)
                 times["shardwise"].append(seconds)
                 where = next((ln for ln in out.splitlines() if "models run" in ln), where)
                 seconds, _ = timed([sys.executable, "-c", baseline, str(data)], env)

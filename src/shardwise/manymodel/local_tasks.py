@@ -21,13 +21,13 @@ import importlib
 import math
 import multiprocessing
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from rich.console import Console
 
+from shardwise.common.environment import environment
 from shardwise.common.errors import ConfigError
 from shardwise.common.spawned import without_main_module
 from shardwise.manymodel.backtest import Plan
@@ -151,7 +151,7 @@ class Pool:
         self._ended = False
 
     def __enter__(self) -> Pool:
-        with _environment(THREAD_ENV):
+        with environment(THREAD_ENV):
             self._workers = [self._start() for _ in range(self.slots)]
         return self
 
@@ -193,7 +193,7 @@ class Pool:
                         done.chunk(index, lost_chunk(series, why, plan.levels), None)
                     else:
                         queue.insert(0, index)
-                    with _environment(THREAD_ENV):
+                    with environment(THREAD_ENV):
                         new = self._start()
                     workers[workers.index(worker)] = new
                     self._workers[self._workers.index(worker)] = new
@@ -255,18 +255,3 @@ def _stop(workers: list[_Worker], wait_s: float) -> None:
             worker.process.terminate()
             worker.process.join()
         worker.conn.close()
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """`values` in os.environ while workers start (they take the environment at start)."""
-    before = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
