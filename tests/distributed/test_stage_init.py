@@ -5,7 +5,7 @@ device. And a buffer its model computes in `__init__` (a rotary embedding's freq
 initialiser sets) holds that value, as in a model built in full.
 
 The values must be bitwise equal: each module is initialised on its own, from a generator seeded
-by its name, whatever the layout (parallel/init.py)."""
+by its name, whatever the layout (parallel/meta_init.py)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from shardwise.common.errors import ConfigError
 from shardwise.models.gpt import build_gpt
 from shardwise.training.config.derive import derive
 from shardwise.training.parallel.checks import check_layout
-from shardwise.training.parallel.init import materialize, supports_meta_init
+from shardwise.training.parallel.meta_init import materialize, supports_meta_init
 from shardwise.training.parallel.pipeline import (
     balance,
     explicit_split,
@@ -421,7 +421,7 @@ def test_a_hugging_face_model_initialises_on_the_meta_device_with_its_own_scheme
     calling init_weights(module)): every module by Hugging Face's `_init_weights`, then its
     parents' (GPT-2's scaled residual projections), tied embeddings tied."""
     from shardwise.training import builders
-    from shardwise.training.parallel.init import initializer
+    from shardwise.training.parallel.meta_init import initializer
 
     args = {"n_layer": 4, "n_embd": 256, "n_head": 4}
     config = gpt_job(
@@ -471,7 +471,7 @@ def test_train_compile_says_whether_it_compiles_the_model_whole_or_block_by_bloc
     them; the start-up line says which, and names a backend other than inductor."""
     from shardwise.training import builders
     from shardwise.training.parallel.apply import data_parallel_wrapper, describe
-    from shardwise.training.parallel.compile import whole_model
+    from shardwise.training.parallel.compilation import whole_model
     from shardwise.training.parallel.pipeline import model_blocks
 
     parallel = dict(parallel)
@@ -495,7 +495,7 @@ def test_train_compile_says_whether_it_compiles_the_model_whole_or_block_by_bloc
 
 
 def test_a_users_loss_is_said_to_run_outside_the_compiled_graphs():
-    from shardwise.training.parallel.compile import describe_loss
+    from shardwise.training.parallel.compilation import describe_loss
 
     mine = describe_loss("mine:loss", compiled="whole", one_graph=True, builtin=False)
     assert (

@@ -6,7 +6,7 @@
 - Separate query, key and value projections, so tensor parallelism can split them by heads
   (`tp_plan`).
 - `init_weights(module)`: GPT-2's initialisation, one module at a time, so the model can be built
-  on the meta device and each rank initialise only its shard (parallel/init.py).
+  on the meta device and each rank initialise only its shard (parallel/meta_init.py).
 """
 
 from __future__ import annotations

@@ -131,7 +131,7 @@ def load_weights(parts: list[nn.Module], path: str) -> None:
     (its shard of every DTensor), by the user's names whatever the wrapper."""
     from safetensors import safe_open
 
-    from shardwise.training.parallel.init import copy_slice
+    from shardwise.training.parallel.meta_init import copy_slice
     from shardwise.training.parallel.ties import clean_name
 
     with safe_open(path, framework="pt") as f, torch.no_grad():

@@ -136,7 +136,7 @@ class TrainSection(Section):
     fp32): `auto` is bf16 on a GPU that supports it, and on a CPU where bf16 matrix multiplies
     run at least as fast as fp32's (measured at start); the choice is printed and saved."""
     compile: bool = False
-    """torch.compile each block's forward (parallel/compile.py); composes with every layout.
+    """torch.compile each block's forward (parallel/compilation.py); composes with every layout.
     The first step compiles (its time is reported as compile/seconds, apart from step times)."""
     compile_backend: str = Field("inductor", min_length=1)
     """`train.compile`'s backend, by torch.compile's name for it: `inductor` generates fused

@@ -8,7 +8,7 @@ The transforms apply in a fixed order, each to what the previous one produced:
 3. activation checkpointing: wraps whole blocks, which may now hold DTensor parameters; then
    `compile` compiles each block's own forward inside its wrapper where a wrapper needs the
    blocks (FSDP2, pipeline stages, tensor parallelism, checkpointing); elsewhere the trainer
-   compiles the whole model (parallel/compile.py);
+   compiles the whole model (parallel/compilation.py);
 4. data parallel, last, so its gradient hooks cover every parameter of the final module tree:
    FSDP2 `fully_shard` per block and then the root (ZeRO-3, or ZeRO-2 with
    `reshard_after_forward = false`; HSDP when both data-parallel axes are > 1), FSDP2's
@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 from shardwise.models import hf
 from shardwise.training.config.derive import Derived
 from shardwise.training.config.schema import ParallelSection
-from shardwise.training.parallel.compile import apply_compile, whole_model
+from shardwise.training.parallel.compilation import apply_compile, whole_model
 from shardwise.training.parallel.norms import statistics_apart
 from shardwise.training.parallel.pipeline import (
     Pipeline,

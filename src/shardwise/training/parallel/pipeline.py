@@ -232,7 +232,7 @@ def measure_block_costs(
     every rank so that all of them split the model the same way."""
     costs: list[Any] = [None]
     if dist.get_rank() == 0:
-        from shardwise.training.parallel.init import materialize
+        from shardwise.training.parallel.meta_init import materialize
 
         model = copy.deepcopy(template)
         # times only: a parameter nothing initialises (under model.init = 'full') is no matter

@@ -34,10 +34,10 @@ from shardwise.training.data.stream.source import (
     data_problem,
 )
 from shardwise.training.data.stream.table import Stream, TableSource
-from shardwise.training.parallel import compile
+from shardwise.training.parallel import compilation
 from shardwise.training.parallel.apply import Layout, parallelize, unwrap
-from shardwise.training.parallel.init import initializer, materialize, supports_meta_init
 from shardwise.training.parallel.mesh import build_mesh, dp_group, dp_position, pp_group
+from shardwise.training.parallel.meta_init import initializer, materialize, supports_meta_init
 from shardwise.training.parallel.pipeline import example_batch, measure_block_costs
 from shardwise.training.trainer import flops, precision
 from shardwise.training.trainer import state as train_state
@@ -68,14 +68,14 @@ def build_run(
     if layout.compiled:
         one_graph = layout.wrapper == "none"
         layout.applied.append(
-            compile.describe_loss(
+            compilation.describe_loss(
                 config.train.loss, compiled=layout.compiled, one_graph=one_graph, builtin=builtin
             )
         )
     utilisation = _utilisation(config, derived, layout, loss_fn, train_set, device)
     config, saving = _checkpoint_mode(config, layout, device)
     if layout.pipeline is not None:
-        stage_loss = compile.compiled_loss(
+        stage_loss = compilation.compiled_loss(
             loss_fn, builtin=builtin and bool(layout.compiled), backend=layout.backend
         )
         layout.pipeline.start(stage_loss, device)
@@ -99,7 +99,7 @@ def build_run(
         device=device,
         layout=layout,
         loss_fn=loss_fn,
-        forward_loss=compile.forward_loss(
+        forward_loss=compilation.forward_loss(
             layout.parts[0],
             loss_fn,
             compiled=layout.compiled,

@@ -22,7 +22,7 @@ from shardwise.training.config.schema import JobConfig
 from shardwise.training.fault.health import RankHealth
 from shardwise.training.fault.inject import FaultPlan
 from shardwise.training.fault.watchdog import Watchdog
-from shardwise.training.parallel import compile
+from shardwise.training.parallel import compilation
 from shardwise.training.trainer import display, flops
 from shardwise.training.trainer.build import build_run
 from shardwise.training.trainer.memory import current_bytes
@@ -122,7 +122,7 @@ class Loop:
     first_step_s: float = 0.0
     step_seconds: float = 0.0
     """Time spent in training steps after the first (for the measured pipeline bubble)."""
-    compiled: compile.CompileWatch = field(default_factory=compile.CompileWatch)
+    compiled: compilation.CompileWatch = field(default_factory=compilation.CompileWatch)
     """What torch.compile compiled in this run (train.compile)."""
     mfu_flagged: bool = False
     summary: TrainSummary | None = None

@@ -29,7 +29,7 @@ from shardwise.training.config.schema import JobConfig
 from shardwise.training.data.sampling import Loader
 from shardwise.training.fault.inject import FaultPlan
 from shardwise.training.parallel.apply import Layout
-from shardwise.training.parallel.compile import ForwardLoss, eager
+from shardwise.training.parallel.compilation import ForwardLoss, eager
 from shardwise.training.parallel.pipeline import pipeline_forward
 from shardwise.training.trainer.flops import Utilisation
 from shardwise.training.trainer.nonfinite import NonFiniteGuard
@@ -47,7 +47,7 @@ class Run:
     layout: Layout
     loss_fn: builders.LossFn
     forward_loss: ForwardLoss
-    """One micro-batch's forward and loss (compiled under train.compile: parallel/compile.py)."""
+    """One micro-batch's forward and loss (compiled under train.compile: compilation.py)."""
     optimizers: list[torch.optim.Optimizer]
     schedulers: list[torch.optim.lr_scheduler.LambdaLR]
     scaler: torch.amp.GradScaler
