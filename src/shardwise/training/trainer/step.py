@@ -70,9 +70,9 @@ class Run:
     utilisation: Utilisation | str | None = None
     """FLOPs per step and the measured peak, for MFU (trainer/flops.py); or why there is none."""
     notes: list[str] = field(default_factory=list)
+    """Lines for the start of the run (what `train.precision = "auto"` chose, and why)."""
     inputs: list[dict[str, Any]] = field(default_factory=list)
     """The streamed tables the run reads, as recorded in MLflow (`Tracker.log_input`)."""
-    """Lines for the start of the run (what `train.precision = "auto"` chose, and why)."""
     _params: list[nn.Parameter] | None = field(default=None, init=False, repr=False)
     _norm_plan: NormPlan | None = field(default=None, init=False, repr=False)
 
