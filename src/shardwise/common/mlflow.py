@@ -149,7 +149,7 @@ def _serve(requests: Any, replies: Any, settings: tuple[Any, ...]) -> None:
     replies.close()
     replies.join_thread()  # every reply written to the pipe
     # Nothing is left to do: skip the interpreter's shutdown, where joining MLflow's telemetry
-    # thread kept a closed run's process alive 0.75 s more (a small job waited on it).
+    # thread kept a closed run's process alive, and the job that closed it waiting.
     os._exit(0)
 
 

@@ -2,9 +2,9 @@
 own, or in this process where one worker would run every chunk anyway.
 
 Ray pays for a cluster, for global models (its actors fit them together) and for GPUs it shares
-out. On one machine it costs a local instance's start and stop (3.1 s and 1.4 s around a
-20-series job on 2 cores) and its own processes' time on the cores the tasks need: issue 57
-measured a 20-series job 2.5× slower than statsforecast alone. `choose` says which runs a job.
+out. On one machine it costs a local instance's start and stop and its own processes' time on the
+cores the tasks need, which a small job feels (docs/benchmarks.md, against statsforecast).
+`choose` says which runs a job.
 
 Workers are spawned (the driver has polars' threads: a fork could copy a lock one of them holds)
 with one thread for each numeric library (`THREAD_ENV`), `runner.num_cpus` each: as many as the
