@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from shardwise import __version__
+from shardwise.common.arguments import add_debug, add_overrides
 from shardwise.common.console import one_line_warnings
 from shardwise.common.errors import ConfigError
 from shardwise.common.redact import redacting_output
@@ -31,7 +32,58 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="shardwise", description="Distributed training for PyTorch.")
     parser.add_argument("--version", action="version", version=f"shardwise {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    train = commands.add_parser("train", help="train a model from a job file")
+    _train_arguments(commands.add_parser("train", help="train a model from a job file"))
+    _many_models_arguments(
+        commands.add_parser(
+            "many-models",
+            help="backtest, select and forecast a model per series, thousands at once",
+        )
+    )
+    from shardwise.plan.command import add_arguments as plan_arguments
+
+    plan_arguments(
+        commands.add_parser(
+            "plan",
+            help="which layout fits, how fast a step runs, how long the run takes",
+            description="Plan a training run: memory per device and time per step for every "
+            "layout, ranked; the whole run's time and the speedup over one device.",
+        )
+    )
+    _export_arguments(
+        commands.add_parser(
+            "export",
+            help="write a checkpoint's model as one safetensors file, or log it to MLflow's "
+            "Model Registry, from any layout",
+        )
+    )
+    from shardwise.training.launch.command import add_arguments as launch_arguments
+
+    launch_arguments(
+        commands.add_parser(
+            "launch",
+            help="run a job file on a cluster: Slurm, Kubernetes (Kubeflow), Ray or Spark",
+            description="Take the same job file to a cluster: slurm writes an sbatch script "
+            "that starts one shardwise agent per node, resumes after preemption and requeues "
+            "(--submit submits it); k8s prints a Kubeflow TrainJob or PyTorchJob with its "
+            "ConfigMap (--apply creates them); ray and spark run the job's ranks as Ray actors "
+            "or Spark barrier tasks from this process. --dry-run prints what would be "
+            "submitted.",
+        )
+    )
+    report = commands.add_parser(
+        "report",
+        help="write a training run's report: one HTML page with its charts",
+        description="Loss and evaluation, throughput and MFU, memory per rank, pipeline "
+        "bubble, where step time goes, and restarts, skipped steps and stragglers, from a "
+        "run's own files (written at the end of every run too).",
+    )
+    report.add_argument("run_dir", help="the run's directory (job.run_dir)")
+    report.add_argument("--out", help="where to write report.html and the PNGs (RUN_DIR/report)")
+    add_debug(report)
+    return parser
+
+
+def _train_arguments(train: argparse.ArgumentParser) -> None:
     train.add_argument("job", help="the job's TOML file")
     train.add_argument(
         "--nproc",
@@ -60,14 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ADDR",
         help="with --nnodes: this node's address as the others reach it (default: from its name)",
     )
-    train.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a job-file value, e.g. --set train.lr=3e-4 (repeatable)",
-    )
+    add_overrides(train, "train.lr=3e-4")
     train.add_argument(
         "--resume",
         default="never",
@@ -80,20 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the mesh, which blocks each rank holds and per-rank memory, without training",
     )
-    train.add_argument("--debug", action="store_true", help="show tracebacks for every error")
-    many = commands.add_parser(
-        "many-models",
-        help="backtest, select and forecast a model per series, thousands at once, on Ray",
-    )
+    add_debug(train)
+
+
+def _many_models_arguments(many: argparse.ArgumentParser) -> None:
     many.add_argument("job", help="the job's TOML file")
-    many.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a job-file value, e.g. --set data.num_series=10000 (repeatable)",
-    )
+    add_overrides(many, "data.num_series=10000")
     many.add_argument(
         "--resume", action="store_true", help="keep finished chunks, run only the others"
     )
@@ -109,21 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     many.add_argument(
         "--plot", action="store_true", help="draw plots of the forecasts (sets tracking.plots)"
     )
-    many.add_argument("--debug", action="store_true", help="show tracebacks for every error")
-    plan = commands.add_parser(
-        "plan",
-        help="which layout fits, how fast a step runs, how long the run takes",
-        description="Plan a training run: memory per device and time per step for every "
-        "layout, ranked; the whole run's time and the speedup over one device.",
-    )
-    from shardwise.plan.command import add_arguments
+    add_debug(many)
 
-    add_arguments(plan)
-    export = commands.add_parser(
-        "export",
-        help="write a checkpoint's model as one safetensors file, or log it to MLflow's Model "
-        "Registry, from any layout",
-    )
+
+def _export_arguments(export: argparse.ArgumentParser) -> None:
     export.add_argument(
         "checkpoint", help="a checkpoint directory or URL (…/checkpoints/step_NNNNNNNN)"
     )
@@ -140,30 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --mlflow: the MLflow tracking and registry URI (default: MLFLOW_TRACKING_URI, "
         "else the job's tracking.uri or its run's store)",
     )
-    export.add_argument("--debug", action="store_true", help="show tracebacks for every error")
-    launch = commands.add_parser(
-        "launch",
-        help="run a job file on a cluster: Slurm, Kubernetes (Kubeflow), Ray or Spark",
-        description="Take the same job file to a cluster: slurm writes an sbatch script that "
-        "starts one shardwise agent per node, resumes after preemption and requeues (--submit "
-        "submits it); k8s prints a Kubeflow TrainJob or PyTorchJob with its ConfigMap "
-        "(--apply creates them); ray and spark run the job's ranks as Ray actors or Spark "
-        "barrier tasks from this process. --dry-run prints what would be submitted.",
-    )
-    from shardwise.training.launch.command import add_arguments as launch_arguments
-
-    launch_arguments(launch)
-    report = commands.add_parser(
-        "report",
-        help="write a training run's report: one HTML page with its charts",
-        description="Loss and evaluation, throughput and MFU, memory per rank, pipeline "
-        "bubble, where step time goes, and restarts, skipped steps and stragglers, from a "
-        "run's own files (written at the end of every run too).",
-    )
-    report.add_argument("run_dir", help="the run's directory (job.run_dir)")
-    report.add_argument("--out", help="where to write report.html and the PNGs (RUN_DIR/report)")
-    report.add_argument("--debug", action="store_true", help="show tracebacks for every error")
-    return parser
+    add_debug(export)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -298,7 +301,7 @@ def entry() -> None:  # pragma: no cover - the console script
 
 def owned_process() -> None:
     """This process is a `shardwise` command's own (the console script, `python -m shardwise`),
-    not a caller's: its launcher may fork the ranks' server from itself (forkserver.py)."""
+    not a caller's: its launcher may fork the ranks' server from itself (launch/forkserver/)."""
     from shardwise.training.launch.forkserver import fork_servers_from_this_process
 
     fork_servers_from_this_process()

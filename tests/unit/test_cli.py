@@ -157,3 +157,14 @@ def test_impossible_layouts_exit_2_before_launch(repo_cwd, tmp_path, capsys, arg
     assert code == 2
     assert err.startswith("shardwise: error: ") and err.count("\n") == 1
     assert message in err
+
+
+@pytest.mark.parametrize("command", ["train", "many-models", "plan", "export", "launch", "report"])
+def test_every_commands_help_prints(command, capsys):
+    """`shardwise launch --help` raised ValueError: a '%' in a help text is a format character
+    to argparse."""
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: shardwise {command}") and "--debug" in out

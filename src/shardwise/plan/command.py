@@ -9,6 +9,7 @@ import sys
 from dataclasses import asdict, replace
 from typing import Any
 
+from shardwise.common.arguments import add_debug
 from shardwise.common.errors import ConfigError
 from shardwise.plan import hardware as hw
 from shardwise.plan.bounds import Bound, one_of
@@ -138,7 +139,7 @@ def add_arguments(plan: argparse.ArgumentParser) -> None:
     out.add_argument(
         "--calibrate", action="store_true", help="measure this machine and save its profile"
     )
-    out.add_argument("--debug", action="store_true", help="show tracebacks for every error")
+    add_debug(out)
 
 
 def _number(group: Any, flag: str, **kwargs: Any) -> None:

@@ -9,6 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from shardwise.common.arguments import add_debug, add_overrides
 from shardwise.common.errors import ConfigError
 from shardwise.training.config.load import load_config
 from shardwise.training.launch.targets import Target, check_storage, check_target, unshared
@@ -27,14 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ranks.add_argument(
         "--nproc-per-node", type=int, metavar="P", help="ranks per node on CPUs (default 1)"
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a job-file value (repeatable); passed to every node",
-    )
+    add_overrides(parser, "train.steps=1000", "; passed to every node")
     parser.add_argument(
         "--shared-storage",
         action="store_true",
@@ -108,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     slurm.add_argument(
         "--port",
         type=int,
-        help="rendezvous port on the first node (default 20000 + job id % 20000)",
+        help="rendezvous port on the first node (default 20000 + job id %% 20000)",
     )
     slurm.add_argument(
         "--signal-seconds",
@@ -117,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="SIGTERM this long before the time limit, to save and requeue (default 120)",
     )
-    parser.add_argument("--debug", action="store_true", help="show tracebacks for every error")
+    add_debug(parser)
 
 
 def target_of(args: argparse.Namespace) -> Target:
