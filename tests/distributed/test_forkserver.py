@@ -1,4 +1,4 @@
-"""Ranks are forked from a server that has imported the trainer (launch/forkserver.py): one
+"""Ranks are forked from a server that has imported the trainer (launch/forkserver/): one
 server per launching process, started again when the environment changed in a way its imports
 could have read, and a rank sees the variables of the process that launched it as they are at
 the launch, as a spawned one does."""
@@ -220,3 +220,29 @@ def test_a_job_refused_before_its_launch_stops_the_server_forked_for_it(tmp_path
     )
     assert done.returncode == 0, done.stderr
     assert eval(done.stdout.strip().splitlines()[-1]) == (True, True, True)
+
+
+def test_ranks_are_spawned_where_asked_or_where_the_server_is_not_the_known_one(monkeypatch):
+    """`SHARDWISE_FORKSERVER=0`, or a Python whose ForkServer holds other fields than 3.11's
+    (this module sets and calls them): the ranks are spawned, as they would be without it, and
+    still see the launcher's environment."""
+    from shardwise.training.launch import forkserver as ours
+
+    monkeypatch.setenv(ours.OPT_OUT, "0")
+    assert start_method() == "spawn"
+    monkeypatch.setenv("TEST_FORKSERVER_VARIABLE", "spawned")
+    assert _started_child("TEST_FORKSERVER_VARIABLE")[0] == "spawned"
+    monkeypatch.delenv(ours.OPT_OUT)
+
+    class Newer:
+        """A server as a later Python might hold it: an authentication key more."""
+
+        def __init__(self) -> None:
+            self.__dict__.update(dict.fromkeys(ours._SERVER_FIELDS))
+            self._forkserver_authkey = b"key"
+
+        def _stop(self) -> None:
+            raise AssertionError("an unknown server is never stopped or started by us")
+
+    monkeypatch.setattr(forkserver, "_forkserver", Newer())
+    assert not ours.known_server() and start_method() == "spawn"

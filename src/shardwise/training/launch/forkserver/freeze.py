@@ -1,4 +1,4 @@
-"""Imported by the ranks' forkserver last (forkserver.PRELOAD's last entry): everything the server
+"""Imported by the ranks' forkserver last (PRELOAD's last entry): everything the server
 has imported moves to the garbage collector's permanent generation (`gc.freeze`).
 
 A forked rank shares the server's memory until it writes to it, and Python's collector writes to

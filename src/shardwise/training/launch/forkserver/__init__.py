@@ -41,14 +41,14 @@ from typing import Any
 from shardwise.common.environment import LAUNCHER_PID
 
 PRELOAD = (
-    "shardwise.training.launch.server_signals",
+    "shardwise.training.launch.forkserver.signals",
     "torch._dynamo",
     "shardwise.training.launch.worker",
     "shardwise.training.trainer.loop",
-    "shardwise.training.launch.server_freeze",
+    "shardwise.training.launch.forkserver.freeze",
 )
 """What every rank imports before its first step (the trainer imports DTensor and the layouts),
-then the freeze of it all (server_freeze.py: a rank's garbage collections leave it alone)."""
+then the freeze of it all (freeze.py: a rank's garbage collections leave it alone)."""
 
 RUNTIME_ONLY = (
     "SHARDWISE_",
@@ -73,12 +73,21 @@ _started_with: tuple[dict[str, str], tuple[str, ...], str] | None = None
 """The environment, `sys.path` and directory the running server started with."""
 
 
+OPT_OUT = "SHARDWISE_FORKSERVER"
+"""`SHARDWISE_FORKSERVER=0` starts every rank by spawn (no server)."""
+
+
 def start_method() -> str:
     """The start method for this launch's ranks: "forkserver", its server running with this
     process's `sys.path`, working directory and environment (but for `RUNTIME_ONLY` variables,
-    which `forked` hands on); "spawn" where forkserver does not exist."""
+    which `forked` hands on); "spawn" where forkserver does not exist, where `OPT_OUT` says so,
+    or where multiprocessing's server is not the one this module knows (`known_server`)."""
     global _started_with
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    if (
+        "forkserver" not in multiprocessing.get_all_start_methods()
+        or os.environ.get(OPT_OUT, "1") == "0"
+        or not known_server()
+    ):
         return "spawn"
     now = (dict(os.environ), tuple(sys.path), os.getcwd())
     if _started_with is None or _read_at_import(_started_with) != _read_at_import(now):
@@ -106,8 +115,16 @@ _SERVER_FIELDS = frozenset(
     }
 )
 """The state of multiprocessing's ForkServer (Python 3.11) that `_fork_server` sets as its
-`ensure_running` does; a Python whose server holds anything else (an authentication key) gets
-a server started by exec."""
+`ensure_running` does; a Python whose server holds anything else (an authentication key) spawns
+its ranks (`known_server`)."""
+
+
+def known_server() -> bool:
+    """Whether multiprocessing's ForkServer holds the fields this module sets and calls
+    (Python 3.11's, `_SERVER_FIELDS`, and its `_stop`): another Python's may hold others (an
+    authentication key) or name them otherwise, and its ranks are spawned instead."""
+    server: Any = forkserver._forkserver
+    return set(vars(server)) == _SERVER_FIELDS and callable(getattr(server, "_stop", None))
 
 
 _may_fork = False
@@ -150,9 +167,9 @@ def _fork_server(server: Any) -> bool:
     CPU-only build (a GPU build's launcher may have asked the driver for its devices, which a
     forked rank's CUDA would inherit broken), and this process has one thread of Python. The
     child holds what an exec'd server would (the listening socket and the pipe that ends it, no
-    other descriptor; SIGTERM ignored as server_signals.py does; multiprocessing gives each rank
+    other descriptor; SIGTERM ignored as signals.py does; multiprocessing gives each rank
     the launcher's `sys.argv` and `__main__` in either case), then imports `PRELOAD`, freezes
-    what it holds (server_freeze.py, whose import alone would not where this process had
+    what it holds (freeze.py, whose import alone would not where this process had
     imported it already) and serves.
     False where it cannot: the caller starts one by exec."""
     global _unused
@@ -162,7 +179,6 @@ def _fork_server(server: Any) -> bool:
         or torch is None
         or torch.version.cuda is not None  # a GPU build: nothing may touch CUDA before a fork
         or torch.version.hip is not None
-        or set(vars(server)) != _SERVER_FIELDS
         or threading.active_count() > 1
         or "fork" not in multiprocessing.get_all_start_methods()
     ):
@@ -184,7 +200,7 @@ def _fork_server(server: Any) -> bool:
                     os.closerange(3, keep[0])
                     os.closerange(keep[0] + 1, keep[1])
                     os.closerange(keep[1] + 1, os.sysconf("SC_OPEN_MAX"))
-                    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # server_signals.py
+                    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # signals.py
                     signal.signal(signal.SIGINT, signal.default_int_handler)  # for the ranks
                     for name in server._preload_modules:
                         importlib.import_module(name)
@@ -238,6 +254,6 @@ def _read_at_import(
 
 def restore_sigterm() -> None:
     """In a rank of shardwise's launcher, forked from the server: SIGTERM's default action again
-    (the server ignores it: server_signals.py), until the trainer installs its handler."""
+    (the server ignores it: signals.py), until the trainer installs its handler."""
     if LAUNCHER_PID in os.environ and signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

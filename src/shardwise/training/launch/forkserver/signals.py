@@ -1,4 +1,4 @@
-"""Imported by the ranks' forkserver alone (forkserver.PRELOAD's first entry): the server ignores
+"""Imported by the ranks' forkserver alone (PRELOAD's first entry): the server ignores
 SIGTERM.
 
 A scheduler stopping a job (Slurm's requeue or time limit, systemd, a process-group kill) sends
