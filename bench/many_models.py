@@ -217,7 +217,7 @@ def pandas_features(
 
 
 def bench_features(series: int, repeats: int, scratch: Path) -> None:
-    from shardwise.common.spark import session
+    from shardwise.common.spark_session import session
     from shardwise.manymodel.feature_files import write_features
 
     config = job("retail_synthetic", series, scratch / "features")

@@ -51,13 +51,13 @@ def children_of(pid: int) -> list[int]:
 
 def ranks_of(launcher: int) -> list[int]:
     """The ranks a `shardwise train` process started: its forkserver's children (the launcher
-    forks its ranks from one: launch/forkserver.py)."""
+    forks its ranks from one: launch/forkserver/)."""
     return _children(launcher)[1]
 
 
 def _children(pid: int) -> tuple[list[int], list[int]]:
     """A process's live children that are not long-lived, and those its forkserver forked. A
-    `shardwise` command forks its server from itself (launch/forkserver.py): a child with the
+    `shardwise` command forks its server from itself (launch/forkserver/): a child with the
     parent's own command line is that server."""
     live = {p: int(stat[1]) for p, stat in _stats().items() if stat[0] != "Z"}
     own = _cmdline(pid)
@@ -353,7 +353,7 @@ def run_distributed(
     """Run `fn(*args)` in `nproc` processes joined in one gloo process group through a file
     rendezvous (no ports); return each rank's result, or raise with the failing rank's traceback.
     The processes start as shardwise's launcher starts its ranks (forked from a server that has
-    imported the trainer: launch/forkserver.py)."""
+    imported the trainer: launch/forkserver/)."""
     ctx = mp.get_context(start_method())
     results: Any = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:

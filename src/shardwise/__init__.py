@@ -24,7 +24,7 @@ _EXPORTS = {
     "train": "shardwise.training.launch.local",
     "Nodes": "shardwise.training.launch.local",
     "WorkerFailed": "shardwise.training.launch.local",
-    "TrainSummary": "shardwise.training.trainer.summary",
+    "TrainSummary": "shardwise.training.trainer.train_summary",
     "ManyModelsConfig": "shardwise.manymodel.config",
     "load_many_models": "shardwise.manymodel.config",
     "many_models": "shardwise.manymodel.runner",
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from shardwise.training.config.load import load_config
     from shardwise.training.config.schema import JobConfig
     from shardwise.training.launch.local import Nodes, WorkerFailed, train
-    from shardwise.training.trainer.summary import TrainSummary
+    from shardwise.training.trainer.train_summary import TrainSummary
 
 __all__ = [
     "ConfigError",

@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
             help="backtest, select and forecast a model per series, thousands at once",
         )
     )
-    from shardwise.plan.command import add_arguments as plan_arguments
+    from shardwise.plan.plan_command import add_arguments as plan_arguments
 
     plan_arguments(
         commands.add_parser(
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Model Registry, from any layout",
         )
     )
-    from shardwise.training.launch.command import add_arguments as launch_arguments
+    from shardwise.training.launch.launch_command import add_arguments as launch_arguments
 
     launch_arguments(
         commands.add_parser(
@@ -249,7 +249,7 @@ def _terminated(signum: int, frame: object) -> None:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from shardwise.training.launch.command import run
+    from shardwise.training.launch.launch_command import run
 
     try:
         return run(args)
@@ -263,7 +263,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from shardwise.plan.command import run
+    from shardwise.plan.plan_command import run
 
     return run(args)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.training.checkpoint.layout import problem
+from shardwise.training.checkpoint.disk_layout import problem
 from shardwise.training.checkpoint.manager import CheckpointManager
 
 

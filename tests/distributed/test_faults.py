@@ -30,8 +30,8 @@ from helpers import (
     shardwise_process,
     write_job,
 )
+from shardwise.training.checkpoint.disk_layout import problem
 from shardwise.training.checkpoint.export import export_safetensors, load_exported
-from shardwise.training.checkpoint.layout import problem
 from shardwise.training.config.schema import JobConfig
 from shardwise.training.tracking.metrics import read_metrics
 

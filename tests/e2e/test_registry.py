@@ -30,7 +30,7 @@ import torch.nn.functional as F  # noqa: N812
 
 import helpers
 from shardwise.training import builders
-from shardwise.training.checkpoint.layout import problem, read_manifest
+from shardwise.training.checkpoint.disk_layout import problem, read_manifest
 from shardwise.training.config.load import validate
 from shardwise.training.tracking.metrics import read_metrics
 

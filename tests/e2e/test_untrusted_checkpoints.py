@@ -16,8 +16,8 @@ import torch
 import helpers
 import shardwise
 from helpers import digits_job, load_params
+from shardwise.training.checkpoint.disk_layout import MANIFEST, file_digest
 from shardwise.training.checkpoint.export import export_safetensors, load_exported
-from shardwise.training.checkpoint.layout import MANIFEST, file_digest
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent

@@ -33,7 +33,7 @@ def ray_cluster():
 
 @pytest.fixture(scope="module")
 def spark():
-    from shardwise.common.spark import session
+    from shardwise.common.spark_session import session
 
     spark = session("local[2]")
     yield spark

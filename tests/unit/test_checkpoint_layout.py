@@ -10,7 +10,7 @@ import uuid
 import fsspec
 import pytest
 
-from shardwise.training.checkpoint.layout import (
+from shardwise.training.checkpoint.disk_layout import (
     MANIFEST,
     file_digest,
     join,

@@ -71,7 +71,7 @@ def test_which_files_spark_reads_itself(tmp_path):
     """Spark's executors read the user's file where its types read alike in Spark and polars;
     otherwise they read the driver's checked copy, and the run says why."""
     from shardwise.manymodel.columns import Columns
-    from shardwise.manymodel.spark import source_file_problem
+    from shardwise.manymodel.spark_features import source_file_problem
 
     columns = Columns(ids=("shop",), timestamp="t", target="y", covariates=("price",))
     good = pl.DataFrame(

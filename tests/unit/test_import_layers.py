@@ -201,7 +201,7 @@ def test_a_data_parallel_launcher_imports_neither_dtensor_nor_the_trainer():
         "import pickle\n"
         "from shardwise.training.config.load import load_config\n"
         "from shardwise.training.launch.local import check_job\n"
-        "from shardwise.training.trainer.summary import TrainSummary\n"
+        "from shardwise.training.trainer.train_summary import TrainSummary\n"
         "check_job(load_config('examples/digits.toml'), 2, 2)\n"
         "pickle.loads(pickle.dumps(TrainSummary(1, {}, None, 'runs/x', None, 1.0)))"
     )

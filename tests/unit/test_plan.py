@@ -11,7 +11,7 @@ import pytest
 
 from shardwise.plan.hardware import PRESETS
 from shardwise.plan.layout import PRECISIONS, Layout
-from shardwise.plan.memory import estimate, layer_activations, model_states
+from shardwise.plan.memory_model import estimate, layer_activations, model_states
 from shardwise.plan.model import (
     Transformer,
     divisors,

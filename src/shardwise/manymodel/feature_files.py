@@ -28,7 +28,13 @@ from shardwise.manymodel.features import (
     series_features,
     with_groups,
 )
-from shardwise.manymodel.spark import FIRST, LAST, SourceFile, source_file_problem, spark_features
+from shardwise.manymodel.spark_features import (
+    FIRST,
+    LAST,
+    SourceFile,
+    source_file_problem,
+    spark_features,
+)
 
 BATCH_ROWS = 500_000
 """Rows of input the polars backend turns into features at a time (≈ 100 MB of features with

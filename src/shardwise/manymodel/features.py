@@ -134,7 +134,7 @@ class FeatureSpec:
 
 def polars_features(frame: pl.DataFrame, spec: FeatureSpec, columns: Columns) -> pl.DataFrame:
     """The features with polars. Means and standard deviations are spelt out as sums in a fixed
-    order (spark.py does the same sums in the same order), so both backends give the same
+    order (spark_features.py does the same sums in the same order), so both backends give the same
     floats, not merely close ones: a model's results then do not depend on the backend."""
     return with_groups(series_features(frame, spec, columns), group_features(frame, spec, columns))
 
@@ -227,9 +227,9 @@ def _per_series(spec: FeatureSpec) -> list[str]:
 
 def _rolling(x: pl.Expr, window: int, stat: str) -> pl.Expr:
     """Over the `window` values up to each row of a series, null unless all are there. The sums
-    run from the newest value to the oldest, as spark.py's do. It runs on the whole column (a
-    window per series made polars evaluate the expression series by series: 6× slower on 5,000
-    series): a value from the series before is masked (`_within`)."""
+    run from the newest value to the oldest, as spark_features.py's do. It runs on the whole
+    column (a window per series made polars evaluate the expression series by series: 6× slower
+    on 5,000 series): a value from the series before is masked (`_within`)."""
     if stat in ("min", "max"):
         rolled = x.rolling_min if stat == "min" else x.rolling_max
         return pl.when(_within(window - 1)).then(rolled(window, min_samples=window))
@@ -247,7 +247,8 @@ def _within(k: int) -> pl.Expr:
 def window_moments(values: list[Any]) -> tuple[Any, Any]:
     """The mean and sample variance of a window's values (polars expressions or Spark columns,
     newest first), as sums in that order, each × the reciprocal of its count: polars divides by
-    a constant that way, and spark.py calls this too, so both backends give the same floats."""
+    a constant that way, and spark_features.py calls this too, so both backends give the same
+    floats."""
     n = len(values)
     mean = reduce(operator.add, values) * (1.0 / n)
     var = reduce(operator.add, [(v - mean) * (v - mean) for v in values]) * (1.0 / (n - 1))

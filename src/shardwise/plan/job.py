@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 from shardwise.common.errors import ConfigError
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import PRECISIONS, Layout, Precision
-from shardwise.plan.memory import Traced
+from shardwise.plan.memory_model import Traced
 from shardwise.plan.model import Transformer
 from shardwise.plan.network import Mode, Tensors
 from shardwise.training import builders

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import RECOMPUTE, Layout, Precision, Recompute
-from shardwise.plan.memory import Memory, Traced, estimate
+from shardwise.plan.memory_model import Memory, Traced, estimate
 from shardwise.plan.model import Transformer, divisors
 from shardwise.plan.network import Comparison, Mode, Network, Tensors, compare
 from shardwise.plan.timing import StepTime, achieved_utilisation, one_device_step, step_time

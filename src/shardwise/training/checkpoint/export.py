@@ -20,7 +20,7 @@ from torch import nn
 
 from shardwise.common.errors import ConfigError
 from shardwise.common.redact import redact
-from shardwise.training.checkpoint.layout import is_complete, problem, read_manifest
+from shardwise.training.checkpoint.disk_layout import is_complete, problem, read_manifest
 
 
 def export_safetensors(checkpoint: str | Path, output: Path) -> dict[str, Any]:

@@ -5,8 +5,8 @@ On a local disk a checkpoint is written as `step_00000100.partial` and renamed t
 `step_00000100` only after every rank's data, DCP's `.metadata` and the manifest are on disk. An
 object store has no atomic rename (a "rename" copies every object), so there the checkpoint is
 written in place and the manifest, written last, commits it. Either way a crash mid-save never
-leaves a checkpoint that looks complete (see layout.py). This module must not know what is in the
-state: the trainer decides that.
+leaves a checkpoint that looks complete (see disk_layout.py). This module must not know what is
+in the state: the trainer decides that.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from shardwise.training.checkpoint import safe
-from shardwise.training.checkpoint.layout import (
+from shardwise.training.checkpoint.disk_layout import (
     MANIFEST,
     file_digest,
     is_local,

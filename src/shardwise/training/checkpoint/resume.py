@@ -12,7 +12,7 @@ from shardwise.common.console import warn
 from shardwise.common.errors import ConfigError
 from shardwise.common.job_files import shown
 from shardwise.training import builders
-from shardwise.training.checkpoint.layout import (
+from shardwise.training.checkpoint.disk_layout import (
     MANIFEST,
     complete_checkpoints,
     is_complete,

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.storage import StorageReader
 
 from shardwise.common.errors import ConfigError
-from shardwise.training.checkpoint.layout import Location, is_local, name_of, storage
+from shardwise.training.checkpoint.disk_layout import Location, is_local, name_of, storage
 
 _METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {

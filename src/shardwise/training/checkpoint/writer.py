@@ -23,7 +23,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.storage import StorageWriter
 
-from shardwise.training.checkpoint.layout import Location, is_local, name_of, storage
+from shardwise.training.checkpoint.disk_layout import Location, is_local, name_of, storage
 
 
 class _HashingStream:

@@ -103,7 +103,7 @@ def unshared_in_pods(location: str, nodes: int, options: K8sOptions) -> str | No
     container's own filesystem, not under a `--volume`; None for one node or an object store."""
     from pathlib import PurePosixPath
 
-    from shardwise.training.checkpoint.layout import is_local
+    from shardwise.training.checkpoint.disk_layout import is_local
 
     if nodes <= 1 or not is_local(location):
         return None

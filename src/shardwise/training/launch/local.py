@@ -54,7 +54,7 @@ from shardwise.training.launch.worker import PREEMPTED_EXIT, check_devices, run_
 from shardwise.training.parallel.checks import check_layout
 
 if TYPE_CHECKING:
-    from shardwise.training.trainer.summary import TrainSummary
+    from shardwise.training.trainer.train_summary import TrainSummary
 
 
 @dataclass
@@ -151,7 +151,7 @@ def launch(
     started = time.monotonic()
     try:
         with _fresh_worker_store(), listen, logs, environment({LAUNCHER_PID: str(os.getpid())}):
-            # ranks forked from a server that imported torch and the trainer once (forkserver.py)
+            # ranks forked from a server that imported torch and the trainer (launch/forkserver/)
             config.start_method = start_method()
             target, target_args = forked(entry, args)  # in this environment, as it is now
             # shardwise reports failures itself (WorkerFailed); the agent's own log would repeat
@@ -279,7 +279,7 @@ def train(
         )
     # The ranks' server, before the checks below run anything of the job here (a data source's
     # client, a user's module): a `shardwise` command forks it from this process, which must not
-    # have started a runtime that a fork breaks (forkserver.py).
+    # have started a runtime that a fork breaks (launch/forkserver/).
     start_method()
     per_node = nproc or 1
     checkpoint = _checked_here(config, per_node, nodes, None if dry_run else resume)
@@ -394,7 +394,7 @@ def check_job(
 
 def _preempted_summary(config: JobConfig, *, since: float) -> TrainSummary | None:
     """The summary rank 0 wrote when it stopped on SIGTERM during this launch, if it did."""
-    from shardwise.training.trainer.summary import TrainSummary
+    from shardwise.training.trainer.train_summary import TrainSummary
 
     path = config.run_dir / "summary.json"
     if not path.exists() or path.stat().st_mtime < since:

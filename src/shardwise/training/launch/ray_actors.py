@@ -33,7 +33,7 @@ from shardwise.training.launch.targets import (
 )
 
 if TYPE_CHECKING:
-    from shardwise.training.trainer.summary import TrainSummary
+    from shardwise.training.trainer.train_summary import TrainSummary
 
 PLACEMENT_TIMEOUT_S = 60.0
 

@@ -29,7 +29,7 @@ from shardwise.training.launch.targets import (
 )
 
 if TYPE_CHECKING:
-    from shardwise.training.trainer.summary import TrainSummary
+    from shardwise.training.trainer.train_summary import TrainSummary
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def train_on_spark(target: Target, options: SparkOptions, resume: str) -> TrainS
     """Run the job; rank 0's summary. `resume`: `auto`, or a checkpoint's path."""
     from pyspark.ml.torch.distributor import TorchDistributor
 
-    from shardwise.common.spark import session
+    from shardwise.common.spark_session import session
 
     master = options.master or f"local-cluster[{target.nodes},{target.per_node},2048]"
     if target.gpus_per_node and master.startswith("local"):

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from shardwise.common.errors import ConfigError
-from shardwise.training.checkpoint.layout import is_local
+from shardwise.training.checkpoint.disk_layout import is_local
 from shardwise.training.config.schema import JobConfig
 
 NETWORK_FILESYSTEMS = frozenset(

@@ -26,7 +26,7 @@ from shardwise.training.launch.forkserver import restore_sigterm
 from shardwise.training.launch.stores import worker_store
 
 if TYPE_CHECKING:
-    from shardwise.training.trainer.summary import TrainSummary
+    from shardwise.training.trainer.train_summary import TrainSummary
 
 PREEMPTED_EXIT = 128 + signal.SIGTERM
 """The exit code of a rank of shardwise's launcher that saved on SIGTERM and stopped."""

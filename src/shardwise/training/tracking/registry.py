@@ -37,8 +37,8 @@ from shardwise.common.registry import (
     pinned,
 )
 from shardwise.training import builders
+from shardwise.training.checkpoint.disk_layout import read_manifest
 from shardwise.training.checkpoint.export import export_safetensors, require_complete
-from shardwise.training.checkpoint.layout import read_manifest
 from shardwise.training.config.load import validate
 from shardwise.training.config.schema import JobConfig
 

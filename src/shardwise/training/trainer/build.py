@@ -15,8 +15,8 @@ from torch.utils.data import Dataset, IterableDataset
 
 from shardwise.common.errors import ConfigError
 from shardwise.training import builders
+from shardwise.training.checkpoint.disk_layout import name_of, read_manifest
 from shardwise.training.checkpoint.export import load_weights
-from shardwise.training.checkpoint.layout import name_of, read_manifest
 from shardwise.training.checkpoint.manager import (
     CheckpointManager,
     asynchronous_by_default,

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from shardwise.training.checkpoint.layout import name_of
+from shardwise.training.checkpoint.disk_layout import name_of
 from shardwise.training.config.schema import JobConfig
 from shardwise.training.fault.health import RankHealth
 from shardwise.training.fault.inject import FaultPlan
@@ -37,7 +37,7 @@ from shardwise.training.trainer.persist import (
 )
 from shardwise.training.trainer.profile import StepProfiler, data_range, phase
 from shardwise.training.trainer.step import Run, Stepped, evaluate, mean_loss, train_step
-from shardwise.training.trainer.summary import TrainSummary
+from shardwise.training.trainer.train_summary import TrainSummary
 
 
 def train(

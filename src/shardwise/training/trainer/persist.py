@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from shardwise.common.console import warn
 from shardwise.common.job_files import shown
 from shardwise.training.checkpoint import safe
-from shardwise.training.checkpoint.layout import name_of, read_manifest
+from shardwise.training.checkpoint.disk_layout import name_of, read_manifest
 from shardwise.training.checkpoint.manager import (
     WriteFailed,
 )

@@ -15,7 +15,6 @@ from fsspec.core import split_protocol
 from pydantic import NonNegativeInt, PositiveInt
 
 from shardwise.common.imports import import_object
-from shardwise.training.data.stream.columns import Columns
 from shardwise.training.data.stream.source import (
     delta_table,
     iceberg_table,
@@ -23,6 +22,7 @@ from shardwise.training.data.stream.source import (
     refused_endpoint,
 )
 from shardwise.training.data.stream.table import TableSource, Transform, next_token
+from shardwise.training.data.stream.tensors import Columns
 
 TRANSFORMS: dict[str, Transform] = {"next_token": next_token}
 SHUFFLE_ROWS = 65_536

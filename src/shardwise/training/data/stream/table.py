@@ -26,7 +26,6 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from torch.utils.data import TensorDataset
 
-from shardwise.training.data.stream.columns import Columns, Parts, widened
 from shardwise.training.data.stream.source import (
     REACH_S,
     DataError,
@@ -34,6 +33,7 @@ from shardwise.training.data.stream.source import (
     storage_problem,
     within,
 )
+from shardwise.training.data.stream.tensors import Columns, Parts, widened
 
 Pair = tuple[torch.Tensor, torch.Tensor | None]
 Transform = Callable[[torch.Tensor, Any], tuple[torch.Tensor, torch.Tensor]]

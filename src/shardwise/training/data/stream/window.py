@@ -19,9 +19,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from shardwise.training.data.stream.columns import Parts, lengths_differ
 from shardwise.training.data.stream.source import DataError
 from shardwise.training.data.stream.table import Pair
+from shardwise.training.data.stream.tensors import Parts, lengths_differ
 
 SPARE_ARRAYS = 4
 """Arrays of windows let go that are kept for the next windows (two sides, two windows)."""

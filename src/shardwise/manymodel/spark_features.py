@@ -15,7 +15,7 @@ from typing import Any
 
 import polars as pl
 
-from shardwise.common.spark import session
+from shardwise.common.spark_session import session
 from shardwise.manymodel.columns import CHUNK_KEY, FUTURE, SERIES, Columns
 from shardwise.manymodel.features import FeatureSpec, window_moments
 
