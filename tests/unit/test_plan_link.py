@@ -393,3 +393,21 @@ def test_a_jobs_own_mode_is_among_them_with_its_rank_and_period(tmp_path, repo_c
     assert "local_sgd H=16" in rows
     assert main(["plan", *args, "--link", "0.1,2"]) == 0
     assert "hierarchical + powersgd r=4 (the job's)" in capsys.readouterr().out
+
+
+def test_powersgd_time_per_matrix_is_never_zero_however_noisy_the_calibration():
+    """A loaded machine made the line through two widths cross zero (the whole suite, issue 58's
+    session: `powersgd_matrix_seconds` 0.0, and test_cli_plan failed); the smallest width then
+    bounds it."""
+    from shardwise.plan.calibrate import split_powersgd_costs
+
+    clean = [
+        (4_000_000, 12, 12e-4 + 4e6 / 1e9),
+        (64_000, 12, 12e-4 + 64e3 / 1e9),
+        (4_000, 12, 13e-4),
+    ]
+    rate, per_matrix = split_powersgd_costs(clean)
+    assert rate == pytest.approx(1e9) and per_matrix == pytest.approx(1e-4)
+    noisy = [(4_000_000, 12, 8e-3), (64_000, 12, 1e-4), (4_000, 12, 6e-4)]
+    rate, per_matrix = split_powersgd_costs(noisy)
+    assert 0 < rate < 1e18 and per_matrix == pytest.approx(6e-4 / 12)

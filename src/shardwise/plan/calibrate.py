@@ -69,7 +69,10 @@ class LayerShape:
     batch: int = LAYER["batch"]
 
 
-POWERSGD_WIDTHS = (512, 64)
+POWERSGD_WIDTHS = (512, 64, 16)
+"""PowerSGD's widths: the first two split its cost per byte from its cost per matrix; at the
+last, bytes are few, and its time per matrix bounds that cost where noise made the split's
+(a line through two points) zero or less (`powersgd_costs`)."""
 
 
 def matmul_flops() -> float:
@@ -200,7 +203,8 @@ def codec_rates() -> tuple[float, float, float, float]:
 def powersgd_costs(group: Any) -> tuple[float, float]:
     """comm/powersgd.py's `average` on every gradient of a one-layer GPT at each width of
     POWERSGD_WIDTHS (the same tensors, so the same matrices: m of them), on `group` (one rank):
-    t = m·a + bytes / rate, solved for the rate (bytes/s) and a (seconds per matrix)."""
+    t = m·a + bytes / rate, solved for the rate (bytes/s) and a (seconds per matrix) through
+    the first two; a is never zero or less (the last width bounds it)."""
     from torch.nn.parallel import DistributedDataParallel
 
     from shardwise.models.gpt import build_gpt
@@ -221,9 +225,18 @@ def powersgd_costs(group: Any) -> tuple[float, float]:
         finally:
             sync.close()
         points.append((sum(4 * g.numel() for _, g in named), len(sync.qs), seconds))
-    (big, matrices, t_big), (small, _, t_small) = points
+    return split_powersgd_costs(points)
+
+
+def split_powersgd_costs(points: list[tuple[int, int, float]]) -> tuple[float, float]:
+    """(bytes per second, seconds per matrix) from (bytes, matrices, seconds) at each of
+    POWERSGD_WIDTHS: the line through the first two; where noise makes its time per matrix zero
+    or less, the last width's (few bytes: its time is nearly all per-matrix work)."""
+    (big, matrices, t_big), (small, _, t_small), (_, _, t_tiny) = points
     per_byte = max(0.0, (t_big - t_small) / (big - small))
-    per_matrix = max(0.0, (t_small - small * per_byte) / matrices)
+    per_matrix = (t_small - small * per_byte) / matrices
+    if per_matrix <= 0:
+        per_matrix = t_tiny / matrices
     return (1 / per_byte if per_byte > 0 else 1e18), per_matrix
 
 
