@@ -312,8 +312,8 @@ _DEFAULT_LOCATION = "SELECT artifact_location FROM experiments WHERE experiment_
 def _copy_empty_store(path: Path) -> bool:
     """Copy this MLflow version's empty store to `path`, its Default experiment made as MLflow
     would make it here and now (artifact location under this directory, times). The empty store
-    is built once per machine in shardwise's cache, as MLflow builds one; its migrations cost a
-    tracking process 1.8 CPU-s on the slower machine in every new run directory. False, and
+    is built once per machine in shardwise's cache, as MLflow builds one: its migrations would
+    cost a tracking process seconds in every new run directory. False, and
     nothing at `path`, where the cache cannot be written or MLflow is told to lay out a store
     otherwise (workspaces, a server's artifact root)."""
     import mlflow

@@ -141,8 +141,8 @@ def build_on_meta(config: JobConfig) -> nn.Module:
     """The job's model on the meta device, for what needs its structure and shapes only (the
     launcher's checks, the planner). Initialisers are skipped on its tensors: they hold no values,
     so skipping changes nothing (nor does a meta initialiser draw from the random generator), and
-    torch runs some of them (normal_) in Python through torch._dynamo, whose import cost every
-    launcher of a multi-rank CPU job 2.8 CPU-s on the slower machine."""
+    torch runs some of them (normal_) in Python through torch._dynamo, whose import every
+    launcher would then pay."""
     with torch.device("meta"), _NoInitOnMeta():
         return build_model(config)
 

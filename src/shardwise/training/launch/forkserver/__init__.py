@@ -1,11 +1,10 @@
 """Workers forked from a server that has imported torch and the trainer once.
 
 A spawned rank is a new interpreter that imports torch, DTensor, torch._dynamo (which
-DistributedDataParallel imports) and the trainer before it does anything: about 4 s of CPU per
-rank on the development machine, paid again by every rank of every launch and restart.
-multiprocessing's forkserver pays it once: the server imports `PRELOAD` when it starts and forks
-each rank from that state. A 2-rank digits run of 4 steps took 10.5 CPU-s and 8.5 s with spawned
-ranks, 7.4 CPU-s and 6.1 s with forked ones; a node of 8 ranks saves 7 imports per launch.
+DistributedDataParallel imports) and the trainer before it does anything, again in every rank of
+every launch and restart. multiprocessing's forkserver pays it once: the server imports
+`PRELOAD` when it starts and forks each rank from that state (what it saves: docs/benchmarks.md,
+"Launch costs").
 
 The server imports modules only, and initialises neither CUDA nor OpenMP's thread pool, so the
 forked ranks start as spawned ones do. It is a new interpreter (started by exec, as
@@ -20,8 +19,7 @@ from when it started, so a rank first applies what has changed in the launcher s
 `TORCH_*` variables as it imports, numpy its BLAS settings), so when a variable changes, or
 `sys.path` or the directory, the server is started again, unless the variable is one that is
 read only as a rank runs (`RUNTIME_ONLY`). A Python caller that launches many times (a sweep, a
-test suite: pytest marks each test in `PYTEST_CURRENT_TEST`) then keeps its server: in this
-project's suite a new server per test cost about 3 CPU-s each.
+test suite: pytest marks each test in `PYTEST_CURRENT_TEST`) then keeps its server.
 """
 
 from __future__ import annotations
@@ -136,9 +134,7 @@ def fork_servers_from_this_process() -> None:
     interpreter, for `shardwise` commands: the process is shardwise's own, and its launcher
     starts the server before it runs anything of the job (local.train: a Delta table's check
     starts deltalake's runtime, which panics in a forked process). The forked server starts
-    with torch imported: a 2-rank digits run of 4 steps took 10.7 CPU-s and 8.3 s against
-    13.1 CPU-s and 12.2 s with a server started by exec (medians of five, alternating, on a
-    machine where `import torch` takes 3.4 s). A Python caller (a notebook, a test suite, a
+    with torch imported, not importing it again. A Python caller (a notebook, a test suite, a
     Ray actor) keeps the exec'd server: its threads could hold a lock that a fork copies held."""
     global _may_fork
     _may_fork = True
@@ -150,8 +146,8 @@ _unused: int | None = None
 
 def discard_unused_server() -> None:
     """Stop the server this process forked for a launch refused before it began (a job that
-    fails its checks): killed, not left to import the trainer for nothing (about 1.5 CPU-s
-    beside the refusal, on the cores its message waits on)."""
+    fails its checks): killed, not left to import the trainer for nothing on the cores the
+    refusal's message waits on)."""
     global _started_with, _unused
     server: Any = forkserver._forkserver
     if _unused is None or server._forkserver_pid != _unused:
