@@ -30,7 +30,7 @@ from shardwise.common.job_files import validate_as
 from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.training.config.load import validate
 from shardwise.training.config.schema import JobConfig
-from shardwise.training.launch.forkserver import forked, start_method
+from shardwise.training.launch.forkserver import fork_target, start_method
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -360,7 +360,7 @@ def run_distributed(
         store = os.path.join(tmp, "store")
         procs = []
         for rank in range(nproc):
-            target, target_args = forked(_entry, (fn, rank, nproc, store, results, args))
+            target, target_args = fork_target(_entry, (fn, rank, nproc, store, results, args))
             procs.append(ctx.Process(target=target, args=target_args))
         for p in procs:
             p.start()

@@ -18,7 +18,7 @@ import pytest
 from shardwise.common.environment import LAUNCHER_PID
 from shardwise.training.launch.forkserver import (
     _in_environment,
-    forked,
+    fork_target,
     restore_sigterm,
     start_method,
 )
@@ -40,7 +40,7 @@ def _seen(name: str, results) -> None:
 def _started_child(name: str) -> tuple[str | None, bool, str, bool]:
     ctx = mp.get_context(start_method())
     results = ctx.Queue()
-    target, args = forked(_seen, (name, results))
+    target, args = fork_target(_seen, (name, results))
     child = ctx.Process(target=target, args=args)
     child.start()
     seen = results.get(timeout=120)
@@ -111,7 +111,7 @@ def test_the_server_outlives_a_sigterm_to_the_whole_job_and_ranks_restore_it(mon
     for signalled in (False, True):  # the first rank: the server has done its imports
         if signalled:
             os.kill(forkserver._forkserver._forkserver_pid, signal.SIGTERM)
-        target, args = forked(_terminated, (results,))
+        target, args = fork_target(_terminated, (results,))
         child = ctx.Process(target=target, args=args)
         child.start()
         assert results.get(timeout=120) is True
@@ -124,7 +124,7 @@ import gc, multiprocessing as mp, os, signal, sys, threading
 from multiprocessing import forkserver
 import torch
 from shardwise.cli import owned_process
-from shardwise.training.launch.forkserver import forked, restore_sigterm, start_method
+from shardwise.training.launch.forkserver import fork_target, restore_sigterm, start_method
 
 def seen(results):
     restore_sigterm()
@@ -140,7 +140,7 @@ def seen(results):
 
 def rank(ctx):
     results = ctx.Queue()
-    target, args = forked(seen, (results,))
+    target, args = fork_target(seen, (results,))
     child = ctx.Process(target=target, args=args)
     child.start()
     got = results.get(timeout=120)
@@ -195,7 +195,7 @@ import os, sys
 from multiprocessing import forkserver
 import torch
 from shardwise.cli import owned_process
-from shardwise.training.launch.forkserver import discard_unused_server, forked, start_method
+from shardwise.training.launch.forkserver import discard_unused_server, fork_target, start_method
 
 owned_process()
 start_method()
@@ -204,7 +204,7 @@ discard_unused_server()  # the job failed its checks
 gone = forkserver._forkserver._forkserver_pid is None and not os.path.exists(f"/proc/{refused}")
 start_method()
 used = forkserver._forkserver._forkserver_pid
-forked(print, ())  # a rank is about to be forked from it
+fork_target(print, ())  # a rank is about to be forked from it
 discard_unused_server()
 print(repr((gone, used not in (None, refused), forkserver._forkserver._forkserver_pid == used)))
 """

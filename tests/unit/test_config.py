@@ -5,7 +5,7 @@ import pytest
 
 from shardwise.common.errors import ConfigError
 from shardwise.common.job_files import apply_override, flatten
-from shardwise.training.config.derive import derive, resolved
+from shardwise.training.config.derive import config_as_saved, derive
 from shardwise.training.config.load import load_config, validate
 from shardwise.training.config.schema import ParallelSection
 
@@ -158,7 +158,7 @@ def test_data_parallel_ranks_count_both_axes(job_file):
 
 def test_resolved_config_writes_out_defaults(job_file):
     config = load_config(job_file)
-    full = resolved(config, derive(config, 2))
+    full = config_as_saved(config, derive(config, 2))
     assert full.train.micro_batch == 32
     assert full.parallel.dp_replicate == 2
     assert full.checkpoint.dir == "runs/run/checkpoints"

@@ -176,11 +176,11 @@ def flatten(config: BaseModel) -> dict[str, str]:
         else:
             out[prefix] = str(value)
 
-    walk("", shown(config))
+    walk("", redacted_dump(config))
     return out
 
 
-def shown(config: BaseModel, *, exclude_none: bool = False) -> dict[str, Any]:
+def redacted_dump(config: BaseModel, *, exclude_none: bool = False) -> dict[str, Any]:
     """The config as plain data to show or store (files, logs, metadata): credentials in URIs
     redacted (redact.py). Only the config in memory holds them."""
     return redacted(config.model_dump(mode="json", exclude_none=exclude_none))

@@ -14,7 +14,7 @@ from pathlib import Path
 import tomli_w
 
 from shardwise.common.errors import ConfigError
-from shardwise.common.job_files import flatten, shown
+from shardwise.common.job_files import flatten, redacted_dump
 from shardwise.manymodel.chunk_result import ChunkResult
 from shardwise.manymodel.config import (
     ManyModelsConfig,
@@ -97,7 +97,7 @@ def start_run_dir(run_dir: Path, config: ManyModelsConfig) -> None:
     for chunk in chunk_dir.glob("chunk-*"):  # a chunk missing a file is run again
         if _CHUNK_NAME.fullmatch(chunk.name) and chunk.is_dir() and not complete(chunk):
             shutil.rmtree(chunk, ignore_errors=True)
-    (run_dir / "job.toml").write_text(tomli_w.dumps(shown(config)))
+    (run_dir / "job.toml").write_text(tomli_w.dumps(redacted_dump(config)))
 
 
 def saved_chunk_size(run_dir: Path, series: int, done: set[int]) -> int:

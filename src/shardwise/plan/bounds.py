@@ -41,12 +41,12 @@ class Bound:
                 value = float(text)  # a whole number may be written 1e3
             except ValueError:
                 value = None
-        return self._checked(value, label, shown(text))
+        return self._checked(value, label, message_text(text))
 
     def check(self, value: object, label: str) -> int | float:
         """A value read from a file (a bool is not a number), in range, or ConfigError."""
         number = value if isinstance(value, int | float) and not isinstance(value, bool) else None
-        return self._checked(number, label, shown(repr(value)))
+        return self._checked(number, label, message_text(repr(value)))
 
     def _checked(self, value: float | None, label: str, display: str) -> int | float:
         if value is None or (isinstance(value, float) and not math.isfinite(value)):
@@ -78,10 +78,10 @@ def one_of(text: str, options: Sequence[str], label: str) -> str:
         return text
     near = difflib.get_close_matches(text, options, n=1)
     hint = f"; did you mean {near[0]!r}?" if near else ""
-    raise ConfigError(f"{label} {shown(text)}: must be one of {', '.join(options)}{hint}")
+    raise ConfigError(f"{label} {message_text(text)}: must be one of {', '.join(options)}{hint}")
 
 
-def shown(text: str) -> str:
+def message_text(text: str) -> str:
     """`text` as the message shows it: on one line, at most about 40 characters."""
     text = text if text.isprintable() else repr(text)
     return text if len(text) <= 40 else text[:40] + "…"

@@ -67,7 +67,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from shardwise.common.errors import ConfigError
-from shardwise.plan.bounds import Bound, shown
+from shardwise.plan.bounds import Bound, message_text
 from shardwise.plan.hardware import POWERSGD_RANK, Hardware
 from shardwise.plan.layout import Layout, Precision
 from shardwise.plan.model import Transformer
@@ -132,7 +132,7 @@ def parse_link(text: str, label: str = "--link") -> Network:
             latency = float(LINK_LATENCY_MS.parse(fields[1].strip(), label))
     except ConfigError:
         raise ConfigError(
-            f"{label} {shown(text)}: must be {LINK_GBPS.allowed()} ({LINK_GBPS.means}), "
+            f"{label} {message_text(text)}: must be {LINK_GBPS.allowed()} ({LINK_GBPS.means}), "
             f"optionally followed by a comma and {LINK_LATENCY_MS.allowed()} "
             f"({LINK_LATENCY_MS.means}), e.g. {label} 100,0.01"
         ) from None

@@ -10,7 +10,7 @@ from typing import Any
 
 from shardwise.common.console import warn
 from shardwise.common.errors import ConfigError
-from shardwise.common.job_files import shown
+from shardwise.common.job_files import redacted_dump
 from shardwise.training import builders
 from shardwise.training.checkpoint.disk_layout import (
     MANIFEST,
@@ -74,7 +74,7 @@ def check_model(path: str, config: JobConfig) -> None:
     saved = read_manifest(path).get("model")
     if not saved:
         return  # an older manifest: DCP's own check remains
-    theirs, ours = _model_label(saved), _model_label(shown(config.model))
+    theirs, ours = _model_label(saved), _model_label(redacted_dump(config.model))
     if theirs != ours:
         raise ConfigError(
             f"{name_of(path)}: checkpoint is for model {theirs}, this job builds {ours}; resume "

@@ -191,7 +191,7 @@ def _check_schedule(schedule: str, pp: int, stages_per_rank: int, microbatches: 
             )
 
 
-def resolved(config: JobConfig, derived: Derived) -> JobConfig:
+def config_as_saved(config: JobConfig, derived: Derived) -> JobConfig:
     """The config with every default that depends on other values written out, as saved with a
     run: re-running the saved file reproduces the run."""
     return config.model_copy(

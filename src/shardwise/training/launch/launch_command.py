@@ -217,7 +217,7 @@ def _k8s(args: argparse.Namespace, target: Target) -> int:
 
 def _ray(args: argparse.Namespace, target: Target) -> int:
     from shardwise.training.checkpoint.resume import resume_point
-    from shardwise.training.launch.local import ended, publish
+    from shardwise.training.launch.local import publish, report_result
     from shardwise.training.launch.ray_actors import RayOptions, train_on_ray
 
     if args.cpus_per_rank <= 0:
@@ -229,12 +229,12 @@ def _ray(args: argparse.Namespace, target: Target) -> int:
         print(describe(target, options, args.resume))
         return 0
     summary = train_on_ray(target, options, resume_point(target.config, args.resume))
-    return ended(publish(target.config, summary))
+    return report_result(publish(target.config, summary))
 
 
 def _spark(args: argparse.Namespace, target: Target) -> int:
     from shardwise.training.checkpoint.resume import resume_point
-    from shardwise.training.launch.local import ended, publish
+    from shardwise.training.launch.local import publish, report_result
     from shardwise.training.launch.spark_tasks import SparkOptions, train_on_spark
 
     # every attempt of the stage resumes from the newest good checkpoint, the first included,
@@ -248,4 +248,4 @@ def _spark(args: argparse.Namespace, target: Target) -> int:
     chosen = resume_point(target.config, args.resume)  # refuses to overwrite, checks a path
     resume = "auto" if auto else chosen or "auto"
     summary = train_on_spark(target, SparkOptions(args.spark_master), resume)
-    return ended(publish(target.config, summary))
+    return report_result(publish(target.config, summary))

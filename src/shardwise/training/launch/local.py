@@ -43,7 +43,7 @@ from shardwise.training.config.schema import JobConfig
 from shardwise.training.fault.watchdog import after_a_peer
 from shardwise.training.fault.watchdog import describe as describe_hang
 from shardwise.training.launch.env import WorkerEnv, detect
-from shardwise.training.launch.forkserver import discard_unused_server, forked, start_method
+from shardwise.training.launch.forkserver import discard_unused_server, fork_target, start_method
 from shardwise.training.launch.stores import (
     LOOPBACK,
     RENDEZVOUS,
@@ -153,7 +153,7 @@ def launch(
         with _fresh_worker_store(), listen, logs, environment({LAUNCHER_PID: str(os.getpid())}):
             # ranks forked from a server that imported torch and the trainer (launch/forkserver/)
             config.start_method = start_method()
-            target, target_args = forked(entry, args)  # in this environment, as it is now
+            target, target_args = fork_target(entry, args)  # in this environment, as it is now
             # shardwise reports failures itself (WorkerFailed); the agent's own log would repeat
             # them (set after the server starts, which may be a fork of this process: the ranks
             # keep torch elastic's own log levels)
@@ -403,7 +403,7 @@ def _preempted_summary(config: JobConfig, *, since: float) -> TrainSummary | Non
     return TrainSummary(**data) if data.get("preempted") else None
 
 
-def ended(summary: TrainSummary | None) -> int:
+def report_result(summary: TrainSummary | None) -> int:
     """What a finished launch prints, and its exit code: the summary; and where the model was
     not logged (the MLflow store down), why, in one line, with exit code 2."""
     if summary is None:

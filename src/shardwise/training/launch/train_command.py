@@ -9,7 +9,7 @@ import sys
 
 from shardwise.common.errors import ConfigError
 from shardwise.training.launch.env import kubeflow
-from shardwise.training.launch.local import Interrupted, Nodes, WorkerFailed, ended, train
+from shardwise.training.launch.local import Interrupted, Nodes, WorkerFailed, report_result, train
 
 
 def run(args: argparse.Namespace) -> int:
@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
         return 128 + stop.signum
     except WorkerFailed as failure:
         return worker_failed(failure)
-    return ended(summary)
+    return report_result(summary)
 
 
 def worker_failed(failure: WorkerFailed) -> int:

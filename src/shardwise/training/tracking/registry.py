@@ -27,7 +27,7 @@ import tomli_w
 
 from shardwise.common.errors import ConfigError
 from shardwise.common.imports import import_object
-from shardwise.common.job_files import shown
+from shardwise.common.job_files import redacted_dump
 from shardwise.common.redact import redact
 from shardwise.common.registry import (
     Destination,
@@ -73,7 +73,7 @@ def log_checkpoint(
     with tempfile.TemporaryDirectory(prefix="shardwise-model-") as folder:
         artifacts = {"weights": str(Path(folder, "model.safetensors")), "job": f"{folder}/job.toml"}
         export_safetensors(checkpoint, Path(artifacts["weights"]))
-        Path(artifacts["job"]).write_text(tomli_w.dumps(shown(config, exclude_none=True)))
+        Path(artifacts["job"]).write_text(tomli_w.dumps(redacted_dump(config, exclude_none=True)))
         example, output = _example(config, artifacts)
         from mlflow.models import infer_signature
 

@@ -22,7 +22,7 @@ from shardwise.training.checkpoint.manager import (
     asynchronous_by_default,
 )
 from shardwise.training.comm import choose as comm
-from shardwise.training.config.derive import Derived, derive, resolved
+from shardwise.training.config.derive import Derived, config_as_saved, derive
 from shardwise.training.config.schema import JobConfig
 from shardwise.training.data import iterable
 from shardwise.training.data.iterable import IterableLoader
@@ -55,7 +55,7 @@ def build_run(
     from, whose precision `train.precision = "auto"` keeps)."""
     derived = derive(config, dist.get_world_size())
     chosen = _precision(config.train.precision, device, resume)
-    config = with_precision(resolved(config, derived), chosen.name)
+    config = with_precision(config_as_saved(config, derived), chosen.name)
     mesh = build_mesh(derived.degrees, device.type)
     dp_rank, dp_size = dp_position(mesh)
     data = open_data(config, derived, dp_rank, dp_size)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from shardwise.common.job_files import flatten, shown
+from shardwise.common.job_files import flatten, redacted_dump
 from shardwise.common.mlflow import MlflowTracker
 from shardwise.training.config.derive import Derived
 from shardwise.training.config.schema import JobConfig
@@ -191,7 +191,7 @@ def start(run: Run, start: int, *, resumed: bool) -> Reporter:
         return Reporter()
     cfg, derived = run.config, run.derived
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    config_toml = tomli_w.dumps(shown(cfg, exclude_none=True))
+    config_toml = tomli_w.dumps(redacted_dump(cfg, exclude_none=True))
     (cfg.run_dir / "config.toml").write_text(config_toml)
     console = terminal()
     console.print(f"resolved config (saved to {cfg.run_dir / 'config.toml'}):", highlight=False)

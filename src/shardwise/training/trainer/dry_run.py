@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise.training.config.derive import derive, resolved
+from shardwise.training.config.derive import config_as_saved, derive
 from shardwise.training.config.schema import JobConfig
 from shardwise.training.parallel.mesh import build_mesh, dp_position
 from shardwise.training.trainer import display
@@ -22,7 +22,7 @@ def dry_run(config: JobConfig, device: torch.device) -> None:
     the mesh, which blocks each rank holds and each rank's parameter, gradient and optimizer
     bytes."""
     derived = derive(config, dist.get_world_size())
-    config = resolved(config, derived)
+    config = config_as_saved(config, derived)
     mesh = build_mesh(derived.degrees, device.type)
     # the model is shaped by the first samples (a stream's first rows); nothing is evaluated
     samples = open_data(config, derived, *dp_position(mesh), held_out_too=False).samples

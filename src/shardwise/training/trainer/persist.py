@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from shardwise.common.console import warn
-from shardwise.common.job_files import shown
+from shardwise.common.job_files import redacted_dump
 from shardwise.training.checkpoint import safe
 from shardwise.training.checkpoint.disk_layout import name_of, read_manifest
 from shardwise.training.checkpoint.manager import (
@@ -109,16 +109,16 @@ def restore(run: Run, path: str) -> int:
 
 
 def _manifest(run: Run) -> dict[str, Any]:
-    config_json = to_json(shown(run.config))  # no hash of a password either
+    config_json = to_json(redacted_dump(run.config))  # no hash of a password either
     return {
         "world_size": run.derived.world_size,
         "degrees": run.derived.degrees,
         "global_batch": run.derived.global_batch,
         "precision": run.config.train.precision,
-        "model": shown(run.config.model),
+        "model": redacted_dump(run.config.model),
         # the job, credentials hidden: what `export --mlflow` rebuilds the model and its input
         # example from (training/tracking/registry.py)
-        "job": shown(run.config, exclude_none=True),
+        "job": redacted_dump(run.config, exclude_none=True),
         # a streamed table's version (data/stream/source.py): a resume on other data is refused
         **({"data": data} if (data := run.loader.state_dict().get("version")) else {}),
         "config_sha256": hashlib.sha256(config_json.encode()).hexdigest(),

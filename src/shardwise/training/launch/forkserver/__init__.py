@@ -15,7 +15,7 @@ the launcher forks it from itself before it checks the job or starts its agent
 A rank sees the launching process's environment, `sys.path` and working directory, as a spawned
 one does. multiprocessing hands each forked child the last two; the environment is the server's,
 from when it started, so a rank first applies what has changed in the launcher since
-(`forked`). What the server imported may have read the environment, though (torch reads
+(`fork_target`). What the server imported may have read the environment, though (torch reads
 `TORCH_*` variables as it imports, numpy its BLAS settings), so when a variable changes, or
 `sys.path` or the directory, the server is started again, unless the variable is one that is
 read only as a rank runs (`RUNTIME_ONLY`). A Python caller that launches many times (a sweep, a
@@ -78,7 +78,7 @@ OPT_OUT = "SHARDWISE_FORKSERVER"
 def start_method() -> str:
     """The start method for this launch's ranks: "forkserver", its server running with this
     process's `sys.path`, working directory and environment (but for `RUNTIME_ONLY` variables,
-    which `forked` hands on); "spawn" where forkserver does not exist, where `OPT_OUT` says so,
+    which `fork_target` hands on); "spawn" where forkserver does not exist, where `OPT_OUT` says so,
     or where multiprocessing's server is not the one this module knows (`known_server`)."""
     global _started_with
     if (
@@ -212,7 +212,9 @@ def _fork_server(server: Any) -> bool:
     return True
 
 
-def forked(entry: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Callable[..., Any], tuple]:
+def fork_target(
+    entry: Callable[..., Any], args: tuple[Any, ...]
+) -> tuple[Callable[..., Any], tuple]:
     """The target and arguments of a process that runs `entry(*args)` forked from the server
     `start_method` started, in this process's environment as it is now."""
     global _unused
