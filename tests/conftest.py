@@ -73,9 +73,9 @@ def _temporary_files(tmp_path_factory):
         os.environ[SPARK_CONF] = _spark_site_configuration(Path(root) / "spark-conf")
     tempfile.tempdir = None  # read TMPDIR again
     yield
-    import zygote
+    import command_server
 
-    zygote.stop()  # the server of `shardwise` commands, started with TMPDIR in the directory
+    command_server.stop()  # the server of `shardwise` commands, started with TMPDIR in there
     for name, value in before.items():
         if value is None:
             os.environ.pop(name, None)

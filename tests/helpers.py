@@ -36,15 +36,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 _SERVER = b"multiprocessing.forkserver"
-_ZYGOTE = b"tests/zygote.py"  # the server of the `shardwise` commands the tests fork (zygote.py)
-_LONG_LIVED = (b"multiprocessing.resource_tracker", _SERVER, _ZYGOTE)
+_COMMAND_SERVER = b"tests/command_server.py"  # the server of the tests' `shardwise` commands
+_LONG_LIVED = (b"multiprocessing.resource_tracker", _SERVER, _COMMAND_SERVER)
 
 
 def children_of(pid: int) -> list[int]:
     """Live children of a process, from /proc, except multiprocessing's resource tracker and
     the ranks' server (one each per parent process, meant to live as long as the parent) and the
-    tests' server of `shardwise` commands (zygote.py); the processes those servers forked for it
-    (ranks, commands) count as its own."""
+    tests' server of `shardwise` commands (command_server.py); the processes those servers forked
+    for it (ranks, commands) count as its own."""
     direct, forked = _children(pid)
     return direct + forked
 
@@ -65,7 +65,7 @@ def _children(pid: int) -> tuple[list[int], list[int]]:
     servers = {
         p
         for p, cmdline in mine.items()
-        if _SERVER in cmdline or _ZYGOTE in cmdline or cmdline == own
+        if _SERVER in cmdline or _COMMAND_SERVER in cmdline or cmdline == own
     }
     direct = [
         p
@@ -510,15 +510,15 @@ def shardwise_process(
     """`shardwise ARGS` started as `subprocess.Popen` starts it (text streams; stdin
     /dev/null), from the repository, with `env` added to this process's environment; in the
     network namespace `netns` as `ip netns exec` runs it. Forked from the worker's server of
-    commands (zygote.py), which has imported torch and the launcher, where the environment
-    allows (a zygote.Forked: what the tests use of Popen); with `fresh`, or where it does not,
-    the console script in a new interpreter."""
-    import zygote
+    commands (command_server.py), which has imported torch and the launcher, where the
+    environment allows (a command_server.Forked: what the tests use of Popen); with `fresh`, or
+    where it does not, the console script in a new interpreter."""
+    import command_server
 
     environment = {**os.environ, **(env or {})}
     command = [SHARDWISE, *args]
     if not fresh:
-        forked = zygote.start(
+        forked = command_server.start(
             command, env=environment, cwd=REPO, stdout=stdout, stderr=stderr, netns=netns
         )
         if forked is not None:
@@ -536,8 +536,8 @@ def shardwise_command(
 ) -> subprocess.CompletedProcess[str]:
     """`shardwise ARGS` as a user runs it (as `subprocess.run` with captured output), started
     as `shardwise_process` starts it."""
-    import zygote
+    import command_server
 
     pipe = subprocess.PIPE
     process = shardwise_process(*args, env=env, stdout=pipe, stderr=pipe, fresh=fresh)
-    return zygote.completed(process, timeout)
+    return command_server.completed(process, timeout)

@@ -450,7 +450,7 @@ def test_a_failing_final_evaluation_keeps_the_final_checkpoint(tmp_path):
     evaluation loses nothing it trained."""
     job = gpt_job(
         tmp_path,
-        model={"name": "tests.zoo:fails_in_evaluation", "args": {}},
+        model={"name": "tests.foreign_models:fails_in_evaluation", "args": {}},
         data={"name": "digits", "args": {}},
         train={"steps": 6, "global_batch": 16, "micro_batch": 8},
     )

@@ -18,10 +18,10 @@ from typing import Any, get_args
 import pytest
 import torch
 
+from foreign_models import torchvision_problem
 from helpers import assert_same_training, gpt_job, outcome, train_in_workers
 from shardwise.training.checkpoint.export import export_safetensors, load_exported
 from shardwise.training.config.schema import Schedule
-from zoo import torchvision_problem
 
 pytestmark = pytest.mark.slow
 LOSS_RTOL, PARAM_ATOL = 1e-5, 2e-5
@@ -30,33 +30,34 @@ STEPS = 8
 ALL = range(1, STEPS + 1)
 
 BN_CNN = {
-    "model": {"name": "tests.zoo:bn_cnn", "args": {}},
+    "model": {"name": "tests.foreign_models:bn_cnn", "args": {}},
     "data": {"name": "digits", "args": {}},
     "train": {"steps": STEPS, "global_batch": 16, "micro_batch": 4, "lr": 1e-2},
     "eval": {"max_samples": 64},
 }
 # tied weights: the output layer is the embedding
 TIED = {
-    "model": {"name": "tests.zoo:tied_lm", "args": {}},
+    "model": {"name": "tests.foreign_models:tied_lm", "args": {}},
     "data": {"args": {"seq_len": 16, "max_bytes": 20_000}},
     "train": {"steps": STEPS, "global_batch": 8, "micro_batch": 2, "lr": 3e-3},
 }
 TIED_META = {**TIED, "model": {**TIED["model"], "init": "meta"}}
-TIED_PLAN = "tests.zoo:tied_lm_tp_plan"
+TIED_PLAN = "tests.foreign_models:tied_lm_tp_plan"
 # models that are not a sequence of blocks: pipelines trace them
 # (62 held-out samples in batches of 8: a traced pipeline pads the last one to its micro-batch)
 TRACEABLE = {**BN_CNN, "eval": {"max_samples": 62, "batch": 8}}
-# torch's own norms with running statistics in four blocks (zoo.norm_blocks): 8 micro-batches of
-# 4 per step, enough for every schedule (4 stages on 2 ranks for the looped and V ones); not of 2,
-# where BatchNorm1d's output is ±1 whatever its input, so the weight before it gets gradients of
-# rounding noise, which Adam makes full steps of, and the layouts part after 6 steps
-NORMS = {**BN_CNN, "model": {"name": "tests.zoo:norm_blocks", "args": {}}}
+# torch's own norms with running statistics in four blocks (foreign_models.norm_blocks): 8
+# micro-batches of 4 per step, enough for every schedule (4 stages on 2 ranks for the looped and
+# V ones); not of 2, where BatchNorm1d's output is ±1 whatever its input, so the weight before it
+# gets gradients of rounding noise, which Adam makes full steps of, and the layouts part after 6
+# steps
+NORMS = {**BN_CNN, "model": {"name": "tests.foreign_models:norm_blocks", "args": {}}}
 NORMS["train"] = {**BN_CNN["train"], "global_batch": 32, "micro_batch": 4}
 SCHEDULES = get_args(Schedule)  # every schedule the config accepts
-MP_CNN = {**TRACEABLE, "model": {"name": "tests.zoo:model_parallel_cnn", "args": {}}}
-MARKED_CNN = {**TRACEABLE, "model": {"name": "tests.zoo:marked_cnn", "args": {}}}
-RESIDUAL = {**TRACEABLE, "model": {"name": "tests.zoo:residual_mlp", "args": {}}}
-LATE_NORM = {**TRACEABLE, "model": {"name": "tests.zoo:late_norm_cnn", "args": {}}}
+MP_CNN = {**TRACEABLE, "model": {"name": "tests.foreign_models:model_parallel_cnn", "args": {}}}
+MARKED_CNN = {**TRACEABLE, "model": {"name": "tests.foreign_models:marked_cnn", "args": {}}}
+RESIDUAL = {**TRACEABLE, "model": {"name": "tests.foreign_models:residual_mlp", "args": {}}}
+LATE_NORM = {**TRACEABLE, "model": {"name": "tests.foreign_models:late_norm_cnn", "args": {}}}
 # a stock Hugging Face GPT-2 (examples/hf_gpt2.py), without dropout so layouts compare exactly
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 NO_TRANSFORMERS = "transformers is not installed (pip install 'shardwise[hf]'; make test does)"
@@ -128,7 +129,7 @@ if HAS_TRANSFORMERS:
 NO_TORCHVISION = torchvision_problem()
 RESNET18 = {
     **BN_CNN,
-    "model": {"name": "tests.zoo:torchvision_resnet18", "args": {}},
+    "model": {"name": "tests.foreign_models:torchvision_resnet18", "args": {}},
     "data": {"name": "digits", "args": {"image_size": 32, "channels": 3}},
     "train": {"steps": STEPS, "global_batch": 16, "micro_batch": 8, "lr": 1e-3},
     "eval": {"max_samples": 62, "batch": 8},

@@ -24,14 +24,14 @@ from shardwise.training.config.schema import SINGLE_STAGE_SCHEDULES, V_SCHEDULES
 pytestmark = pytest.mark.slow
 
 ROPE_LM = {
-    "model": {"name": "tests.zoo:rope_lm", "args": {}, "init": "meta"},
+    "model": {"name": "tests.foreign_models:rope_lm", "args": {}, "init": "meta"},
     "data": {"args": {"seq_len": 8, "max_bytes": 4_000}},
     "train": {"global_batch": 12, "micro_batch": 2},
 }
 # a stock Llama split by the plan transformers declares: its rotary embedding is outside the
 # blocks, its output layer tied to the embedding on another stage
 HF_LLAMA = {
-    "model": {"name": "tests.hf_zoo:llama", "args": {"layers": 4, "tied": True}},
+    "model": {"name": "tests.hf_models:llama", "args": {"layers": 4, "tied": True}},
     "data": {"args": {"seq_len": 16, "max_bytes": 4_000}},
     "train": {"global_batch": 12, "micro_batch": 2},
 }

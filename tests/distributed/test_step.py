@@ -141,7 +141,7 @@ def test_no_step_between_two_log_steps_reads_a_value_on_the_host(tmp_path, one_r
 def test_a_read_in_the_step_is_counted_and_named(tmp_path, one_rank):
     """The same count finds a read where there is one (the test can fail): a loss that checks
     its value on the host."""
-    profile = _profiled(tmp_path / "run", train={"loss": "zoo:loss_that_reads_a_value"})
+    profile = _profiled(tmp_path / "run", train={"loss": "foreign_models:loss_that_reads_a_value"})
     (where,) = {key for r in profile["host_reads"] for key in r["where"]}
     assert "loss_that_reads_a_value" in where and "_local_scalar_dense" in where
     assert [r["count"] for r in profile["host_reads"]] == [2, 2, 2, 2]  # two micro-batches

@@ -32,7 +32,7 @@ STEPS = 30  # 1,437 training rows in steps of 64: an epoch is 22 steps, so the r
 
 def write_digits(root: Path) -> Path:
     """The digits' training split as 3 Parquet files of uneven row groups: `pixels` (64 floats)
-    and `tag` (id·10 + label, which tests.zoo:record_ids splits again)."""
+    and `tag` (id·10 + label, which tests.foreign_models:record_ids splits again)."""
     train, _ = build_digits()
     images = torch.stack([train[i][0].flatten() for i in range(len(train))])
     labels = torch.tensor([int(train[i][1]) for i in range(len(train))])
@@ -52,7 +52,7 @@ def write_digits(root: Path) -> Path:
 
 def job(run_dir: Path, data: Path, *, allow_changed: bool = False, **sections):
     args = {"path": str(data), "inputs": "pixels", "target": "tag", "shuffle_rows": 300,
-            "transform": "zoo:record_ids"}  # fmt: skip
+            "transform": "foreign_models:record_ids"}  # fmt: skip
     return digits_job(
         run_dir,
         data={"name": "parquet", "args": args, "allow_changed": allow_changed},
@@ -170,10 +170,11 @@ def test_a_resume_on_changed_data_is_refused_in_one_line(tmp_path, data, monkeyp
 
 
 def test_a_users_iterable_dataset_with_a_state_resumes_bitwise(tmp_path, monkeypatch):
-    """tests.zoo:digits_stream shards itself by the dp_rank/dp_size it is given and keeps its
-    position; read through torchdata's StatefulDataLoader, a killed run resumes bitwise."""
+    """tests.foreign_models:digits_stream shards itself by the dp_rank/dp_size it is given and
+    keeps its position; read through torchdata's StatefulDataLoader, a killed run resumes
+    bitwise."""
     sections = {
-        "data": {"name": "zoo:digits_stream"},
+        "data": {"name": "foreign_models:digits_stream"},
         "checkpoint": {"every_steps": 8, "keep_last": 3},
         "fault": {"max_restarts": 1},
         "train": {"steps": 30, "global_batch": 64, "micro_batch": 16},

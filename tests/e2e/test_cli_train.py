@@ -33,7 +33,7 @@ def test_digits_job_trains_tracks_and_resumes(tmp_path):
     temp = tmp_path / "tmp"  # the run's temporary files: none are left behind
     temp.mkdir()
     # the console script in a new interpreter, as the README's demo runs it (not forked from the
-    # tests' server of commands, zygote.py)
+    # tests' server of commands, command_server.py)
     done = shardwise(*job, env={"TMPDIR": str(temp)}, fresh=True)
     assert done.returncode == 0, done.stderr
     cache = "torchinductor_"  # torch's compile cache, kept for every later run by design

@@ -1,6 +1,6 @@
 """What transformers declares about a model, read by shardwise so a user writes nothing: the
 pipeline plan (`base_model_pp_plan`), and the refusals before launch where a model declares
-nothing usable. Models are built on the meta device (tests/hf_zoo.py): no process starts."""
+nothing usable. Models are built on the meta device (tests/hf_models.py): no process starts."""
 
 from __future__ import annotations
 
@@ -28,13 +28,13 @@ pytestmark = pytest.mark.skipif(
     reason="transformers is not installed (pip install 'shardwise[hf]'; make test does)",
 )
 TEXT = {"name": "text", "args": {"seq_len": 16, "max_bytes": 4_000}}
-CLASSES = {"name": "tests.hf_zoo:text_classes", "args": {"seq_len": 16, "max_bytes": 4_000}}
+CLASSES = {"name": "tests.hf_models:text_classes", "args": {"seq_len": 16, "max_bytes": 4_000}}
 
 
 def hf_job(tmp_path, model: str, *, data=TEXT, args=None, **parallel):
     return gpt_job(
         tmp_path,
-        model={"name": f"tests.hf_zoo:{model}", "args": args or {}},
+        model={"name": f"tests.hf_models:{model}", "args": args or {}},
         data=data,
         train={"global_batch": 8, "micro_batch": 2},
         parallel=parallel,
@@ -113,7 +113,7 @@ def test_a_declared_plan_is_not_balanced_by_measured_cost(tmp_path, repo_cwd):
 @pytest.mark.parametrize(
     ("model", "data"),
     [
-        ("bert_mlm", {"name": "tests.hf_zoo:masked_text", "args": {}}),
+        ("bert_mlm", {"name": "tests.hf_models:masked_text", "args": {}}),
         ("resnet", {"name": "digits", "args": {}}),
     ],
 )
@@ -177,7 +177,7 @@ def test_bert_splits_by_shardwises_plan_for_encoders_and_a_resnet_is_refused(tmp
     from shardwise.training.parallel.apply import describe
     from shardwise.training.parallel.tensor import tensor_parallel_plan
 
-    masked = {"name": "tests.hf_zoo:masked_text", "args": {}}
+    masked = {"name": "tests.hf_models:masked_text", "args": {}}
     config = hf_job(tmp_path, "bert_mlm", data=masked, tp=2)
     model = builders.build_on_meta(config)
     plan = tensor_parallel_plan(model, None, tp=2, sequence_parallel=False)

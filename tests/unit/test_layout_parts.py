@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from foreign_models import GatedResidualMLP
 from helpers import gpt_job
 from shardwise.common.errors import ConfigError
 from shardwise.models.gpt import build_gpt
@@ -24,7 +25,6 @@ from shardwise.training.parallel.pipeline import (
     stage_indices,
     stage_module,
 )
-from zoo import GatedResidualMLP
 
 
 def test_balance_minimises_the_most_expensive_stage():
@@ -149,7 +149,7 @@ def test_buffers_come_from_init_and_the_template_is_left_as_it_was(tmp_path):
     on every part that holds it; materializing leaves the template able to do it again."""
     from shardwise.training import builders
 
-    config = gpt_job(tmp_path, model={"name": "tests.zoo:rope_lm", "args": {}})
+    config = gpt_job(tmp_path, model={"name": "tests.foreign_models:rope_lm", "args": {}})
     template = builders.build_with_meta_parameters(config)
     assert all(p.is_meta for p in template.parameters())
     expected = builders.build_model(config).rotary.inv_freq
@@ -190,7 +190,7 @@ def test_the_template_keeps_a_parameter_two_modules_were_built_with_as_one(tmp_p
     from shardwise.training import builders
     from shardwise.training.parallel.ties import tied_groups
 
-    config = gpt_job(tmp_path, model={"name": "tests.zoo:shared_scale", "args": {}})
+    config = gpt_job(tmp_path, model={"name": "tests.foreign_models:shared_scale", "args": {}})
     template = builders.build_with_meta_parameters(config)
     assert tied_groups(template) == [("first.scale", "second.scale")]
     assert template.first.scale is template.second.scale and template.first.scale.is_meta
@@ -258,15 +258,15 @@ def test_pipeline_micro_batches_derive_from_either_key(tmp_path):
     assert derive(looped, 2).stages_per_rank == 2
 
 
-CONV_PLAN = "tests.zoo:conv_tp_plan"  # ColwiseParallel on a Conv2d
+CONV_PLAN = "tests.foreign_models:conv_tp_plan"  # ColwiseParallel on a Conv2d
 
 
 def zoo_job(tmp_path, model: str, **parallel):
-    """A digits job with a model from tests/zoo.py (data builders run: checks trace the model
-    on one micro-batch)."""
+    """A digits job with a model from tests/foreign_models.py (data builders run: checks trace the
+    model on one micro-batch)."""
     return gpt_job(
         tmp_path,
-        model={"name": f"tests.zoo:{model}", "args": {}},
+        model={"name": f"tests.foreign_models:{model}", "args": {}},
         data={"name": "digits", "args": {}},
         train={"global_batch": 16, "micro_batch": 4},
         parallel=parallel,
@@ -509,7 +509,7 @@ def test_a_model_without_markers_is_traced_once_and_one_with_them_as_marked(monk
     """An automatic split traces the model once (torch.export's whole work); looking for
     pipe_split() markers runs its forward on the meta device instead of a trace of its own. A
     model with markers is cut where they are, whether or not the meta run could look."""
-    import zoo
+    import foreign_models
     from shardwise.training.parallel import traced
 
     traces = []
@@ -518,7 +518,7 @@ def test_a_model_without_markers_is_traced_once_and_one_with_them_as_marked(monk
         traced, "_pipeline", lambda m, e, s: traces.append(s) or real_pipeline(m, e, s)
     )
     with torch.device("meta"):
-        residual, marked = zoo.residual_mlp(), zoo.marked_cnn()
+        residual, marked = foreign_models.residual_mlp(), foreign_models.marked_cnn()
     split = traced.trace_split(residual, torch.zeros(4, 64, device="meta"), num_stages=2, split=[])
     assert traces == [split.split] and split.split == ["layers.2"]
     traces.clear()
@@ -527,7 +527,9 @@ def test_a_model_without_markers_is_traced_once_and_one_with_them_as_marked(monk
     # off the meta device the forward would compute and draw random numbers: not run to look;
     # the automatic split's trace makes the stages asked for, so there are no markers
     traces.clear()
-    split = traced.trace_split(zoo.residual_mlp(), torch.zeros(4, 64), num_stages=2, split=[])
+    split = traced.trace_split(
+        foreign_models.residual_mlp(), torch.zeros(4, 64), num_stages=2, split=[]
+    )
     assert traces == [["layers.2"]] and len(split.modules) == 2
     # with a marker as well, that trace makes more stages: cut at the marker
     traces.clear()

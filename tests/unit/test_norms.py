@@ -67,7 +67,7 @@ def test_its_forward_leaves_the_statistics_out_of_the_backward():
 def _zoo_job(tmp_path, model: str, **parallel):
     return digits_job(
         tmp_path,
-        model={"name": f"tests.zoo:{model}", "args": {}},
+        model={"name": f"tests.foreign_models:{model}", "args": {}},
         train={"global_batch": 16, "micro_batch": 2},
         parallel=parallel,
     )

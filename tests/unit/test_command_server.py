@@ -1,5 +1,5 @@
-"""The tests' server of `shardwise` commands (tests/zygote.py) runs a console script as a new
-interpreter does: the same argv, sys.path, `__main__`, environment, directory, standard
+"""The tests' server of `shardwise` commands (tests/command_server.py) runs a console script as a
+new interpreter does: the same argv, sys.path, `__main__`, environment, directory, standard
 streams, exit code and exit handlers, and spawned children that re-import `__main__`; and it
 leaves to exec the commands whose environment it could not give them."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+import command_server
 import helpers
-import zygote
 
 pytestmark = pytest.mark.slow  # starts a server that imports torch
 
@@ -58,7 +58,7 @@ def script(tmp_path) -> Path:
 def test_a_forked_command_runs_as_the_interpreter_runs_it(script, tmp_path):
     env = {**os.environ, "SHARDWISE_PROBE": "seen", "PYTHONPATH": str(tmp_path)}
     argv = [str(script), "3", "an argument"]
-    forked = zygote.run(argv, env=env, cwd=tmp_path, timeout=120)
+    forked = command_server.run(argv, env=env, cwd=tmp_path, timeout=120)
     assert forked is not None  # the server takes a change of a runtime variable and PYTHONPATH
     executed = subprocess.run(
         argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120,
@@ -78,7 +78,7 @@ def test_a_started_command_is_what_the_tests_use_of_popen(script, tmp_path):
     """Pipes in text, read in part then to the end by communicate; poll, wait, the exit code."""
     env = {**os.environ, "SHARDWISE_PROBE": "seen"}
     argv = [str(script), "0"]
-    forked = zygote.start(
+    forked = command_server.start(
         argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
     assert forked is not None
@@ -101,7 +101,7 @@ def test_a_command_in_a_network_namespace_sees_only_that_namespace(tmp_path):
     )
     probe.chmod(0o755)
     with two_nodes() as (a, _):
-        forked = zygote.start(
+        forked = command_server.start(
             [str(probe)], env=dict(os.environ), cwd=tmp_path, stdout=subprocess.PIPE,
             netns=a.namespace,
         )  # fmt: skip
@@ -130,12 +130,12 @@ def test_a_shardwise_command_prints_and_exits_as_the_console_script_does(tmp_pat
 def test_an_environment_read_at_import_is_left_to_exec(script, tmp_path):
     for changed in ({"TORCH_SHOW_CPP_STACKTRACES": "1"}, {"TMPDIR": str(tmp_path)}):
         env = {**os.environ, **changed}
-        assert zygote.run([str(script), "0"], env=env, cwd=tmp_path, timeout=60) is None
+        assert command_server.run([str(script), "0"], env=env, cwd=tmp_path, timeout=60) is None
 
 
 def test_a_command_past_its_time_is_killed(tmp_path):
     sleeper = tmp_path / "sleeper"
     sleeper.write_text(f"#!{sys.executable}\nimport time\ntime.sleep(600)\n")
     with pytest.raises(subprocess.TimeoutExpired):
-        zygote.run([str(sleeper)], env=dict(os.environ), cwd=tmp_path, timeout=2)
+        command_server.run([str(sleeper)], env=dict(os.environ), cwd=tmp_path, timeout=2)
     # the leak guard (conftest) fails the test if the command still runs

@@ -1,4 +1,4 @@
-"""The models people train, as transformers builds them (tests/hf_zoo.py: tiny configs, no
+"""The models people train, as transformers builds them (tests/hf_models.py: tiny configs, no
 download), under every layout against one process: Llama-family decoders (Llama untied and tied,
 Mistral, Qwen2: rotary embeddings, RMSNorm, SwiGLU, grouped-query attention) split by the plans
 transformers declares, BERT (masked language model and classifier) and transformers' ResNet
@@ -39,8 +39,8 @@ ALL = range(1, STEPS + 1)
 STATS_ATOL = 5e-5  # batch-norm statistics, as in test_foreign_models.py
 
 TEXT = {"name": "text", "args": {"seq_len": 16, "max_bytes": 20_000}}
-MASKED = {"name": "tests.hf_zoo:masked_text", "args": {"seq_len": 16, "max_bytes": 20_000}}
-CLASSES = {"name": "tests.hf_zoo:text_classes", "args": {"seq_len": 16, "max_bytes": 20_000}}
+MASKED = {"name": "tests.hf_models:masked_text", "args": {"seq_len": 16, "max_bytes": 20_000}}
+CLASSES = {"name": "tests.hf_models:text_classes", "args": {"seq_len": 16, "max_bytes": 20_000}}
 DIGITS = {"name": "digits", "args": {"image_size": 64}}  # the last stage at 2×2, not 1×1
 LM_TRAIN = {"steps": STEPS, "global_batch": 8, "micro_batch": 2, "lr": 3e-3}
 # a traced pipeline pads the held-out set's last batch to its micro-batch: 62 in batches of 8
@@ -48,7 +48,7 @@ EVAL = {"max_samples": 62, "batch": 8}
 
 
 def _model(name: str, **args: Any) -> dict[str, Any]:
-    return {"name": f"tests.hf_zoo:{name}", "args": args}
+    return {"name": f"tests.hf_models:{name}", "args": args}
 
 
 # family: (its job's sections, the stock class its export loads into)

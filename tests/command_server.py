@@ -18,8 +18,8 @@ test that asks for the console script itself (`helpers.shardwise_command(fresh=T
 exec, and so does every command with `SHARDWISE_TESTS_EXEC=1`. The server refuses to serve if
 its imports printed anything (a warning a new interpreter would print to the command's stderr)
 or started a thread. Where this process's own environment changes (a test sets a variable and
-leaves it), the server is started again with it. `SHARDWISE_TESTS_ZYGOTE_LOG=PATH` appends to
-PATH each command left to exec and the variables that kept it from the server.
+leaves it), the server is started again with it. `SHARDWISE_TESTS_COMMAND_SERVER_LOG=PATH`
+appends to PATH each command left to exec and the variables that kept it from the server.
 
 Protocol: a SEQPACKET Unix socket in the abstract namespace; one connection per command: the
 request (JSON: argv, env, cwd) with the three descriptors; the reply the child's pid, then its
@@ -194,7 +194,7 @@ def _exit_code(code: object) -> int:
 
 class _Server:
     def __init__(self) -> None:
-        self.name = f"shardwise-tests-zygote-{os.getpid()}-{time.monotonic_ns()}"
+        self.name = f"shardwise-tests-commands-{os.getpid()}-{time.monotonic_ns()}"
         self.address = "\0" + self.name  # the abstract namespace: no file to remove
         self.env = dict(os.environ)
         self.process = subprocess.Popen(
@@ -330,8 +330,8 @@ def start(
         _server = _Server()
     refused = _server.refuses(env)
     if refused:
-        if os.environ.get("SHARDWISE_TESTS_ZYGOTE_LOG"):
-            with open(os.environ["SHARDWISE_TESTS_ZYGOTE_LOG"], "a") as log:
+        if os.environ.get("SHARDWISE_TESTS_COMMAND_SERVER_LOG"):
+            with open(os.environ["SHARDWISE_TESTS_COMMAND_SERVER_LOG"], "a") as log:
                 print(" ".join(argv[1:3]), sorted(refused), file=log)
         return None
     with contextlib.ExitStack() as closing:

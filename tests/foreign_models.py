@@ -1,6 +1,7 @@
 """Models written the way users write them, not the way shardwise's built-ins are: BatchNorm,
 tied weights, blocks called in a hand-written `forward` with a reshape between them, half of a
-contract. The tests name them by import path (`tests.zoo:...`), as a user's job file would."""
+contract. The tests name them by import path (`tests.foreign_models:...`), as a user's job file
+would."""
 
 from __future__ import annotations
 

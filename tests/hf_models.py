@@ -1,5 +1,5 @@
 """Stock Hugging Face models as users build them (from a small config: nothing is downloaded),
-named by import path in the tests' job files (`tests.hf_zoo:llama`), and the data they train on:
+named by import path in the tests' job files (`tests.hf_models:llama`), and the data they train on:
 Llama-family decoders (rotary embeddings, RMSNorm, SwiGLU, grouped-query attention, tied or
 untied embeddings), BERT for masked language modelling (labels -100 except at masked positions)
 and for sequence classification, and transformers' ResNet for images. Every dropout is off, so
