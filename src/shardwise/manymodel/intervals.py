@@ -180,10 +180,12 @@ def calibrate(
             finite = {n: v for n, v in eligible.items() if math.isfinite(v)}
             picked = min(finite, key=lambda n: finite[n]) if finite else "pooled"
         source = sources(frame.lazy().filter(pl.col("window").is_in(report_on)))
-        got = _scored(source, pooled, series, level, picked) if report_on else {}
+        got = (
+            _scored(source, pooled, series, level, picked, spread=True, spacing=spacing)
+            if report_on
+            else {}
+        )
         scores = {k: v for k, v in got.items() if not k.startswith("_")}
-        if report_on:
-            scores |= _coverage_spread(source, pooled, series, level, picked, spacing)
         missing, total, needs = _honoured(frame, pooled, series, level, picked, n_windows)
         chosen[level] = Level(level, picked, choose_on, report_on, scores, missing, total, needs)
     return Calibration(chosen, pooled, series, n_windows)
@@ -250,57 +252,55 @@ def with_bounds(
 
 
 def _scored(
-    rows: pl.LazyFrame, pooled: pl.DataFrame, series: pl.DataFrame, level: int, method: str
-) -> dict[str, float]:
-    """Coverage, Winkler score and MSIS at `level` of `rows`' intervals by `method`, over the
-    rows with an actual value and an interval (`_n` of them)."""
-    lo, hi = bound_names(level)
-    alpha = 1 - level / 100
-    miss = (pl.col(lo) - pl.col("actual")).clip(0) + (pl.col("actual") - pl.col(hi)).clip(0)
-    winkler = (pl.col(hi) - pl.col(lo)) + 2 / alpha * miss
-    names = score_names(level)
-    got = (
-        with_bounds(rows, pooled, series, {level: method})
-        .filter(pl.col("actual").is_not_null() & pl.col(lo).is_not_null())
-        .select(
-            pl.len().alias("_n"),
-            ((pl.col("actual") >= pl.col(lo)) & (pl.col("actual") <= pl.col(hi)))
-            .mean()
-            .alias(names[0]),
-            winkler.mean().alias(names[1]),
-            (winkler / pl.col("scale")).mean().alias(names[2]),
-        )
-        .collect()
-        .row(0, named=True)
-    )
-    return {k: float(v) if v is not None else math.nan for k, v in got.items()}
-
-
-def _coverage_spread(
     rows: pl.LazyFrame,
     pooled: pl.DataFrame,
     series: pl.DataFrame,
     level: int,
     method: str,
-    spacing: int | None,
+    *,
+    spread: bool = False,
+    spacing: int | None = None,
 ) -> dict[str, float]:
-    """The coverage's 95% interval at `level` by a moving-block bootstrap of time steps (module
-    docstring), and how many time steps there are; NaN bounds below `FEWEST_TIME_STEPS`."""
+    """Coverage, Winkler score and MSIS at `level` of `rows`' intervals by `method`, over the
+    rows with an actual value and an interval (`_n` of them); with `spread`, the coverage's own
+    interval too (`_coverage_spread`), from the same sums per time step (`spacing`: the steps
+    between windows' origins; None: the horizon)."""
     lo, hi = bound_names(level)
+    alpha = 1 - level / 100
+    miss = (pl.col(lo) - pl.col("actual")).clip(0) + (pl.col("actual") - pl.col(hi)).clip(0)
+    winkler = (pl.col(hi) - pl.col(lo)) + 2 / alpha * miss
     gap = spacing or pl.col("step").max()
     per_time = (
         with_bounds(rows, pooled, series, {level: method})
         .filter(pl.col("actual").is_not_null() & pl.col(lo).is_not_null())
         .group_by((pl.col("window") * gap + pl.col("step")).alias("_time"))
         .agg(
+            pl.len().alias("_n"),
             ((pl.col("actual") >= pl.col(lo)) & (pl.col("actual") <= pl.col(hi)))
             .sum()
             .alias("_inside"),
-            pl.len().alias("_n"),
+            winkler.sum().alias("_winkler"),
+            (winkler / pl.col("scale")).sum().alias("_msis"),
         )
         .sort("_time")
         .collect()
     )
+    n = int(per_time["_n"].sum())
+    names = score_names(level)
+    sums = (per_time[c].sum() for c in ("_inside", "_winkler", "_msis"))
+    got = {
+        "_n": float(n),
+        **{k: float(v) / n if n else math.nan for k, v in zip(names, sums, strict=True)},
+    }
+    if spread:
+        got |= _coverage_spread(per_time, level)
+    return got
+
+
+def _coverage_spread(per_time: pl.DataFrame, level: int) -> dict[str, float]:
+    """The coverage's 95% interval at `level` by a moving-block bootstrap of the time steps of
+    `per_time` (module docstring; rows in time order), and how many there are; NaN bounds
+    below `FEWEST_TIME_STEPS`."""
     low, high, count = spread_names(level)
     times = per_time.height
     if times < FEWEST_TIME_STEPS:
