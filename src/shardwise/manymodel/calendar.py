@@ -71,9 +71,10 @@ def infer(frame: pl.DataFrame, ts: str) -> str:
     return f"{seconds}s"
 
 
-def off_step(ts: str, freq: str) -> pl.Expr:
-    """True on a row that does not follow its series' row before by one step of `freq`."""
-    col, before = pl.col(ts), pl.col(ts).shift(1).over(SERIES)
+def off_step(ts: str, freq: str, before: pl.Expr) -> pl.Expr:
+    """True on a row that does not follow its series' row before (`before`: that row's time,
+    null on a series' first) by one step of `freq`."""
+    col = pl.col(ts)
     months = months_per_step(freq)
     if months is None:
         return before.is_not_null() & (col != before.dt.offset_by(freq))

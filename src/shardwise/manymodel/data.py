@@ -332,8 +332,10 @@ def _check_regular(
     """Every row follows its series' row before by one step of `freq` (`given`: data.freq set,
     else inferred); a one-line error naming the first that does not, and what to change."""
     ts = columns.timestamp
-    before = pl.col(ts).shift(1).over(SERIES).alias("_before")
-    bad = frame.with_columns(before).filter(calendar.off_step(ts, freq))
+    before = (
+        pl.col(ts).shift(1).over(SERIES).alias("_before")
+    )  # computed once, kept for the message
+    bad = frame.with_columns(before).filter(calendar.off_step(ts, freq, pl.col("_before")))
     if not bad.height:
         return
     row = bad.row(0, named=True)
