@@ -84,11 +84,8 @@ class Snapshot:
     """Columns not every file holds, each with why: missing from a file (files of one table
     may differ in columns, and in compatible types: a list or a fixed-size list), or a Delta
     partition's, whose value lives in the table's log."""
-
-    @functools.cached_property
-    def schemas(self) -> tuple[pa.Schema, ...]:
-        """Each file's own schema (from its footer)."""
-        return tuple(footer.schema.to_arrow_schema() for footer in self.footers)
+    schemas: tuple[pa.Schema, ...] = ()
+    """Each file's own schema (from its footer), converted once as the files are listed."""
 
     @functools.cached_property
     def rows(self) -> int:
@@ -326,11 +323,12 @@ def _snapshot(
         with ThreadPoolExecutor(min(16, len(files))) as pool:
             found = list(pool.map(footer, files, sized))
     footers, sizes = zip(*found, strict=True)
-    schema = footers[0].schema.to_arrow_schema()
+    schemas = tuple(meta.schema.to_arrow_schema() for meta in footers)
+    schema = schemas[0]
     lacking: dict[str, str] = {}  # a column some file does not have: the first such file
     fragments: list[Fragment] = []
     for index, (url, meta) in enumerate(zip(files, footers, strict=True)):
-        names = set(meta.schema.to_arrow_schema().names)
+        names = set(schemas[index].names)
         for name in schema.names:
             if name not in names:
                 lacking.setdefault(name, f"missing from {url}")
@@ -352,6 +350,7 @@ def _snapshot(
         footers,
         sizes,
         tuple(lacking.items()),
+        schemas,
     )
 
 
