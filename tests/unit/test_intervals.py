@@ -11,6 +11,7 @@ import numpy as np
 import polars as pl
 import pyarrow.parquet as pq
 import pytest
+from polars.testing import assert_frame_equal
 
 from shardwise.common.job_files import validate_as
 from shardwise.manymodel.chunk import run_chunk
@@ -56,7 +57,7 @@ def test_the_conformal_rank_by_hand():
     """Pooled over series: the ⌈(n + 1)·L⌉-th smallest of the n scale-free errors of the
     windows before; a series' half-width is that times its scale."""
     rows = _rows([[1.0, 5.0, 0.0], [2.0, 4.0, 0.0], [3.0, 6.0, 0.0]], scale=2.0)
-    got = calibrate(rows, [50], 3, "pooled", sources=lambda r: r)
+    got = calibrate([rows], [50], 3, "pooled", sources=lambda r: r)
     pooled = got.pooled.sort("window")
     # window 1: 3 errors (0.5, 1, 1.5): rank ⌈4 · 0.5⌉ = 2; window 2: 6, rank ⌈7 · 0.5⌉ = 4;
     # window 3 (the forecast's): 9, three of them 0, rank ⌈10 · 0.5⌉ = 5
@@ -64,15 +65,89 @@ def test_the_conformal_rank_by_hand():
     final = got.forecast_bounds(
         pl.DataFrame(
             {SERIES: [0], "model": ["m"], "step": [1], "forecast": [10.0], "scale": [3.0]}
-        ).lazy()
+        ).lazy(),
+        rows,
     ).collect()
     assert final.row(0, named=True) | {} == {
         SERIES: 0, "model": "m", "step": 1, "forecast": 10.0, "scale": 3.0,
         "lo_50": 7.0, "hi_50": 13.0,
     }  # fmt: skip
     # per series, 3 windows before the forecast: rank ⌈4 · 0.5⌉ = 2 of (0, 1, 5)
-    series = calibrate(rows, [50], 3, "series", sources=lambda r: r).series
-    assert series.filter((pl.col(SERIES) == 0) & (pl.col("window") == 3))["w_50"].item() == 1.0
+    own = calibrate([rows], [50], 3, "series", sources=lambda r: r)
+    final = own.forecast_bounds(
+        pl.DataFrame({SERIES: [0], "model": ["m"], "step": [1], "forecast": [10.0]}).lazy(), rows
+    ).collect()
+    assert (final["lo_50"].item(), final["hi_50"].item()) == (9.0, 11.0)
+
+
+def _panel(series: int, seed: int) -> pl.DataFrame:
+    """Backtest rows of two models, 5 windows and 2 steps whose scale-free errors tie (values
+    on a grid), are mostly exactly 0 (the 50% rank), 6% infinite (above the 95% rank), and
+    have no scale for a few series."""
+    rng = np.random.default_rng(seed)
+    per_series = 2 * 5 * 2
+    n = series * per_series
+    actual = np.round(rng.gamma(2.0, 3.0, n), 1)
+    forecast = np.where(rng.random(n) < 0.6, actual, np.round(rng.gamma(2.0, 3.0, n), 1))
+    forecast[rng.random(n) < 0.06] = np.inf
+    scale = np.where(rng.random(series) < 0.05, 0.0, rng.gamma(2.0, 1.0, series))
+    return pl.DataFrame(
+        {SERIES: np.repeat(np.arange(series), per_series),
+         "model": np.tile(np.repeat(["a", "b"], 10), series),
+         "window": np.tile(np.repeat(np.arange(5), 2), 2 * series),
+         "origin": 0, "step": np.tile([1, 2], 10 * series),
+         "forecast": forecast, "actual": actual, "scale": np.repeat(scale, per_series)}
+    )  # fmt: skip
+
+
+def test_pooled_widths_are_exact_ranks_however_the_series_are_split():
+    """The pooled half-widths are read a part of the series at a time, never all the errors at
+    once (outputs.py), yet are each the exact conformal rank: equal to sorting every error of
+    the windows before by hand, ties, zeros and infinities included, and the same for one
+    part as for 9; so are every score and every bound, by every method."""
+    frame = _panel(900, seed=5)
+    levels = [50, 80, 95]
+    whole = {
+        m: calibrate(
+            [frame.lazy()], levels, 5, m, sources=lambda r: r.filter(pl.col("model") == "a")
+        )
+        for m in ("pooled", "series", "auto")
+    }
+    scaled = frame.filter(pl.col("scale") > 0).with_columns(
+        ((pl.col("actual") - pl.col("forecast")).abs() / pl.col("scale")).alias("e")
+    )
+    pooled = whole["pooled"].pooled
+    for (model, step, t), q in zip(
+        pooled.select("model", "step", "window").iter_rows(), pooled["q_80"], strict=True
+    ):
+        errors = scaled.filter(
+            (pl.col("model") == model) & (pl.col("step") == step) & (pl.col("window") < t)
+        )["e"].to_numpy()
+        rank = -(-(len(errors) + 1) * 80 // 100)
+        assert q == np.sort(errors)[rank - 1], (model, step, t)
+    assert np.isinf(pooled["q_95"].max()) and (pooled["q_50"] == 0).any()
+    parts = [frame.filter(pl.col(SERIES) // 100 == i).lazy() for i in range(9)]
+    finals = frame.filter(pl.col("window") == 4).drop("window", "actual").lazy()
+    for method, one in whole.items():
+        split = calibrate(
+            parts, levels, 5, method, sources=lambda r: r.filter(pl.col("model") == "a")
+        )
+        assert split.pooled.sort("model", "window", "step").equals(
+            one.pooled.sort("model", "window", "step")
+        )
+        for level in levels:
+            a, b = one.levels[level], split.levels[level]
+            assert (a.method, a.missing, a.total, a.needs) == (
+                b.method,
+                b.missing,
+                b.total,
+                b.needs,
+            )
+            assert b.scores == pytest.approx(a.scores, rel=1e-12, nan_ok=True)
+        assert_frame_equal(
+            split.forecast_bounds(finals, frame.lazy()).collect().sort(SERIES, "model", "step"),
+            one.forecast_bounds(finals, frame.lazy()).collect().sort(SERIES, "model", "step"),
+        )
 
 
 def test_a_level_that_cannot_be_honoured_is_null_and_says_what_it_needs():
@@ -80,11 +155,12 @@ def test_a_level_that_cannot_be_honoured_is_null_and_says_what_it_needs():
     (not): its bounds are null, never the largest error under the level's name."""
     assert (needed(80), needed(90), needed(95)) == (4, 9, 19)
     rows = _rows([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
-    got = calibrate(rows, [80, 95], 2, "pooled", sources=lambda r: r)
+    got = calibrate([rows], [80, 95], 2, "pooled", sources=lambda r: r)
     final = got.forecast_bounds(
         pl.DataFrame(
             {SERIES: [0], "model": ["m"], "step": [1], "forecast": [0.0], "scale": [1.0]}
-        ).lazy()
+        ).lazy(),
+        rows,
     ).collect()
     assert final["hi_80"].item() == 6.0 and final["hi_95"].item() is None
     assert got.levels[80].honoured and not got.levels[95].honoured
@@ -137,10 +213,14 @@ def test_pooled_intervals_cover_unseen_values_at_three_windows(noisy):
     intervals cover within ±3 points of 80% and 95% (≥ 3 standard errors: 0.9 and 0.5 points),
     and their half-widths are within 5% of z·σ: a band too wide would cover too, and fail."""
     tables, truth = noisy
-    got = calibrate(tables["backtest"].lazy(), [80, 95], 3, "auto", sources=lambda r: r)
+    got = calibrate([tables["backtest"].lazy()], [80, 95], 3, "auto", sources=lambda r: r)
     assert got.levels[80].method == "pooled" and got.levels[80].chosen_on == [1]
     assert got.levels[80].reported_on == [2]
-    forecasts = got.forecast_bounds(tables["forecasts"].lazy()).collect().sort(SERIES, "step")
+    forecasts = (
+        got.forecast_bounds(tables["forecasts"].lazy(), tables["backtest"].lazy())
+        .collect()
+        .sort(SERIES, "step")
+    )
     actual = truth.reshape(-1)  # series in id order, then steps
     for level in (80, 95):
         lower, upper = forecasts[f"lo_{level}"].to_numpy(), forecasts[f"hi_{level}"].to_numpy()
@@ -158,8 +238,8 @@ def test_per_series_intervals_at_three_windows_are_not_made(noisy):
     """What the run did before: each series' own 3 errors, the largest standing for 95%.
     Now such a level is null, and says it needs 19 windows."""
     tables, _ = noisy
-    got = calibrate(tables["backtest"].lazy(), [80, 95], 3, "series", sources=lambda r: r)
-    forecasts = got.forecast_bounds(tables["forecasts"].lazy()).collect()
+    got = calibrate([tables["backtest"].lazy()], [80, 95], 3, "series", sources=lambda r: r)
+    forecasts = got.forecast_bounds(tables["forecasts"].lazy(), tables["backtest"].lazy()).collect()
     assert forecasts["lo_95"].is_null().all() and forecasts["lo_80"].is_null().all()
     assert "backtest.n_windows ≥ 19 (has 3)" in got.levels[95].needs
 
@@ -199,7 +279,7 @@ def test_coverage_comes_with_an_interval_over_time_steps_not_series():
     got = {}
     for series in (1, 200):
         rows = _shocked(series, shocks, windows, horizon)
-        got[series] = calibrate(rows, [50], windows, "pooled", sources=lambda r: r).levels[50]
+        got[series] = calibrate([rows], [50], windows, "pooled", sources=lambda r: r).levels[50]
     one, many = got[1].scores, got[200].scores
     assert got[200].reported_on == [3, 4, 5] and many["coverage_50_time_steps"] == 36.0
     for name in ("coverage_50", "coverage_50_low", "coverage_50_high"):
@@ -210,7 +290,7 @@ def test_coverage_comes_with_an_interval_over_time_steps_not_series():
 
 def test_coverage_from_too_few_time_steps_is_said_to_be_too_few():
     rows = _shocked(50, np.zeros(3 * 2, dtype=bool), 3, 2)  # windows 1 and 2: 4 time steps
-    level = calibrate(rows, [80], 3, "pooled", sources=lambda r: r).levels[80]
+    level = calibrate([rows], [80], 3, "pooled", sources=lambda r: r).levels[80]
     assert level.scores["coverage_80_time_steps"] == 2.0
     assert np.isnan(level.scores["coverage_80_low"])
     from shardwise.manymodel.intervals import describe

@@ -31,12 +31,21 @@ of independent checks: the interval resamples time steps (a window's step j is t
 (serial dependence), each time step with all its series' rows. With fewer than
 `FEWEST_TIME_STEPS` time steps it is not estimated, and the summary says the coverage is from
 too few to judge.
+
+The backtest's rows are read a part of the series at a time (`Parts`; a run's are a few chunks'
+files), so the driver's memory does not grow with the series: the pooled widths are exact ranks
+found from counts per bucket of values and the few values of the buckets the ranks fall in
+(`_pooled_widths`); a series' own widths come from its own rows; the scores are sums per time
+step, added part by part.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import math
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -105,24 +114,29 @@ class Calibration:
     pooled: pl.DataFrame
     """model, window (the window the interval is for; n_windows: the forecast), step, and
     `q_<level>`: the pooled scale-free half-width."""
-    series: pl.DataFrame
-    """series, model, window, step, and `w_<level>`: the series' own half-width (no rows
-    where no level's method uses them)."""
     n_windows: int
     """The backtest's windows: the forecast's intervals are those of window n_windows."""
 
-    def bounds(self, rows: pl.LazyFrame) -> pl.LazyFrame:
+    def bounds(self, rows: pl.LazyFrame, backtest: pl.LazyFrame) -> pl.LazyFrame:
         """`rows` (series, model, window, step, forecast, scale and the own interval columns)
-        with `lo_<level>`, `hi_<level>` by each level's method; null where not honoured."""
-        return with_bounds(
-            rows, self.pooled, self.series, {n: v.method for n, v in self.levels.items()}
-        )
+        with `lo_<level>`, `hi_<level>` by each level's method; null where not honoured.
+        `backtest`: the backtest rows of (at least) the same series, which a level by the
+        `series` method takes its widths from."""
+        methods = {n: v.method for n, v in self.levels.items()}
+        own = [n for n, m in methods.items() if m == "series"]
+        series = (
+            _widths(_errors(backtest).collect(), _SERIES_KEYS, "_error", "w", own,
+                    range(1, self.n_windows + 1))
+            if own
+            else None
+        )  # fmt: skip
+        return with_bounds(rows, self.pooled, series, methods)
 
-    def forecast_bounds(self, rows: pl.LazyFrame) -> pl.LazyFrame:
+    def forecast_bounds(self, rows: pl.LazyFrame, backtest: pl.LazyFrame) -> pl.LazyFrame:
         """The final forecasts' `rows` (a chunk's forecasts table) with their bounds, which
-        every window's errors make."""
+        every window's errors make (`backtest`: as for `bounds`)."""
         window = pl.lit(self.n_windows, pl.Int64).alias("window")
-        return self.bounds(rows.with_columns(window)).drop("window")
+        return self.bounds(rows.with_columns(window), backtest).drop("window")
 
     def metadata(self) -> dict[str, str]:
         """The Parquet metadata the forecast files carry (METADATA_KEY)."""
@@ -137,58 +151,192 @@ class Calibration:
         return {METADATA_KEY: json.dumps(shown)}
 
 
+Parts = Sequence[pl.LazyFrame]
+"""A backtest's rows (backtest.py: series, model, window, step, forecast, actual, scale, own
+intervals) in parts of whole series, read one part at a time."""
+_SERIES_KEYS = [SERIES, "model", "step"]
+_POOLED_KEYS = ["model", "step"]
+_BUCKET_SHIFT = 46
+"""A non-negative float's bits shifted right by 52 − 6: its exponent and 6 leading mantissa
+bits, a bucket index in the values' order (64 buckets per power of two)."""
+
+
+@dataclass
+class _Tally:
+    """What scoring needs of every part, summed as the parts are read: sums per time step
+    of the choosing and the reported windows, and the final forecasts without an interval,
+    per level and method; series with a seasonal naive scale."""
+
+    choose: defaultdict[tuple[int, str], list[pl.DataFrame]] = field(
+        default_factory=lambda: defaultdict(list)
+    )
+    report: defaultdict[tuple[int, str], list[pl.DataFrame]] = field(
+        default_factory=lambda: defaultdict(list)
+    )
+    unbounded: defaultdict[tuple[int, str], np.ndarray] = field(
+        default_factory=lambda: defaultdict(lambda: np.zeros(2, dtype=np.int64))
+    )
+    scaled_series: int = 0
+
+
 def calibrate(
-    backtest: pl.LazyFrame,
+    parts: Parts,
     levels: Sequence[int],
     n_windows: int,
     method: str,
     sources: Callable[[pl.LazyFrame], pl.LazyFrame],
     spacing: int | None = None,
 ) -> Calibration:
-    """The run's intervals from every chunk's `backtest` rows (backtest.py: series, model,
-    window, step, forecast, actual, scale, own intervals): `method` is `backtest.intervals`;
-    `sources` keeps the rows of the model each series' forecasts come from (selection.py),
-    which the scores are of; `spacing`: steps between windows' origins (None: the horizon)."""
-    rows = backtest.with_columns(
+    """The run's intervals from the backtest's rows in `parts` (at least one), read a part at
+    a time: the driver holds one part and tallies that grow with models, steps and windows,
+    not series. `method` is `backtest.intervals`; `sources` keeps the rows of the model each
+    series' forecasts come from (selection.py), which the scores are of; `spacing`: steps
+    between windows' origins (None: the horizon)."""
+    targets = range(1, n_windows + 1)  # the windows an interval can be made for
+    pooled = _pooled_widths(parts, levels, targets)
+    scored = list(range(1, n_windows))
+    half = len(scored) // 2 if len(scored) >= 2 else 0
+    choose_on = scored[:half] if method == "auto" else []
+    report_on = scored[half:]
+    candidates = AUTO if method == "auto" else (method,)
+    gap = spacing or int(pooled.select(pl.col("step").max()).item() or 1)
+    tally = _Tally()
+    for part in parts:
+        frame = _errors(part).collect()
+        series = (
+            _widths(frame, _SERIES_KEYS, "_error", "w", levels, targets)
+            if "series" in candidates
+            else None
+        )
+        reported = sources(frame.lazy().filter(pl.col("window").is_in(report_on)))
+        last = frame.lazy().filter(pl.col("window") == n_windows - 1)
+        for level, name in itertools.product(levels, candidates):
+            bounded = functools.partial(
+                _per_time, pooled=pooled, series=series, level=level, method=name, gap=gap
+            )
+            if choose_on:
+                window = pl.col("window").is_in(choose_on)
+                tally.choose[level, name].append(bounded(frame.lazy().filter(window)))
+            if report_on:
+                tally.report[level, name].append(bounded(reported))
+            tally.unbounded[level, name] += _unbounded(last, pooled, series, level, name, n_windows)
+        tally.scaled_series += frame.filter(pl.col("scale").is_not_null())[SERIES].n_unique()
+    chosen: dict[int, Level] = {}
+    for level in levels:
+        picked = _picked(tally, level) if choose_on else "pooled" if method == "auto" else method
+        got = _scores(tally.report[level, picked], level, spread=True) if report_on else {}
+        scores = {k: v for k, v in got.items() if not k.startswith("_")}
+        missing, total = (int(n) for n in tally.unbounded[level, picked])
+        needs = _needs(level, picked, n_windows, tally.scaled_series) if missing else ""
+        chosen[level] = Level(level, picked, choose_on, report_on, scores, missing, total, needs)
+    return Calibration(chosen, pooled, n_windows)
+
+
+def _errors(rows: pl.LazyFrame) -> pl.LazyFrame:
+    """`rows` with each forecast's absolute error, and that scaled by the series' scale
+    (null where the scale is not positive)."""
+    return rows.with_columns(
         (pl.col("actual") - pl.col("forecast")).abs().alias("_error"),
         pl.when(pl.col("scale") > 0).then(pl.col("scale")).alias("scale"),
     ).with_columns((pl.col("_error") / pl.col("scale")).alias("_scaled"))
-    frame = rows.collect()
-    targets = range(1, n_windows + 1)  # the windows an interval can be made for
-    pooled = _widths(frame, ["model", "step"], "_scaled", "q", levels, targets)
-    # each series' own: as many rows as the backtest, so only where a method may use them
-    series = _widths(
-        frame if method in ("auto", "series") else frame.clear(),
-        [SERIES, "model", "step"], "_error", "w", levels, targets,
-    )  # fmt: skip
-    scored = list(range(1, n_windows))
-    half = len(scored) // 2 if len(scored) >= 2 else 0
-    choose_on, report_on = scored[:half], scored[half:]
-    chosen: dict[int, Level] = {}
-    if method != "auto":
-        choose_on = []
-    for level in levels:
-        picked = "pooled" if method == "auto" else method
-        if choose_on:
-            window = pl.col("window").is_in(choose_on)
-            counts, msis = {}, {}
-            for name in AUTO:
-                got = _scored(frame.lazy().filter(window), pooled, series, level, name)
-                counts[name], msis[name] = got["_n"], got[score_names(level)[2]]
-            # those that give an interval wherever pooled does, by their MSIS
-            eligible = {n: msis[n] for n in AUTO if counts[n] >= counts["pooled"] > 0}
-            finite = {n: v for n, v in eligible.items() if math.isfinite(v)}
-            picked = min(finite, key=lambda n: finite[n]) if finite else "pooled"
-        source = sources(frame.lazy().filter(pl.col("window").is_in(report_on)))
+
+
+def _picked(tally: _Tally, level: int) -> str:
+    """The method `auto` chooses at `level`: of those that give an interval wherever pooled
+    does on the choosing windows, the lowest MSIS (pooled if none is finite)."""
+    counts, msis = {}, {}
+    for name in AUTO:
+        got = _scores(tally.choose[level, name], level)
+        counts[name], msis[name] = got["_n"], got[score_names(level)[2]]
+    eligible = {n: msis[n] for n in AUTO if counts[n] >= counts["pooled"] > 0}
+    finite = {n: v for n, v in eligible.items() if math.isfinite(v)}
+    return min(finite, key=lambda n: finite[n]) if finite else "pooled"
+
+
+def _pooled_widths(parts: Parts, levels: Sequence[int], targets: range) -> pl.DataFrame:
+    """Per target window t, model and step, `q_<level>`: the conformal rank of the scale-free
+    errors of the windows before t, pooled over series (null: too few for the rank). Exact, in
+    two reads of the parts that keep no more than a few buckets' values: the first counts the
+    errors per bucket (`_BUCKET_SHIFT`), which says the bucket each rank falls in and its rank
+    there; the second keeps the values of those buckets (none where a bucket holds one value,
+    as all the zeros do)."""
+    keys = [*_POOLED_KEYS, "window", "_bucket"]
+    summed = [pl.col("_n").sum(), pl.col("_min").min(), pl.col("_max").max()]
+    counts = None
+    for part in parts:  # each part's counts added as it is read: the tallies stay one
         got = (
-            _scored(source, pooled, series, level, picked, spread=True, spacing=spacing)
-            if report_on
-            else {}
+            _bucketed(part)
+            .group_by(keys)
+            .agg(
+                pl.len().cast(pl.Int64).alias("_n"),
+                pl.col("_scaled").min().alias("_min"),
+                pl.col("_scaled").max().alias("_max"),
+            )
         )
-        scores = {k: v for k, v in got.items() if not k.startswith("_")}
-        missing, total, needs = _honoured(frame, pooled, series, level, picked, n_windows)
-        chosen[level] = Level(level, picked, choose_on, report_on, scores, missing, total, needs)
-    return Calibration(chosen, pooled, series, n_windows)
+        counts = got if counts is None else pl.concat([counts, got]).group_by(keys).agg(summed)
+    assert counts is not None, "calibrate needs at least one part"
+    bases, ranked = [], []
+    for t in targets:
+        hist = (
+            counts.lazy()
+            .filter(pl.col("window") < t)
+            .group_by(*_POOLED_KEYS, "_bucket")
+            .agg(summed)
+            .sort(*_POOLED_KEYS, "_bucket")
+            .with_columns(
+                pl.col("_n").cum_sum().over(_POOLED_KEYS).alias("_upto"),
+                pl.col("_n").sum().over(_POOLED_KEYS).alias("_total"),
+                pl.lit(t, pl.Int64).alias("window"),
+            )
+        )
+        bases.append(hist.select(*_POOLED_KEYS, "window").unique())
+        for level in levels:
+            rank = ((pl.col("_total") + 1) * level + 99) // 100 - 1
+            before = pl.col("_upto") - pl.col("_n")
+            ranked.append(
+                hist.filter((before <= rank) & (rank < pl.col("_upto"))).select(
+                    *_POOLED_KEYS, "window", "_bucket", "_min", "_max",
+                    (rank - before).alias("_within"), pl.lit(level).alias("_level"),
+                )
+            )  # fmt: skip
+    ranks = pl.concat(ranked).collect()
+    one_value = ranks.filter(pl.col("_min") == pl.col("_max"))
+    several = ranks.filter(pl.col("_min") != pl.col("_max"))
+    wanted = several.select(*_POOLED_KEYS, "_bucket").unique()
+    values = pl.concat(
+        _bucketed(part).join(wanted, on=[*_POOLED_KEYS, "_bucket"], how="semi")
+        for part in (parts if wanted.height else parts[:1])
+    ).rename({"window": "_from"})
+    picked = (
+        several.join(values, on=[*_POOLED_KEYS, "_bucket"])
+        .filter(pl.col("_from") < pl.col("window"))
+        .group_by(*_POOLED_KEYS, "window", "_level")
+        .agg(pl.col("_scaled").sort().get(pl.col("_within").first()).alias("_q"))
+    )
+    widths = pl.concat(
+        [one_value.select(*_POOLED_KEYS, "window", "_level", pl.col("_min").alias("_q")),
+         picked.select(*_POOLED_KEYS, "window", "_level", "_q")]
+    )  # fmt: skip
+    out = pl.concat(bases).collect()
+    for level in levels:
+        got = widths.filter(pl.col("_level") == level).select(
+            *_POOLED_KEYS, "window", pl.col("_q").alias(f"q_{level}")
+        )
+        out = out.join(got, on=[*_POOLED_KEYS, "window"], how="left")
+    return out
+
+
+def _bucketed(rows: pl.LazyFrame) -> pl.DataFrame:
+    """`rows`' model, step, window and scale-free error where it is a number, with its
+    bucket (`_BUCKET_SHIFT`)."""
+    frame = (
+        _errors(rows)
+        .select(*_POOLED_KEYS, "window", "_scaled")
+        .filter(pl.col("_scaled").is_not_null() & pl.col("_scaled").is_not_nan())
+        .collect()
+    )
+    bits = frame["_scaled"].to_numpy().view(np.int64) >> _BUCKET_SHIFT
+    return frame.with_columns(pl.Series("_bucket", bits))
 
 
 def _widths(
@@ -222,20 +370,29 @@ def _widths(
 
 
 def with_bounds(
-    rows: pl.LazyFrame, pooled: pl.DataFrame, series: pl.DataFrame, methods: dict[int, str]
+    rows: pl.LazyFrame,
+    pooled: pl.DataFrame,
+    series: pl.DataFrame | None,
+    methods: dict[int, str],
 ) -> pl.LazyFrame:
-    """`rows` with each level's bounds by its method (module docstring)."""
-    wanted_q = [f"q_{level}" for level in methods]
-    wanted_w = [f"w_{level}" for level in methods]
-    joined = rows.join(
-        pooled.lazy().select("model", "window", "step", *wanted_q),
-        on=["model", "window", "step"],
-        how="left",
-    ).join(
-        series.lazy().select(SERIES, "model", "window", "step", *wanted_w),
-        on=[SERIES, "model", "window", "step"],
-        how="left",
-    )
+    """`rows` with each level's bounds by its method (module docstring); `series`: the
+    series' own widths, where a method is `series`."""
+    wanted_q = [f"q_{level}" for level, m in methods.items() if m != "series"]
+    wanted_w = [f"w_{level}" for level, m in methods.items() if m == "series"]
+    joined = rows
+    if wanted_q:
+        joined = joined.join(
+            pooled.lazy().select("model", "window", "step", *wanted_q),
+            on=["model", "window", "step"],
+            how="left",
+        )
+    if wanted_w:
+        assert series is not None, "a level by the series method needs the series' widths"
+        joined = joined.join(
+            series.lazy().select(SERIES, "model", "window", "step", *wanted_w),
+            on=[SERIES, "model", "window", "step"],
+            how="left",
+        )
     bounds = []
     for level, method in methods.items():
         lo, hi = bound_names(level)
@@ -251,26 +408,23 @@ def with_bounds(
     return joined.with_columns(bounds).drop(*wanted_q, *wanted_w)
 
 
-def _scored(
+def _per_time(
     rows: pl.LazyFrame,
+    *,
     pooled: pl.DataFrame,
-    series: pl.DataFrame,
+    series: pl.DataFrame | None,
     level: int,
     method: str,
-    *,
-    spread: bool = False,
-    spacing: int | None = None,
-) -> dict[str, float]:
-    """Coverage, Winkler score and MSIS at `level` of `rows`' intervals by `method`, over the
-    rows with an actual value and an interval (`_n` of them); with `spread`, the coverage's own
-    interval too (`_coverage_spread`), from the same sums per time step (`spacing`: the steps
-    between windows' origins; None: the horizon)."""
+    gap: int,
+) -> pl.DataFrame:
+    """Per time step (`window · gap + step`: `gap` the steps between windows' origins), the
+    sums the scores at `level` of `rows`' intervals by `method` are made of, over the rows
+    with an actual value and an interval: `_n` rows, `_inside`, `_winkler`, `_msis`."""
     lo, hi = bound_names(level)
     alpha = 1 - level / 100
     miss = (pl.col(lo) - pl.col("actual")).clip(0) + (pl.col("actual") - pl.col(hi)).clip(0)
     winkler = (pl.col(hi) - pl.col(lo)) + 2 / alpha * miss
-    gap = spacing or pl.col("step").max()
-    per_time = (
+    return (
         with_bounds(rows, pooled, series, {level: method})
         .filter(pl.col("actual").is_not_null() & pl.col(lo).is_not_null())
         .group_by((pl.col("window") * gap + pl.col("step")).alias("_time"))
@@ -282,15 +436,26 @@ def _scored(
             winkler.sum().alias("_winkler"),
             (winkler / pl.col("scale")).sum().alias("_msis"),
         )
-        .sort("_time")
         .collect()
     )
-    n = int(per_time["_n"].sum())
+
+
+def _scores(parts: list[pl.DataFrame], level: int, *, spread: bool = False) -> dict[str, float]:
+    """Coverage, Winkler score and MSIS at `level` from the parts' sums per time step
+    (`_per_time`), over `_n` rows; with `spread`, the coverage's own interval too
+    (`_coverage_spread`)."""
     names = score_names(level)
-    sums = (per_time[c].sum() for c in ("_inside", "_winkler", "_msis"))
+    sums = ["_n", "_inside", "_winkler", "_msis"]
+    per_time = (
+        pl.concat(parts).group_by("_time").agg(pl.col(sums).sum()).sort("_time")
+        if parts
+        else pl.DataFrame(schema=dict.fromkeys(["_time", *sums], pl.Float64))
+    )
+    n = int(per_time["_n"].sum())
+    totals = (per_time[c].sum() for c in sums[1:])
     got = {
         "_n": float(n),
-        **{k: float(v) / n if n else math.nan for k, v in zip(names, sums, strict=True)},
+        **{k: float(v) / n if n else math.nan for k, v in zip(names, totals, strict=True)},
     }
     if spread:
         got |= _coverage_spread(per_time, level)
@@ -317,18 +482,17 @@ def _coverage_spread(per_time: pl.DataFrame, level: int) -> dict[str, float]:
     return {low: float(bounds[0]), high: float(bounds[1]), count: float(times)}
 
 
-def _honoured(
-    frame: pl.DataFrame,
+def _unbounded(
+    last: pl.LazyFrame,
     pooled: pl.DataFrame,
-    series: pl.DataFrame,
+    series: pl.DataFrame | None,
     level: int,
     method: str,
     n_windows: int,
-) -> tuple[int, int, str]:
-    """How many final forecast rows get no interval at `level` by `method` (counted on the
-    model × step pairs every series' forecasts have: the last window's rows stand for them),
-    and what honouring the level takes."""
-    last = frame.lazy().filter(pl.col("window") == n_windows - 1)
+) -> np.ndarray:
+    """How many final forecast rows get no interval at `level` by `method`, of how many
+    (counted on the model × step pairs every series' forecasts have: the `last` window's rows
+    stand for them)."""
     final = with_bounds(
         last.with_columns(pl.lit(n_windows, pl.Int64).alias("window")),
         pooled,
@@ -336,29 +500,23 @@ def _honoured(
         {level: method},
     )
     lo = bound_names(level)[0]
-    counts = final.select(pl.len(), pl.col(lo).is_null().sum()).collect().row(0)
-    total, missing = int(counts[0]), int(counts[1])
-    if not missing:
-        return 0, total, ""
+    total, missing = final.select(pl.len(), pl.col(lo).is_null().sum()).collect().row(0)
+    return np.array([missing, total], dtype=np.int64)
+
+
+def _needs(level: int, method: str, n_windows: int, scaled_series: int) -> str:
+    """What honouring `level` by `method` takes (`scaled_series`: the series with a
+    seasonal naive scale)."""
     need = needed(level)
     if method == "series":
         return (
-            missing,
-            total,
-            (
-                f"{need} errors per series and step: backtest.n_windows ≥ {need} "
-                f"(has {n_windows}), or backtest.intervals = 'pooled'"
-            ),
+            f"{need} errors per series and step: backtest.n_windows ≥ {need} "
+            f"(has {n_windows}), or backtest.intervals = 'pooled'"
         )
-    with_scale = frame.filter(pl.col("scale").is_not_null())[SERIES].n_unique()
-    windows = -(-need // max(with_scale, 1))
+    windows = -(-need // max(scaled_series, 1))
     return (
-        missing,
-        total,
-        (
-            f"{need} errors per model and step pooled over {with_scale} series with a seasonal "
-            f"naive scale: backtest.n_windows ≥ {windows} (has {n_windows}), or more series"
-        ),
+        f"{need} errors per model and step pooled over {scaled_series} series with a seasonal "
+        f"naive scale: backtest.n_windows ≥ {windows} (has {n_windows}), or more series"
     )
 
 

@@ -53,7 +53,7 @@ def assemble(
     if config.backtest.levels:
         chosen = outputs["choices"].lazy().select(SERIES, "model")
         calibration = calibrate(
-            pl.scan_parquet(paths["backtest"]),
+            _parts(paths["backtest"], chunk_size),
             sorted(set(config.backtest.levels)),
             config.backtest.n_windows,
             config.backtest.intervals,
@@ -68,6 +68,12 @@ def assemble(
         outputs[name].drop(SERIES).write_parquet(run_dir / f"{filename}.parquet")
     table.skipped.write_parquet(run_dir / "skipped.parquet")
     return outputs, selection, calibration
+
+
+def _parts(files: list[Path], chunk_size: int) -> list[pl.LazyFrame]:
+    """The chunks' `files` read a few at a time (`_PART_SERIES` series)."""
+    per_part = max(1, _PART_SERIES // chunk_size)
+    return [pl.scan_parquet(files[i : i + per_part]) for i in range(0, len(files), per_part)]
 
 
 def _write_forecasts(
@@ -131,11 +137,13 @@ def _part_forecasts(
         else []
     )
 
+    backtest = pl.scan_parquet(files[1])
+
     def bounded(frame: pl.LazyFrame) -> pl.LazyFrame:
-        return calibration.bounds(frame) if calibration is not None else frame
+        return calibration.bounds(frame, backtest) if calibration is not None else frame
 
     def finals(frame: pl.LazyFrame) -> pl.LazyFrame:
-        return calibration.forecast_bounds(frame) if calibration is not None else frame
+        return calibration.forecast_bounds(frame, backtest) if calibration is not None else frame
 
     future = rows.filter(pl.col(FUTURE)).select(
         SERIES, ts, (pl.int_range(pl.len()).over(SERIES) + 1).alias("step")
@@ -152,7 +160,7 @@ def _part_forecasts(
         SERIES, ts, y, pl.int_range(pl.len()).over(SERIES).alias("_row")
     )
     windows = (
-        bounded(pl.scan_parquet(files[1]))
+        bounded(backtest)
         .with_columns((pl.col("origin") + pl.col("step") - 1).alias("_row"))  # the row forecast
         .join(observed, on=[SERIES, "_row"], how="left")
         .join(ids, on=SERIES)

@@ -45,7 +45,7 @@ def reconcile_run(
     if config.backtest.levels and windows is not None:
         method = config.backtest.intervals
         calibration = calibrate(
-            windows.lazy(),
+            [windows.lazy()],
             sorted(set(config.backtest.levels)),
             config.backtest.n_windows,
             "pooled" if method == "model" else method,  # a reconciliation has none of its own
@@ -53,7 +53,8 @@ def reconcile_run(
             spacing=config.backtest_step,
         )
         console.print("reconciled " + describe(calibration.levels))
-    _reconcile(config, table, paths, (chosen, past), calibration, console)
+    calibrated = (calibration, windows) if calibration is not None and windows is not None else None
+    _reconcile(config, table, paths, (chosen, past), calibrated, console)
 
 
 def series_paths(config: ManyModelsConfig, table: SeriesTable) -> pl.DataFrame:
@@ -115,14 +116,15 @@ def _reconcile(
     table: SeriesTable,
     paths: pl.DataFrame,
     forecasts: tuple[pl.DataFrame, pl.DataFrame | None],
-    calibration: Calibration | None,
+    calibrated: tuple[Calibration, pl.DataFrame] | None,
     console: Console,
 ) -> None:
     """Reconcile the chosen forecasts (`chosen_forecasts`) of every level (hierarchy.py), the
     error-weighted methods with the same models' backtest forecasts `past`:
     `forecasts_reconciled.parquet`, with each method's intervals (`<method>_lo_80`, …) from
-    its reconciled backtest forecasts' errors (`calibration`). A method hierarchicalforecast
-    cannot apply to these series is reported and left out; the others are still written."""
+    its reconciled backtest forecasts' errors (`calibrated`: their calibration and rows). A
+    method hierarchicalforecast cannot apply to these series is reported and left out; the
+    others are still written."""
     forecast, past = forecasts
     missing = table.num_series - forecast[SERIES].n_unique()
     if missing:
@@ -142,10 +144,10 @@ def _reconcile(
         return
     methods = [m for m in methods if m not in failed]
     metadata = {}
-    if calibration is not None:
+    if calibrated is not None:
         scale = _seasonal_naive_mae(history, table.columns, table.season_length)
-        reconciled = _with_intervals(reconciled, scale, calibration, table.columns)
-        metadata = calibration.metadata()
+        reconciled = _with_intervals(reconciled, scale, calibrated, table.columns)
+        metadata = calibrated[0].metadata()
     written = with_metadata(reconciled.drop(SERIES), metadata)
     pq.write_table(written, config.run_dir / "forecasts_reconciled.parquet")
     gaps = {m: incoherence(reconciled, m, table.columns, levels) for m in methods}
@@ -157,13 +159,17 @@ def _reconcile(
 
 
 def _with_intervals(
-    reconciled: pl.DataFrame, scale: pl.DataFrame, calibration: Calibration, columns: Columns
+    reconciled: pl.DataFrame,
+    scale: pl.DataFrame,
+    calibrated: tuple[Calibration, pl.DataFrame],
+    columns: Columns,
 ) -> pl.DataFrame:
     """`reconciled` (a column per method) with each method's interval columns
     (`bottom_up_lo_80`, …), from the errors of its reconciliations of the backtest windows."""
     methods = reconciled.columns[reconciled.columns.index("base") :]
     long = _long(reconciled, scale, columns)
-    bounded = calibration.forecast_bounds(long.lazy()).collect()
+    calibration, windows = calibrated
+    bounded = calibration.forecast_bounds(long.lazy(), windows.lazy()).collect()
     names = [c for c in bounded.columns if c.startswith(("lo_", "hi_"))]
     wide = bounded.pivot(
         "model", index=[SERIES, columns.timestamp], values=names, separator="|"
