@@ -14,6 +14,7 @@ ratios are printed.
     python bench/many_models.py --scale 2000,20000,100000  # ~40 minutes: cost per series by size
     python bench/many_models.py --scale 20000 --no-refit   # each model fitted once per series
     python bench/many_models.py --scale 100000 --from-file # read from Parquet, as users' data is
+    python bench/many_models.py --scale 100000 --levels 80,95  # with prediction intervals
 
 `--scale` runs the whole job (`shardwise.many_models`: generate, features, Ray tasks, chunk
 files, assembled outputs) once per size, each in a fresh driver process, and prints series/s,
@@ -267,6 +268,7 @@ from many_models import job
 from shardwise.manymodel.runner import run
 config = job("retail_synthetic", {series}, Path({run_dir!r}))
 config.backtest.refit = {refit!r}
+config.backtest.levels = {levels!r}
 if {source!r}:  # the same series from a Parquet file, as a user's data would come
     config.data.source, config.data.num_series = {source!r}, 0
     config.data.id_columns, config.data.timestamp = ["store", "item"], "week"
@@ -296,16 +298,21 @@ data.frame.write_parquet({source!r})
 
 
 def bench_scale(
-    sizes: list[int], scratch: Path, refit: bool = True, from_file: bool = False
+    sizes: list[int],
+    scratch: Path,
+    refit: bool = True,
+    from_file: bool = False,
+    levels: tuple[int, ...] = (),
 ) -> None:
     """The whole job at each size in a fresh driver process: time and the driver's memory.
     `from_file`: the series are read from a Parquet file (written first, by another process)
-    rather than generated in the driver."""
+    rather than generated in the driver; `levels`: prediction intervals (backtest.levels)."""
     import json
 
     print(
         f"\nscale: retail_synthetic{' from a Parquet file' if from_file else ''}, models "
-        f"{MODELS['names']}, backtest.refit = {str(refit).lower()}, one run per size"
+        f"{MODELS['names']}, backtest.refit = {str(refit).lower()}, backtest.levels = "
+        f"{list(levels)}, one run per size"
     )
     rows = []
     bench = str(Path(__file__).parent)
@@ -322,6 +329,7 @@ def bench_scale(
             run_dir=str(scratch / f"scale-{size}"),
             refit=refit,
             source=source,
+            levels=list(levels),
         )
         out = subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, check=False
@@ -333,7 +341,8 @@ def bench_scale(
         rows.append((size, got))
         print(
             f"  {size:>7} series: {got['wall']:7.1f} s in all (features "
-            f"{got['seconds']['features']:.1f} s, models {got['seconds']['models']:.1f} s), "
+            f"{got['seconds']['features']:.1f} s, models {got['seconds']['models']:.1f} s, "
+            f"outputs {got['seconds']['outputs']:.1f} s), "
             f"{size / got['wall']:6.1f} series/s, driver peak {got['peak_mb']:7.0f} MiB, "
             f"{got['failed']} failed",
             flush=True,
@@ -369,13 +378,19 @@ def main() -> None:
         action="store_true",
         help="with --scale: read the series from a Parquet file, not generate them in the driver",
     )
+    parser.add_argument(
+        "--levels", default="", help="with --scale: backtest.levels, e.g. 80,95 (intervals)"
+    )
     args = parser.parse_args()
-    if (args.no_refit or args.from_file) and not args.scale:
-        parser.error("--no-refit and --from-file apply to --scale runs only")
+    if (args.no_refit or args.from_file or args.levels) and not args.scale:
+        parser.error("--no-refit, --from-file and --levels apply to --scale runs only")
     if args.scale:
         with tempfile.TemporaryDirectory(prefix="shardwise-bench-") as tmp:
             sizes = [int(n) for n in args.scale.split(",")]
-            bench_scale(sizes, Path(tmp), refit=not args.no_refit, from_file=args.from_file)
+            levels = tuple(int(n) for n in args.levels.split(",") if n)
+            bench_scale(
+                sizes, Path(tmp), refit=not args.no_refit, from_file=args.from_file, levels=levels
+            )
         return
     if args.only is None:  # each part in its own process, with its own thread settings
         for part in ("features", "models"):

@@ -134,7 +134,9 @@ def _run(
         if where[1] is not None:  # idle now: not held through the assembly
             where[1].stop()
         shutil.rmtree(run_dir / "features", ignore_errors=True)  # scratch: big, and redone
+    assembly_started = time.perf_counter()
     outputs, selection, calibration = assemble(config, table, n_chunks, chunk_size)
+    assembly_seconds = time.perf_counter() - assembly_started
     # the chosen forecasts were streamed to their file: read back once, for what needs them
     wanted = bool(config.hierarchy.levels) or config.tracking.plots
     chosen = chosen_forecasts(run_dir, table) if wanted else None
@@ -154,6 +156,7 @@ def _run(
         seconds={
             "features": features_seconds,
             "models": train_seconds,
+            "outputs": assembly_seconds,
             "total": time.perf_counter() - started,
         },
     )

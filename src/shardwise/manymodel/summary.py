@@ -211,7 +211,8 @@ def print_summary(console: Console, summary: Summary) -> None:
     console.print(
         f"failed {summary.failed}, skipped {summary.skipped}; chunks run {summary.chunks_run}, "
         f"reused {summary.chunks_reused}; at most {summary.peak_concurrency} tasks at once; "
-        f"features {summary.seconds['features']:.1f} s, models {summary.seconds['models']:.1f} s"
+        f"features {summary.seconds['features']:.1f} s, models {summary.seconds['models']:.1f} s, "
+        f"outputs {summary.seconds['outputs']:.1f} s"
     )
     console.print(f"results: {summary.run_dir}")
     if summary.mlflow_run_id:
