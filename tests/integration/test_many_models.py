@@ -171,3 +171,42 @@ def test_the_outputs_are_the_same_whichever_runs_the_job(ray_cluster, tmp_path):
         for name in ("in-process", "ray"):
             assert got[name][table].equals(got["processes"][table]), (table, name)
     assert got["processes"]["forecasts"]["lo_80"].is_finite().all()
+
+
+def test_worker_processes_import_the_models_libraries_once_not_each(tmp_path):
+    """The workers are forked from a server that imported the models' libraries before it
+    forked them (local_tasks.py): four workers, and the model's module was imported by no
+    worker, in at most two processes (the server, and the driver where it builds the model to
+    check its arguments), as `shardwise many-models` runs it."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    imports = tmp_path / "imports"
+    run_dir = tmp_path / "run"
+    spec = tmp_path / "job.toml"
+    spec.write_text(
+        '[job]\nname = "counted"\n'
+        '[data]\nsource = "us_employment"\nnum_series = 12\n'
+        '[models]\nnames = ["seasonal_naive", "counted_models:LastYearsMean"]\n'
+        "[backtest]\nhorizon = 12\nn_windows = 2\n"
+        '[runner]\nbackend = "local"\nnum_cpus = 0.5\nchunk_size = 3\n'
+        "[tracking]\nmlflow = false\n"
+    )
+    here = os.path.dirname(__file__)
+    env = {**os.environ, "IMPORTS_FILE": str(imports), "PYTHONPATH": here}
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "shardwise"), "many-models", str(spec),
+         "--set", f"job.run_dir={run_dir}"],
+        env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "in 4 worker processes" in done.stderr
+    workers = {
+        json.loads((chunk / "done").read_text())["pid"]
+        for chunk in (run_dir / "chunks").glob("chunk-*")
+    }
+    importers = set(imports.read_text().split())
+    assert len(workers) == 4 and not {str(pid) for pid in workers} & importers
+    assert 1 <= len(importers) <= 2

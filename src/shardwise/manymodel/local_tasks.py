@@ -6,20 +6,23 @@ out. On one machine it costs a local instance's start and stop and its own proce
 cores the tasks need, which a small job feels (docs/benchmarks.md, against statsforecast).
 `choose` says which runs a job.
 
-Workers are spawned (the driver has polars' threads: a fork could copy a lock one of them holds)
-with one thread for each numeric library (`THREAD_ENV`), `runner.num_cpus` each: as many as the
-cores hold. Each takes one chunk at a time over a pipe, longest first, and sends its result
-back; the driver writes it to the chunk store as it arrives. A worker that dies (killed, out of
-memory, a model that exits) costs the chunk it ran an attempt: the chunk runs again on a new
-worker, up to `runner.max_retries` times, then its series fail (`lost_chunk`), as on Ray.
+Workers are forked from a fork server (multiprocessing's `forkserver`: a fresh process, never the
+driver, which has polars' threads and a fork could copy a lock one of them holds) that imported
+the chunk runner and the models' libraries once (`warm_imports.py`; statsforecast takes a second
+of CPU to import, which spawned workers each paid), with one thread for each numeric library
+(`THREAD_ENV`), `runner.num_cpus` each: as many as the cores hold. Each takes one chunk at a
+time over a pipe, longest first, and sends its result back; the driver writes it to the chunk
+store as it arrives. A worker that dies (killed, out of memory, a model that exits) costs the
+chunk it ran an attempt: the chunk runs again on a new worker, up to `runner.max_retries` times,
+then its series fail (`lost_chunk`), as on Ray.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import math
 import multiprocessing
+import multiprocessing.forkserver
 import os
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -43,6 +46,7 @@ from shardwise.manymodel.chunk_tasks import (
 from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.manymodel.feature_files import FeatureChunks
 from shardwise.manymodel.models import libraries
+from shardwise.manymodel.warm_imports import WARM_ENV, warm
 
 STOP_S = 10.0
 """How long a worker has to exit once told to, before it is terminated."""
@@ -137,22 +141,25 @@ class _Worker:
 
 
 class Pool:
-    """Worker processes, each running one chunk at a time (module docstring). They start as
-    soon as the job is known to need them, before its data is read: each imports what the
-    models need (`models.libraries`) while the driver reads the data and plans, then waits for
-    the plan and its chunks. `stop` ends them (a `with` block does)."""
+    """Worker processes, each running one chunk at a time (module docstring). Their fork server
+    starts as soon as the job is known to need them, before its data is read, and imports what
+    the models need (`models.libraries`) while the driver reads the data and plans; the workers
+    are forked from it when the first chunks are ready. `stop` ends them (a `with` block
+    does)."""
 
     def __init__(self, config: ManyModelsConfig, slots: int) -> None:
         self.slots = slots
         self.retries = config.runner.max_retries
-        self._warm = libraries(config.models.names)
-        self._context = multiprocessing.get_context("spawn")
+        self._warm = ["shardwise.manymodel.chunk", *libraries(config.models.names)]
+        self._context = multiprocessing.get_context("forkserver")
         self._workers: list[_Worker] = []
-        self._ended = False
 
     def __enter__(self) -> Pool:
-        with environment(THREAD_ENV):
-            self._workers = [self._start() for _ in range(self.slots)]
+        # the server imports these once (a server already running, as a second job in the same
+        # process finds it, has not: its workers import them as they start)
+        self._context.set_forkserver_preload(["shardwise.manymodel.warm_imports"])
+        with environment({**THREAD_ENV, WARM_ENV: ",".join(self._warm)}), without_main_module():
+            multiprocessing.forkserver.ensure_running()
         return self
 
     def __exit__(self, *failed: object) -> None:
@@ -167,7 +174,9 @@ class Pool:
         """Run the chunks `queue` (in that order) of `features` by `plan`; each result to
         `done` as it arrives."""
         attempts: dict[int, int] = {}
-        workers = self._workers[: max(1, min(self.slots, len(queue)))]
+        wanted = max(1, min(self.slots, len(queue)))
+        self._workers += [self._start() for _ in range(wanted - len(self._workers))]
+        workers = self._workers[:wanted]
         while queue or any(w.index is not None for w in workers):
             for worker in workers:
                 if worker.index is None and queue:
@@ -193,18 +202,18 @@ class Pool:
                         done.chunk(index, lost_chunk(series, why, plan.levels), None)
                     else:
                         queue.insert(0, index)
-                    with environment(THREAD_ENV):
-                        new = self._start()
+                    new = self._start()
                     workers[workers.index(worker)] = new
                     self._workers[self._workers.index(worker)] = new
 
     def _start(self) -> _Worker:
+        """A worker forked from the server (waiting, the first time, for its imports)."""
         ours, theirs = self._context.Pipe()
         process = self._context.Process(
             target=_serve, args=(theirs, self._warm), name="shardwise-chunks", daemon=True
         )
-        with without_main_module():  # models are named by import path, never in __main__
-            process.start()
+        with environment(THREAD_ENV), without_main_module():  # models are named by import
+            process.start()  # path, never in __main__
         theirs.close()
         return _Worker(process, ours)
 
@@ -221,12 +230,10 @@ def _result(worker: _Worker) -> ChunkResult | None:
     return result  # type: ignore[no-any-return]
 
 
-def _serve(conn: Connection, warm: list[str]) -> None:
-    """A worker: import `warm`, take the plan, then run each chunk it is sent and send back
-    its result; stop at None or EOF."""
-    for module in warm:
-        with contextlib.suppress(Exception):  # building the model says what is wrong
-            importlib.import_module(module)
+def _serve(conn: Connection, names: list[str]) -> None:
+    """A worker: import `warm` (where its server has not), take the plan, then run each chunk
+    it is sent and send back its result; stop at None or EOF."""
+    warm(names)
     plan: Plan | None = None
     while True:
         try:
