@@ -40,13 +40,13 @@ import polars as pl
 from shardwise.common.job_files import validate_as
 from shardwise.manymodel.backtest import Plan
 from shardwise.manymodel.chunk import run_chunk
-from shardwise.manymodel.chunk_tasks import THREAD_ENV
 from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.manymodel.data import SeriesTable, load_series
 from shardwise.manymodel.features import FeatureSpec, polars_features
 from shardwise.manymodel.ray_tasks import start_ray
 from shardwise.manymodel.runner import make_plan, run
+from shardwise.manymodel.warm_imports import THREAD_ENV
 
 MODELS = {
     "names": ["seasonal_naive", "ridge", "lightgbm"],

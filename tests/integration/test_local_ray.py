@@ -13,9 +13,9 @@ import os
 import pytest
 
 from shardwise.common.job_files import validate_as
-from shardwise.manymodel.chunk_tasks import THREAD_ENV
 from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.manymodel.ray_tasks import start_ray
+from shardwise.manymodel.warm_imports import THREAD_ENV
 
 pytestmark = pytest.mark.slow
 

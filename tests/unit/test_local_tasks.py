@@ -11,7 +11,7 @@ import pytest
 from shardwise.common.errors import ConfigError
 from shardwise.common.job_files import validate_as
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.local_tasks import choose, cores, describe
+from shardwise.manymodel.placement import choose, cores, describe
 
 
 def config(**runner) -> ManyModelsConfig:

@@ -18,12 +18,6 @@ from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.manymodel.eta import Eta
 from shardwise.manymodel.feature_files import FeatureChunks
 
-THREAD_ENV = {
-    name: "1"
-    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "POLARS_MAX_THREADS")
-}
-"""The environment a worker process starts in: its numeric libraries use one thread each."""
-
 
 def longest_first(features: FeatureChunks, todo: list[int]) -> list[int]:
     """The chunks to run, longest first, so the run does not end waiting on one long chunk (the

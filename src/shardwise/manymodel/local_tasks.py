@@ -1,10 +1,7 @@
 """Running a many-models job's chunks on this machine without Ray: in worker processes of its
 own, or in this process where one worker would run every chunk anyway.
 
-Ray pays for a cluster, for global models (its actors fit them together) and for GPUs it shares
-out. On one machine it costs a local instance's start and stop and its own processes' time on the
-cores the tasks need, which a small job feels (docs/benchmarks.md, against statsforecast).
-`choose` says which runs a job.
+Which runs a job, these or Ray, `placement.choose` says.
 
 Workers are forked from a fork server (multiprocessing's `forkserver`: a fresh process, never the
 driver, which has polars' threads and a fork could copy a lock one of them holds) that imported
@@ -20,10 +17,7 @@ then its series fail (`lost_chunk`), as on Ray.
 from __future__ import annotations
 
 import contextlib
-import math
 import multiprocessing
-import multiprocessing.forkserver
-import os
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -31,80 +25,18 @@ from typing import Any
 from rich.console import Console
 
 from shardwise.common.environment import environment
-from shardwise.common.errors import ConfigError
 from shardwise.common.spawned import without_main_module
 from shardwise.manymodel.backtest import Plan
 from shardwise.manymodel.chunk import run_chunk
 from shardwise.manymodel.chunk_result import ChunkResult
-from shardwise.manymodel.chunk_tasks import (
-    THREAD_ENV,
-    Finished,
-    longest_first,
-    lost_chunk,
-    progress_of,
-)
+from shardwise.manymodel.chunk_tasks import Finished, longest_first, lost_chunk, progress_of
 from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.manymodel.feature_files import FeatureChunks
-from shardwise.manymodel.models import libraries
-from shardwise.manymodel.warm_imports import WARM_ENV, warm
+from shardwise.manymodel.placement import Backend
+from shardwise.manymodel.warm_imports import THREAD_ENV, start_server, warm, worker_imports
 
 STOP_S = 10.0
 """How long a worker has to exit once told to, before it is terminated."""
-
-
-@dataclass(frozen=True)
-class Backend:
-    """What runs a job's chunks, and why (the start line says both)."""
-
-    name: str
-    """`ray`, `processes` or `in-process`."""
-    slots: int
-    """Chunks run at once (for Ray: decided once it has started, `ray_tasks.task_slots`)."""
-    why: str
-
-
-def cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def choose(config: ManyModelsConfig, global_models: bool, ray_running: bool) -> Backend:
-    """`runner.backend` resolved: "auto" takes Ray for a cluster (`runner.ray_address`), a Ray
-    the caller started, global models or GPUs, else this machine's processes (this process
-    where only one task fits on the cores)."""
-    runner = config.runner
-    needs = [
-        (runner.ray_address, f"runner.ray_address = '{runner.ray_address}'"),
-        (global_models, "global models fit on Ray's actors"),
-        (runner.num_gpus, "runner.num_gpus shares GPUs out through Ray"),
-    ]
-    reasons = [why for need, why in needs if need]  # what only Ray gives
-    preferred = [*reasons, *(["Ray already runs in this process"] if ray_running else [])]
-    if runner.backend == "ray" or (runner.backend == "auto" and preferred):
-        why = "runner.backend = 'ray'" if runner.backend == "ray" else preferred[0]
-        return Backend("ray", 0, why)
-    if reasons:  # runner.backend = "local", and something only Ray gives
-        raise ConfigError(
-            f"runner.backend = 'local' cannot run this job: {reasons[0]}; set runner.backend = "
-            "'auto' or 'ray'"
-        )
-    slots = max(1, math.floor(cores() / runner.num_cpus + 1e-9))
-    how = "runner.backend = 'local'" if runner.backend == "local" else "no Ray cluster, "
-    if runner.backend == "auto":
-        how += "global model or GPU asked for: Ray would cost its start and its processes' time"
-    if slots == 1:
-        return Backend("in-process", 1, f"{how}; one task at a time fits on {cores()} cores")
-    return Backend("processes", slots, how)
-
-
-def describe(backend: Backend) -> str:
-    """The start line's words for where the chunks run."""
-    where = {
-        "ray": "on Ray",
-        "processes": f"in {backend.slots} worker processes on this machine",
-        "in-process": "in this process",
-    }[backend.name]
-    return f"models run {where} ({backend.why})"
 
 
 def run_local(
@@ -142,24 +74,20 @@ class _Worker:
 
 class Pool:
     """Worker processes, each running one chunk at a time (module docstring). Their fork server
-    starts as soon as the job is known to need them, before its data is read, and imports what
-    the models need (`models.libraries`) while the driver reads the data and plans; the workers
-    are forked from it when the first chunks are ready. `stop` ends them (a `with` block
-    does)."""
+    starts as soon as the job is known to need them, before its data is read (the CLI starts it
+    earlier still: `placement.prestart`), and imports what the models need while the driver
+    reads the data and plans; the workers are forked from it when the first chunks are ready.
+    `stop` ends them (a `with` block does)."""
 
     def __init__(self, config: ManyModelsConfig, slots: int) -> None:
         self.slots = slots
         self.retries = config.runner.max_retries
-        self._warm = ["shardwise.manymodel.chunk", *libraries(config.models.names)]
+        self._names = config.models.names
         self._context = multiprocessing.get_context("forkserver")
         self._workers: list[_Worker] = []
 
     def __enter__(self) -> Pool:
-        # the server imports these once (a server already running, as a second job in the same
-        # process finds it, has not: its workers import them as they start)
-        self._context.set_forkserver_preload(["shardwise.manymodel.warm_imports"])
-        with environment({**THREAD_ENV, WARM_ENV: ",".join(self._warm)}), without_main_module():
-            multiprocessing.forkserver.ensure_running()
+        start_server(self._names)  # where the CLI has not already
         return self
 
     def __exit__(self, *failed: object) -> None:
@@ -210,7 +138,10 @@ class Pool:
         """A worker forked from the server (waiting, the first time, for its imports)."""
         ours, theirs = self._context.Pipe()
         process = self._context.Process(
-            target=_serve, args=(theirs, self._warm), name="shardwise-chunks", daemon=True
+            target=_serve,
+            args=(theirs, worker_imports(self._names)),
+            name="shardwise-chunks",
+            daemon=True,
         )
         with environment(THREAD_ENV), without_main_module():  # models are named by import
             process.start()  # path, never in __main__

@@ -250,23 +250,6 @@ _BUILTINS: dict[str, Any] = {
 }
 
 
-LIBRARIES = {
-    "ridge": "sklearn.linear_model",
-    "lightgbm": "lightgbm",
-    "mlp": "torch",
-    **dict.fromkeys(STATISTICAL, "statsforecast.models"),
-}
-"""What a built-in model's fit imports (seasonal naive: nothing)."""
-
-
-def libraries(names: list[str]) -> list[str]:
-    """The modules the models `names` import as they are built and fitted: the built-ins'
-    libraries and user models' own modules (a worker imports them as it starts, while the
-    driver still reads the data: local_tasks.py)."""
-    found = [LIBRARIES.get(name) or ("" if name in BUILTIN_MODELS else name) for name in names]
-    return list(dict.fromkeys(m.partition(":")[0] for m in found if m))
-
-
 def as_values(predicted: Any, rows: int, name: str) -> np.ndarray:
     """A model's output as float64, checked to hold one finite-or-NaN value per row."""
     if isinstance(predicted, pl.Series | pl.DataFrame):

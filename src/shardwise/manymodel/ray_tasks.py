@@ -21,13 +21,14 @@ from shardwise.manymodel.backtest import Plan
 from shardwise.manymodel.chunk import run_chunk
 from shardwise.manymodel.chunk_result import ChunkResult
 from shardwise.manymodel.chunk_store import GLOBAL_FILE
-from shardwise.manymodel.chunk_tasks import THREAD_ENV, longest_first, lost_chunk, progress_of
+from shardwise.manymodel.chunk_tasks import longest_first, lost_chunk, progress_of
 from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import (
     BUILTIN_MODELS,
     ManyModelsConfig,
 )
 from shardwise.manymodel.feature_files import FeatureChunks
+from shardwise.manymodel.warm_imports import THREAD_ENV
 
 
 def task_slots(ray: Any, config: ManyModelsConfig) -> int:

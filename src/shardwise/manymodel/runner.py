@@ -46,8 +46,9 @@ from shardwise.manymodel.context import ModelContext
 from shardwise.manymodel.data import SeriesTable, load_series
 from shardwise.manymodel.feature_files import FeatureChunks, write_features
 from shardwise.manymodel.features import FeatureSpec
-from shardwise.manymodel.local_tasks import Backend, Pool, choose, describe, run_local
+from shardwise.manymodel.local_tasks import Pool, run_local
 from shardwise.manymodel.outputs import assemble, chosen_forecasts
+from shardwise.manymodel.placement import Backend, choose, describe
 from shardwise.manymodel.ray_tasks import global_forecasts, run_chunks, start_ray, task_slots
 from shardwise.manymodel.summary import Summary, print_summary, start_tracking, summarise, track
 from shardwise.manymodel.transforms import TARGET, TargetTransform
