@@ -132,8 +132,9 @@ def test_a_models_own_intervals_are_statsforecasts(tmp_path):
     y = _multiplicative()
     backtest = {"horizon": 6, "n_windows": 2, "levels": [80], "intervals": "model"}
     _, tables = _job(tmp_path, {"a": y}, ["auto_ets", "seasonal_naive"], backtest=backtest)
-    got = calibrate(tables["backtest"].lazy(), [80], 2, "model", sources=lambda r: r)
-    forecasts = got.forecast_bounds(tables["forecasts"].lazy()).collect()
+    backtest = tables["backtest"].lazy()
+    got = calibrate([backtest], [80], 2, "model", sources=lambda r: r)
+    forecasts = got.forecast_bounds(tables["forecasts"].lazy(), backtest).collect()
     final = forecasts.filter(pl.col("model") == "auto_ets").sort("step")
     own = AutoETS(season_length=12).fit(y).predict(h=6, level=[80])
     np.testing.assert_allclose(final["lo_80"].to_numpy(), own["lo-80"], rtol=1e-9)
@@ -141,7 +142,7 @@ def test_a_models_own_intervals_are_statsforecasts(tmp_path):
     naive = forecasts.filter(pl.col("model") == "seasonal_naive")
     assert naive["lo_80"].is_null().all()
     # its own on the backtest too, from the first window on
-    first = got.bounds(tables["backtest"].lazy()).collect()
+    first = got.bounds(backtest, backtest).collect()
     first = first.filter((pl.col("window") == 0) & (pl.col("model") == "auto_ets"))
     assert first["lo_80"].is_not_null().all()
 
@@ -284,3 +285,20 @@ def test_reselect_false_chooses_again_where_the_kept_form_cannot_be_fitted(tmp_p
     second = tables["backtest"].filter(window=1).sort("step")["forecast"].to_numpy()
     expected = _by_hand(AutoETS(season_length=12), y[: MONTHS - 12], 6)
     np.testing.assert_allclose(second, expected, rtol=1e-9)
+
+
+def test_the_history_a_statistical_model_is_given():
+    """The target as float64 without its leading gap, inner gaps (null or NaN) filled linearly,
+    a writable array of the series' own; a series without gaps (most) as it is."""
+    from shardwise.manymodel.statistical import _history
+
+    plain = _history(pl.DataFrame({"y": [1.0, 2.0, 4.0]}), "y")
+    assert plain.tolist() == [1.0, 2.0, 4.0] and plain.dtype == np.float64
+    plain[0] = 9.0  # the model may write to it: never the frame's memory
+    assert _history(pl.DataFrame({"y": [1, 2, 4]}), "y").tolist() == [1.0, 2.0, 4.0]
+    gaps = pl.DataFrame({"y": [None, float("nan"), 1.0, None, 3.0, float("nan"), 7.0]})
+    assert _history(gaps, "y").tolist() == [1.0, 2.0, 3.0, 5.0, 7.0]
+    with pytest.raises(ValueError, match="no observed values"):
+        _history(pl.DataFrame({"y": [None, None]}, schema={"y": pl.Float64}), "y")
+    with pytest.raises(ValueError, match="no observed values"):
+        _history(pl.DataFrame({"y": []}, schema={"y": pl.Float64}), "y")

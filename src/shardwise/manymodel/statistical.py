@@ -27,7 +27,12 @@ _SEASONALITIES = {"1h": (24, 168), "1d": (7, 365), "1w": (52,), "7d": (52,)}
 def _history(frame: pl.DataFrame, target: str) -> np.ndarray:
     """The series' target without its leading gap, inner gaps filled linearly (statsforecast's
     models take no missing values)."""
-    y = frame[target].cast(pl.Float64).fill_nan(None)
+    column = frame[target]
+    if column.dtype == pl.Float64 and not column.has_nulls() and column.len():
+        values = column.to_numpy()  # no gap (what most series are): the values as they are
+        if not np.isnan(values).any():
+            return values.copy()  # writable, the series' own
+    y = column.cast(pl.Float64).fill_nan(None)
     y = y.slice(y.is_not_null().arg_true()[0]) if y.null_count() < y.len() else y.clear()
     values = y.interpolate().fill_null(strategy="forward").to_numpy()
     if values.size == 0:
