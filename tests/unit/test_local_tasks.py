@@ -62,3 +62,20 @@ def test_a_script_without_a_main_guard_runs_its_job_once(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines() == ["script ran", "4"]
     assert "models run in" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("series", "slots", "size"),
+    [(20, 2, 2), (500, 2, 50), (1000, 2, 100), (10_000, 2, 100), (7, 2, 1), (20, 4, 1)],
+)
+def test_chunks_fill_the_slots_last_round(series, slots, size):
+    """Chunks of equal work end together: 20 series on 2 slots were 7 chunks of 3 (one slot
+    idle for the last round, a third longer than the 10 series each could take), now 10 of 2;
+    and at least 4 chunks a slot where the series allow, at most 100 series a chunk."""
+    from shardwise.manymodel.chunk_store import even_chunk_size
+
+    got = even_chunk_size(series, slots)
+    chunks = -(-series // got)
+    assert got == size
+    assert -(-chunks // slots) * got == -(-series // slots)  # the busiest slot: its fair share
+    assert got <= 100 and (chunks >= 4 * slots or got == 1)

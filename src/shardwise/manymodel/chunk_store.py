@@ -25,9 +25,11 @@ GLOBAL_FILE = "global.parquet"
 
 
 _MAX_CHUNK = 100
-
-
+"""Series per chunk at most: a chunk's result and files stay small, and a lost chunk costs
+little to redo."""
 _CHUNKS_PER_SLOT = 4
+"""Chunks each slot takes at least (where there are series enough): the later ones balance the
+slots' loads."""
 
 
 _IGNORED_ON_RESUME = ("runner.", "tracking.", "features.backend", "features.spark_master")
@@ -131,14 +133,24 @@ def saved_chunk_size(run_dir: Path, series: int, done: set[int]) -> int:
 
 def choose_chunk_size(run_dir: Path, config: ManyModelsConfig, series: int, slots: int) -> int:
     """Series per task: enough chunks for every slot to take several (load balance), few enough
-    that scheduling costs little."""
-    size = config.runner.chunk_size or min(
-        _MAX_CHUNK, max(1, math.ceil(series / (slots * _CHUNKS_PER_SLOT)))
-    )
+    that scheduling costs little (`even_chunk_size`)."""
+    size = config.runner.chunk_size or even_chunk_size(series, slots)
     (run_dir / "chunks" / "layout.json").write_text(
         json.dumps({"series": series, "chunk_size": size})
     )
     return size
+
+
+def even_chunk_size(series: int, slots: int) -> int:
+    """The chunk size whose chunks fill the slots' last round as fully as any does (series as
+    equal work: 7 chunks of 3 on 2 slots leave one idle a round, 10 of 2 none), the largest
+    such of those that give every slot `_CHUNKS_PER_SLOT` chunks, at most `_MAX_CHUNK`."""
+    largest = min(_MAX_CHUNK, max(1, math.ceil(series / (slots * _CHUNKS_PER_SLOT))))
+
+    def rounds(size: int) -> int:  # the slots' busiest, in series
+        return math.ceil(math.ceil(series / size) / slots) * size
+
+    return min(range(largest, 0, -1), key=rounds)  # the first (largest) of the least
 
 
 def write_chunk(chunk_dir: Path, index: int, result: ChunkResult) -> None:
