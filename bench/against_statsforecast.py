@@ -13,6 +13,7 @@ from start to exit, imports included: both are what a user waits for.
     python bench/against_statsforecast.py --series 20,500 --repeats 3
     python bench/against_statsforecast.py --models seasonal_naive,auto_ets,auto_theta,mstl
     python bench/against_statsforecast.py --series 20 --backend ray   # as before issue 57
+    python bench/against_statsforecast.py --series 20 --set tracking.mlflow=false
 """
 
 from __future__ import annotations
@@ -107,6 +108,13 @@ def main() -> None:
     parser.add_argument("--models", default="seasonal_naive,auto_ets,auto_theta")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--backend", default="auto", help="shardwise's runner.backend")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="more of shardwise's settings, e.g. tracking.mlflow=false (the baseline tracks none)",
+    )
     args = parser.parse_args()
     models = args.models.split(",")
     cores = len(os.sched_getaffinity(0))
@@ -135,6 +143,7 @@ def main() -> None:
                     f"job.run_dir={run_dir}",
                     "--set",
                     f"runner.backend={args.backend}",
+                    *(part for pair in args.set for part in ("--set", pair)),
                 ]
                 seconds, out = timed([*command, *sets], env)
                 times["shardwise"].append(seconds)
