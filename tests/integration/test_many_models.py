@@ -177,7 +177,8 @@ def test_worker_processes_import_the_models_libraries_once_not_each(tmp_path):
     """The workers are forked from a server that imported the models' libraries before it
     forked them (local_tasks.py): four workers, and the model's module was imported by no
     worker, in at most two processes (the server, and the driver where it builds the model to
-    check its arguments), as `shardwise many-models` runs it."""
+    check its arguments), as `shardwise many-models` runs it; what the server imported is
+    frozen out of the workers' garbage collections."""
     import os
     import subprocess
     import sys
@@ -210,3 +211,6 @@ def test_worker_processes_import_the_models_libraries_once_not_each(tmp_path):
     importers = set(imports.read_text().split())
     assert len(workers) == 4 and not {str(pid) for pid in workers} & importers
     assert 1 <= len(importers) <= 2
+    frozen = dict(line.split() for line in (tmp_path / "imports.frozen").read_text().splitlines())
+    assert set(frozen) == {str(pid) for pid in workers}
+    assert all(int(count) > 10_000 for count in frozen.values())  # polars, numpy, shardwise

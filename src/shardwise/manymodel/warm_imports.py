@@ -1,7 +1,7 @@
 """What the chunk workers' fork server imports before it forks them (local_tasks.py): the
 modules named in `WARM_ENV` (comma-separated: the chunk runner and the models' libraries), so
-that they are imported once, not once per worker. A module that fails to import is left: the
-worker building its model says what is wrong.
+that they are imported once, not once per worker, and frozen (`gc.freeze`). A module that fails
+to import is left: the worker building its model says what is wrong.
 
 `start_server` starts that server; the CLI calls it as soon as it knows the job runs on worker
 processes (placement.py), before it imports the runner, so that the server's imports overlap
@@ -11,6 +11,7 @@ the driver's.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import multiprocessing
 import multiprocessing.forkserver
@@ -64,5 +65,9 @@ def warm(names: list[str]) -> None:
             importlib.import_module(name)
 
 
-# in the fork server: its workers inherit its environment, not this list
-warm([name for name in os.environ.pop(WARM_ENV, "").split(",") if name])
+_SERVER_IMPORTS = [name for name in os.environ.pop(WARM_ENV, "").split(",") if name]
+if _SERVER_IMPORTS:  # in the fork server (its workers inherit its environment, not this list)
+    warm(_SERVER_IMPORTS)
+    # What it imported lives as long as the workers: frozen, their garbage collections never
+    # walk it (200,000 objects with statsforecast: 2.7% of a task's time) nor copy its pages.
+    gc.freeze()
