@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import polars as pl
+from peak_memory import in_fresh_process, measured
 
 MODELS, WINDOWS, STEPS, CHUNK = 4, 3, 12, 1000
 
@@ -71,28 +68,17 @@ def measure(directory: Path, whole: bool, method: str) -> dict[str, object]:
 
     files = sorted(directory.glob("backtest-*.parquet"))
     parts = [pl.scan_parquet(files)] if whole else outputs._parts(files, CHUNK)
-    peak = [0]
-
-    def resident() -> int:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) // 1024
-
-    def watch() -> None:
-        while True:
-            peak[0] = max(peak[0], resident())
-            time.sleep(0.01)
-
     # polars' first query of each kind allocates its pools: not this call's memory
     calibrate([pl.scan_parquet(files[0]).head(2000)], [80, 95], WINDOWS, method, lambda r: r)
-    before = resident()
-    threading.Thread(target=watch, daemon=True).start()
-    began = time.perf_counter()
-    got = calibrate(parts, [80, 95], WINDOWS, method, sources=lambda rows: rows, spacing=STEPS)
-    seconds = time.perf_counter() - began
+    got, seconds, mib = measured(
+        lambda: calibrate(
+            parts, [80, 95], WINDOWS, method, sources=lambda rows: rows, spacing=STEPS
+        )
+    )
     pooled = got.pooled.sort("model", "window", "step")
     return {
         "seconds": seconds,
-        "mib": max(peak[0], resident()) - before,
+        "mib": mib,
         "parts": len(parts),
         "pooled": pooled.to_dicts(),
         "scores": {level: v.scores for level, v in got.levels.items()},
@@ -132,17 +118,13 @@ def main() -> None:
             write_chunks(series, Path(tmp))
             got = {}
             for form in ("whole", "parts"):
-                child = subprocess.run(
-                    [sys.executable, __file__, "--method", args.method, "--one", f"{tmp}:{form}"],
-                    capture_output=True,
-                    text=True,
+                one = in_fresh_process(
+                    [sys.executable, __file__, "--method", args.method, "--one", f"{tmp}:{form}"]
                 )
-                if child.returncode == -signal.SIGKILL:  # the kernel's out-of-memory killer
+                if one is None:
                     print(f"{series:>8} {form:>16}  killed: out of memory", flush=True)
                     continue
-                if child.returncode:
-                    raise SystemExit(child.stderr)
-                got[form] = json.loads(child.stdout.strip().splitlines()[-1])
+                got[form] = one
                 read_as = "one part" if form == "whole" else f"{got[form]['parts']} parts"
                 same = ""
                 if form == "parts" and "whole" in got:

@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
-import subprocess
 import sys
-import time
 from datetime import date, timedelta
 
 import numpy as np
 import polars as pl
+from peak_memory import in_fresh_process, measured
 
 WEEKS, HORIZON, ITEMS = 104, 8, 50
 
@@ -71,33 +69,18 @@ def measure(bottom: int, methods: list[str], dense: bool) -> dict[str, float]:
     """One reconcile call in this process with the `dense` or the sparse summing matrix, whatever
     the size: seconds, MiB above the resident set before it, and the largest gap between a level
     and the sum below it."""
-    import threading
-
     from shardwise.manymodel import hierarchy
     from shardwise.manymodel.columns import SERIES, Columns
 
     hierarchy.DENSE_UP_TO = sys.maxsize if dense else 0
     history, forecasts, past = hierarchy_frames(bottom)
     columns = Columns(ids=("store", "item"), timestamp="week", target="units", covariates=())
-    peak = [0]
-
-    def resident() -> int:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) // 1024
-
-    def watch() -> None:
-        while True:
-            peak[0] = max(peak[0], resident())
-            time.sleep(0.01)
-
-    before = resident()
-    threading.Thread(target=watch, daemon=True).start()
-    began = time.perf_counter()
-    reconciled = hierarchy.reconcile(forecasts, history, columns, [["store"]], methods, past)
-    seconds = time.perf_counter() - began
+    reconciled, seconds, mib = measured(
+        lambda: hierarchy.reconcile(forecasts, history, columns, [["store"]], methods, past)
+    )
     gap = max(hierarchy.incoherence(reconciled, m, columns, [["store"]]) for m in methods)
     series = history[SERIES].n_unique()
-    return {"seconds": seconds, "mib": peak[0] - before, "gap": gap, "series": series}
+    return {"seconds": seconds, "mib": mib, "gap": gap, "series": series}
 
 
 def main() -> None:
@@ -119,17 +102,12 @@ def main() -> None:
     for bottom in (int(b) for b in args.bottom.split(",")):
         forms = ["sparse", "dense"] if bottom <= args.dense_up_to else ["sparse"]
         for form in forms:
-            child = subprocess.run(
-                [sys.executable, __file__, "--methods", args.methods, "--one", f"{bottom}:{form}"],
-                capture_output=True,
-                text=True,
+            got = in_fresh_process(
+                [sys.executable, __file__, "--methods", args.methods, "--one", f"{bottom}:{form}"]
             )
-            if child.returncode == -signal.SIGKILL:  # the kernel's out-of-memory killer
+            if got is None:
                 print(f"{bottom:>8} {'':>8} {form:>7}  killed: out of memory", flush=True)
                 continue
-            if child.returncode:
-                raise SystemExit(child.stderr)
-            got = json.loads(child.stdout.strip().splitlines()[-1])
             print(
                 f"{bottom:>8} {got['series']:>8} {form:>7} {got['seconds']:>8.1f} "
                 f"{got['mib']:>7.0f} {got['gap']:>12.1e}",
