@@ -154,7 +154,7 @@ def test_the_outputs_are_the_same_whichever_runs_the_job(ray_cluster, tmp_path):
     """Worker processes, this process alone (one task fits: num_cpus = the cores) and Ray give
     the same tables, with intervals: the backend changes where chunks run, not what they
     compute."""
-    from shardwise.manymodel.placement import cores
+    from shardwise.common.environment import visible_cpus as cores
 
     tables = ("forecasts", "forecasts_by_model", "backtest_forecasts", "backtest_metrics",
               "best_models", "failures")  # fmt: skip

@@ -8,10 +8,11 @@ import sys
 
 import pytest
 
+from shardwise.common.environment import visible_cpus as cores
 from shardwise.common.errors import ConfigError
 from shardwise.common.job_files import validate_as
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.placement import choose, cores, describe
+from shardwise.manymodel.placement import choose, describe
 
 
 def config(**runner) -> ManyModelsConfig:

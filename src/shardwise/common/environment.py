@@ -43,3 +43,10 @@ def cache_dir() -> Path:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shardwise"
     )
     return Path(root)
+
+
+def visible_cpus() -> int:
+    """The CPU cores this process may run on (its affinity, unlike `os.cpu_count`)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

@@ -12,9 +12,9 @@ starts the workers' fork server, before it imports the runner.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
+from shardwise.common.environment import visible_cpus
 from shardwise.common.errors import ConfigError
 from shardwise.manymodel.config import ManyModelsConfig, model_global
 from shardwise.manymodel.warm_imports import start_server
@@ -29,11 +29,6 @@ class Backend:
     slots: int
     """Chunks run at once (for Ray: decided once it has started, `ray_tasks.task_slots`)."""
     why: str
-
-
-def cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def choose(config: ManyModelsConfig, global_models: bool, ray_running: bool) -> Backend:
@@ -56,12 +51,12 @@ def choose(config: ManyModelsConfig, global_models: bool, ray_running: bool) -> 
             f"runner.backend = 'local' cannot run this job: {reasons[0]}; set runner.backend = "
             "'auto' or 'ray'"
         )
-    slots = max(1, math.floor(cores() / runner.num_cpus + 1e-9))
+    slots = max(1, math.floor(visible_cpus() / runner.num_cpus + 1e-9))
     how = "runner.backend = 'local'" if runner.backend == "local" else "no Ray cluster, "
     if runner.backend == "auto":
         how += "global model or GPU asked for: Ray would cost its start and its processes' time"
     if slots == 1:
-        return Backend("in-process", 1, f"{how}; one task at a time fits on {cores()} cores")
+        return Backend("in-process", 1, f"{how}; one task at a time fits on {visible_cpus()} cores")
     return Backend("processes", slots, how)
 
 

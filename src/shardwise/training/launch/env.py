@@ -120,8 +120,3 @@ def first_host(nodelist: str) -> str:
         return prefix
     first = ranges.split(",")[0].split("-")[0]
     return prefix + first
-
-
-def visible_cpus() -> int:
-    """CPU cores this process may run on (affinity-aware, unlike os.cpu_count)."""
-    return len(os.sched_getaffinity(0))

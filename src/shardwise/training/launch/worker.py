@@ -16,12 +16,13 @@ from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
 from shardwise.common.console import one_line_warnings
+from shardwise.common.environment import visible_cpus
 from shardwise.common.errors import ConfigError
 from shardwise.common.redact import redacting_output
 from shardwise.training.checkpoint.resume import start_point
 from shardwise.training.config.schema import JobConfig
 from shardwise.training.fault.watchdog import after_a_peer
-from shardwise.training.launch.env import WorkerEnv, detect, visible_cpus
+from shardwise.training.launch.env import WorkerEnv, detect
 from shardwise.training.launch.forkserver import restore_sigterm
 from shardwise.training.launch.stores import worker_store
 
