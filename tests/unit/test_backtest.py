@@ -169,7 +169,8 @@ def test_the_ensemble_has_intervals_from_its_own_window_errors(tmp_path):
     tables = run_in_process(config, table).tables()
     backtest = tables["backtest"]
     got = calibrate([backtest.lazy()], [80], 3, "pooled", sources=lambda r: r)
-    forecasts = got.forecast_bounds(tables["forecasts"].lazy(), backtest.lazy()).collect()
+    widths = got.series_widths(backtest.lazy())
+    forecasts = got.forecast_bounds(tables["forecasts"].lazy(), widths).collect()
     mean = forecasts.filter((pl.col(SERIES) == 0) & (pl.col("model") == "ensemble")).sort("step")
     # the ensemble's scale-free errors on every window of every series, step by step
     ensemble = backtest.filter(pl.col("model") == "ensemble")

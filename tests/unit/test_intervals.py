@@ -66,7 +66,7 @@ def test_the_conformal_rank_by_hand():
         pl.DataFrame(
             {SERIES: [0], "model": ["m"], "step": [1], "forecast": [10.0], "scale": [3.0]}
         ).lazy(),
-        rows,
+        got.series_widths(rows),
     ).collect()
     assert final.row(0, named=True) | {} == {
         SERIES: 0, "model": "m", "step": 1, "forecast": 10.0, "scale": 3.0,
@@ -75,7 +75,8 @@ def test_the_conformal_rank_by_hand():
     # per series, 3 windows before the forecast: rank ⌈4 · 0.5⌉ = 2 of (0, 1, 5)
     own = calibrate([rows], [50], 3, "series", sources=lambda r: r)
     final = own.forecast_bounds(
-        pl.DataFrame({SERIES: [0], "model": ["m"], "step": [1], "forecast": [10.0]}).lazy(), rows
+        pl.DataFrame({SERIES: [0], "model": ["m"], "step": [1], "forecast": [10.0]}).lazy(),
+        own.series_widths(rows),
     ).collect()
     assert (final["lo_50"].item(), final["hi_50"].item()) == (9.0, 11.0)
 
@@ -145,8 +146,12 @@ def test_pooled_widths_are_exact_ranks_however_the_series_are_split():
             )
             assert b.scores == pytest.approx(a.scores, rel=1e-12, nan_ok=True)
         assert_frame_equal(
-            split.forecast_bounds(finals, frame.lazy()).collect().sort(SERIES, "model", "step"),
-            one.forecast_bounds(finals, frame.lazy()).collect().sort(SERIES, "model", "step"),
+            split.forecast_bounds(finals, split.series_widths(frame.lazy()))
+            .collect()
+            .sort(SERIES, "model", "step"),
+            one.forecast_bounds(finals, one.series_widths(frame.lazy()))
+            .collect()
+            .sort(SERIES, "model", "step"),
         )
 
 
@@ -160,7 +165,7 @@ def test_a_level_that_cannot_be_honoured_is_null_and_says_what_it_needs():
         pl.DataFrame(
             {SERIES: [0], "model": ["m"], "step": [1], "forecast": [0.0], "scale": [1.0]}
         ).lazy(),
-        rows,
+        got.series_widths(rows),
     ).collect()
     assert final["hi_80"].item() == 6.0 and final["hi_95"].item() is None
     assert got.levels[80].honoured and not got.levels[95].honoured
@@ -216,10 +221,9 @@ def test_pooled_intervals_cover_unseen_values_at_three_windows(noisy):
     got = calibrate([tables["backtest"].lazy()], [80, 95], 3, "auto", sources=lambda r: r)
     assert got.levels[80].method == "pooled" and got.levels[80].chosen_on == [1]
     assert got.levels[80].reported_on == [2]
+    widths = got.series_widths(tables["backtest"].lazy())
     forecasts = (
-        got.forecast_bounds(tables["forecasts"].lazy(), tables["backtest"].lazy())
-        .collect()
-        .sort(SERIES, "step")
+        got.forecast_bounds(tables["forecasts"].lazy(), widths).collect().sort(SERIES, "step")
     )
     actual = truth.reshape(-1)  # series in id order, then steps
     for level in (80, 95):
@@ -239,7 +243,8 @@ def test_per_series_intervals_at_three_windows_are_not_made(noisy):
     Now such a level is null, and says it needs 19 windows."""
     tables, _ = noisy
     got = calibrate([tables["backtest"].lazy()], [80, 95], 3, "series", sources=lambda r: r)
-    forecasts = got.forecast_bounds(tables["forecasts"].lazy(), tables["backtest"].lazy()).collect()
+    widths = got.series_widths(tables["backtest"].lazy())
+    forecasts = got.forecast_bounds(tables["forecasts"].lazy(), widths).collect()
     assert forecasts["lo_95"].is_null().all() and forecasts["lo_80"].is_null().all()
     assert "backtest.n_windows ≥ 19 (has 3)" in got.levels[95].needs
 

@@ -134,7 +134,8 @@ def test_a_models_own_intervals_are_statsforecasts(tmp_path):
     _, tables = _job(tmp_path, {"a": y}, ["auto_ets", "seasonal_naive"], backtest=backtest)
     backtest = tables["backtest"].lazy()
     got = calibrate([backtest], [80], 2, "model", sources=lambda r: r)
-    forecasts = got.forecast_bounds(tables["forecasts"].lazy(), backtest).collect()
+    widths = got.series_widths(backtest)
+    forecasts = got.forecast_bounds(tables["forecasts"].lazy(), widths).collect()
     final = forecasts.filter(pl.col("model") == "auto_ets").sort("step")
     own = AutoETS(season_length=12).fit(y).predict(h=6, level=[80])
     np.testing.assert_allclose(final["lo_80"].to_numpy(), own["lo-80"], rtol=1e-9)
@@ -142,7 +143,7 @@ def test_a_models_own_intervals_are_statsforecasts(tmp_path):
     naive = forecasts.filter(pl.col("model") == "seasonal_naive")
     assert naive["lo_80"].is_null().all()
     # its own on the backtest too, from the first window on
-    first = got.bounds(backtest, backtest).collect()
+    first = got.bounds(backtest, got.series_widths(backtest)).collect()
     first = first.filter((pl.col("window") == 0) & (pl.col("model") == "auto_ets"))
     assert first["lo_80"].is_not_null().all()
 

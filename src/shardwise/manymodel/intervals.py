@@ -117,26 +117,27 @@ class Calibration:
     n_windows: int
     """The backtest's windows: the forecast's intervals are those of window n_windows."""
 
-    def bounds(self, rows: pl.LazyFrame, backtest: pl.LazyFrame) -> pl.LazyFrame:
+    def series_widths(self, backtest: pl.LazyFrame) -> pl.DataFrame | None:
+        """The own widths of the series in `backtest` (their backtest rows), which the levels
+        by the `series` method take; None where no level is."""
+        own = [n for n, v in self.levels.items() if v.method == "series"]
+        if not own:
+            return None
+        targets = range(1, self.n_windows + 1)
+        return _widths(_errors(backtest).collect(), _SERIES_KEYS, "_error", "w", own, targets)
+
+    def bounds(self, rows: pl.LazyFrame, series: pl.DataFrame | None) -> pl.LazyFrame:
         """`rows` (series, model, window, step, forecast, scale and the own interval columns)
         with `lo_<level>`, `hi_<level>` by each level's method; null where not honoured.
-        `backtest`: the backtest rows of (at least) the same series, which a level by the
-        `series` method takes its widths from."""
+        `series`: those series' `series_widths`."""
         methods = {n: v.method for n, v in self.levels.items()}
-        own = [n for n, m in methods.items() if m == "series"]
-        series = (
-            _widths(_errors(backtest).collect(), _SERIES_KEYS, "_error", "w", own,
-                    range(1, self.n_windows + 1))
-            if own
-            else None
-        )  # fmt: skip
         return with_bounds(rows, self.pooled, series, methods)
 
-    def forecast_bounds(self, rows: pl.LazyFrame, backtest: pl.LazyFrame) -> pl.LazyFrame:
+    def forecast_bounds(self, rows: pl.LazyFrame, series: pl.DataFrame | None) -> pl.LazyFrame:
         """The final forecasts' `rows` (a chunk's forecasts table) with their bounds, which
-        every window's errors make (`backtest`: as for `bounds`)."""
+        every window's errors make (`series`: as for `bounds`)."""
         window = pl.lit(self.n_windows, pl.Int64).alias("window")
-        return self.bounds(rows.with_columns(window), backtest).drop("window")
+        return self.bounds(rows.with_columns(window), series).drop("window")
 
     def metadata(self) -> dict[str, str]:
         """The Parquet metadata the forecast files carry (METADATA_KEY)."""

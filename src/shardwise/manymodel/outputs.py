@@ -138,12 +138,14 @@ def _part_forecasts(
     )
 
     backtest = pl.scan_parquet(files[1])
+    # the part's own widths, made once for both tables
+    series = calibration.series_widths(backtest) if calibration is not None else None
 
     def bounded(frame: pl.LazyFrame) -> pl.LazyFrame:
-        return calibration.bounds(frame, backtest) if calibration is not None else frame
+        return calibration.bounds(frame, series) if calibration is not None else frame
 
     def finals(frame: pl.LazyFrame) -> pl.LazyFrame:
-        return calibration.forecast_bounds(frame, backtest) if calibration is not None else frame
+        return calibration.forecast_bounds(frame, series) if calibration is not None else frame
 
     future = rows.filter(pl.col(FUTURE)).select(
         SERIES, ts, (pl.int_range(pl.len()).over(SERIES) + 1).alias("step")

@@ -169,7 +169,8 @@ def _with_intervals(
     methods = reconciled.columns[reconciled.columns.index("base") :]
     long = _long(reconciled, scale, columns)
     calibration, windows = calibrated
-    bounded = calibration.forecast_bounds(long.lazy(), windows.lazy()).collect()
+    series = calibration.series_widths(windows.lazy())
+    bounded = calibration.forecast_bounds(long.lazy(), series).collect()
     names = [c for c in bounded.columns if c.startswith(("lo_", "hi_"))]
     wide = bounded.pivot(
         "model", index=[SERIES, columns.timestamp], values=names, separator="|"
