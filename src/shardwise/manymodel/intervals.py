@@ -303,21 +303,20 @@ def _pooled_widths(parts: Parts, levels: Sequence[int], targets: range) -> pl.Da
     ranks = pl.concat(ranked).collect()
     one_value = ranks.filter(pl.col("_min") == pl.col("_max"))
     several = ranks.filter(pl.col("_min") != pl.col("_max"))
-    wanted = several.select(*_POOLED_KEYS, "_bucket").unique()
-    values = pl.concat(
-        _bucketed(part).join(wanted, on=[*_POOLED_KEYS, "_bucket"], how="semi")
-        for part in (parts if wanted.height else parts[:1])
-    ).rename({"window": "_from"})
-    picked = (
-        several.join(values, on=[*_POOLED_KEYS, "_bucket"])
-        .filter(pl.col("_from") < pl.col("window"))
-        .group_by(*_POOLED_KEYS, "window", "_level")
-        .agg(pl.col("_scaled").sort().get(pl.col("_within").first()).alias("_q"))
-    )
-    widths = pl.concat(
-        [one_value.select(*_POOLED_KEYS, "window", "_level", pl.col("_min").alias("_q")),
-         picked.select(*_POOLED_KEYS, "window", "_level", "_q")]
-    )  # fmt: skip
+    found = [one_value.select(*_POOLED_KEYS, "window", "_level", pl.col("_min").alias("_q"))]
+    if several.height:  # the second read: the values of those buckets only
+        wanted = several.select(*_POOLED_KEYS, "_bucket").unique()
+        values = pl.concat(
+            _bucketed(part).join(wanted, on=[*_POOLED_KEYS, "_bucket"], how="semi")
+            for part in parts
+        ).rename({"window": "_from"})
+        found.append(
+            several.join(values, on=[*_POOLED_KEYS, "_bucket"])
+            .filter(pl.col("_from") < pl.col("window"))
+            .group_by(*_POOLED_KEYS, "window", "_level")
+            .agg(pl.col("_scaled").sort().get(pl.col("_within").first()).alias("_q"))
+        )
+    widths = pl.concat(found)
     out = pl.concat(bases).collect()
     for level in levels:
         got = widths.filter(pl.col("_level") == level).select(
