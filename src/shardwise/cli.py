@@ -290,7 +290,7 @@ def _export(args: argparse.Namespace) -> int:
             f"{written['step']}"
         )
     if args.mlflow is not None:
-        from shardwise.training.tracking.registry import log_checkpoint
+        from shardwise.training.tracking.registered_model import log_checkpoint
 
         logged = log_checkpoint(args.checkpoint, name=args.mlflow, uri=args.uri)
         print(f"registered {logged.model_uri} (mlflow run {logged.run_id})")

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from helpers import free_port
-from shardwise.common.registry import Destination, RegistryError, check_reachable, log_pyfunc
-from shardwise.training.tracking.registry import _code_paths, _requirements
+from shardwise.common.model_registry import Destination, RegistryError, check_reachable, log_pyfunc
+from shardwise.training.tracking.registered_model import _code_paths, _requirements
 
 
 def test_a_users_model_code_travels_with_the_model_and_an_installed_ones_does_not(repo_cwd):

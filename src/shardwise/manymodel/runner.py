@@ -194,10 +194,10 @@ def _run_models(
 
 
 def _register(config: ManyModelsConfig, summary: Summary, ids: list[str]) -> str:
-    """The run's forecasts registered (manymodel/registry.py); a store that is down is one line,
-    the run's results left as they are."""
-    from shardwise.common.registry import RegistryError
-    from shardwise.manymodel.registry import register_forecasts
+    """The run's forecasts registered (manymodel/registered_forecasts.py); a store that is down
+    is one line, the run's results left as they are."""
+    from shardwise.common.model_registry import RegistryError
+    from shardwise.manymodel.registered_forecasts import register_forecasts
 
     try:
         registered = register_forecasts(

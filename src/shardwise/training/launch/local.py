@@ -317,8 +317,8 @@ def publish(config: JobConfig, summary: TrainSummary | None) -> TrainSummary | N
     summary (`model_error`), the checkpoint left as it is."""
     if summary is None or summary.preempted or not config.tracking.log_model:
         return summary
-    from shardwise.common.registry import RegistryError
-    from shardwise.training.tracking.registry import log_checkpoint
+    from shardwise.common.model_registry import RegistryError
+    from shardwise.training.tracking.registered_model import log_checkpoint
 
     assert summary.checkpoint is not None  # the last step always saves
     try:

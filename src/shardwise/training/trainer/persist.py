@@ -117,7 +117,7 @@ def _manifest(run: Run) -> dict[str, Any]:
         "precision": run.config.train.precision,
         "model": redacted_dump(run.config.model),
         # the job, credentials hidden: what `export --mlflow` rebuilds the model and its input
-        # example from (training/tracking/registry.py)
+        # example from (training/tracking/registered_model.py)
         "job": redacted_dump(run.config, exclude_none=True),
         # a streamed table's version (data/stream/source.py): a resume on other data is refused
         **({"data": data} if (data := run.loader.state_dict().get("version")) else {}),

@@ -28,14 +28,14 @@ import tomli_w
 from shardwise.common.errors import ConfigError
 from shardwise.common.imports import import_object
 from shardwise.common.job_files import redacted_dump
-from shardwise.common.redact import redact
-from shardwise.common.registry import (
+from shardwise.common.model_registry import (
     Destination,
     Registered,
     check_reachable,
     log_pyfunc,
     pinned,
 )
+from shardwise.common.redact import redact
 from shardwise.training import builders
 from shardwise.training.checkpoint.disk_layout import read_manifest
 from shardwise.training.checkpoint.export import export_safetensors, require_complete

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from shardwise.common.registry import (
+from shardwise.common.model_registry import (
     Destination,
     Registered,
     check_reachable,
