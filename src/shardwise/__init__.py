@@ -23,7 +23,7 @@ _EXPORTS = {
     "load_config": "shardwise.training.config.load",
     "train": "shardwise.training.launch.local",
     "Nodes": "shardwise.training.launch.local",
-    "WorkerFailed": "shardwise.training.launch.local",
+    "WorkerFailed": "shardwise.training.launch.outcome",
     "TrainSummary": "shardwise.training.trainer.train_summary",
     "ManyModelsConfig": "shardwise.manymodel.config",
     "load_many_models": "shardwise.manymodel.config",
@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     from shardwise.manymodel.runner import many_models
     from shardwise.training.config.load import load_config
     from shardwise.training.config.schema import JobConfig
-    from shardwise.training.launch.local import Nodes, WorkerFailed, train
+    from shardwise.training.launch.local import Nodes, train
+    from shardwise.training.launch.outcome import WorkerFailed
     from shardwise.training.trainer.train_summary import TrainSummary
 
 __all__ = [

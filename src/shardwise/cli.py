@@ -257,7 +257,7 @@ def _launch(args: argparse.Namespace) -> int:
     try:
         return run(args)
     except RuntimeError as failure:  # Ray's or Spark's ranks, out of restarts
-        from shardwise.training.launch.local import WorkerFailed
+        from shardwise.training.launch.outcome import WorkerFailed
         from shardwise.training.launch.train_command import worker_failed
 
         if isinstance(failure, WorkerFailed) and not args.debug:

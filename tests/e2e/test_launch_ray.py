@@ -116,3 +116,17 @@ def test_a_group_out_of_restarts_fails_in_one_line(tmp_path):
     assert "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("shardwise: rank 1 failed"), done.stderr
     assert (tmp_path / "run" / "checkpoints" / "step_00000004").is_dir()
+
+
+def test_a_stalled_rank_on_ray_is_reported_as_the_hang(tmp_path):
+    """As on this machine (test_faults.py): a rank that stops making progress is said as the
+    watchdog's reports say it (no progress for fault.timeout_s, and where the ranks are), not
+    as the actor's death that ended it."""
+    sections = {**SECTIONS, "train": {"steps": 8}, "fault": {"max_restarts": 0, "timeout_s": 8}}
+    config = gpt_job(tmp_path / "run", **sections)
+    fault = {"RAY_AUTH_MODE": "disabled", "SHARDWISE_FAULT": "stall:rank=1:step=4"}
+    done = launch_on_two_nodes("ray", config, tmp_path / "job.toml", env={**os.environ, **fault})
+    assert done.returncode == 1, done.stdout + done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert "no progress for" in last and "(fault.timeout_s)" in last, done.stderr
+    assert "after step 4 is at" in last and str(tmp_path / "run" / "hangs") in last

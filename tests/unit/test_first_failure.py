@@ -7,7 +7,8 @@ import json
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from shardwise.training.launch.local import WorkerFailed, _first_failure
+from shardwise.training.launch.local import _first_failure
+from shardwise.training.launch.outcome import WorkerFailed
 
 GLOO_ECHO = (
     "[../third_party/gloo/gloo/transport/tcp/pair.cc:538] Connection closed by peer "

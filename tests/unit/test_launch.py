@@ -164,7 +164,7 @@ def test_restarts_number_the_attempts_and_a_config_error_is_not_retried(capsys):
 def test_a_failed_spark_stage_names_the_rank_whose_task_failed():
     """Spark's error (py4j's, as a real local-cluster run raised it) names the failed barrier
     task as ResultTask(stage, partition); the partition is the rank."""
-    from shardwise.training.launch.local import WorkerFailed
+    from shardwise.training.launch.outcome import WorkerFailed
     from shardwise.training.launch.spark_tasks import _stage_failed
 
     spark = (

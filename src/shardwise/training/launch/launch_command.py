@@ -7,12 +7,18 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shardwise.common.arguments import add_debug, add_overrides
 from shardwise.common.errors import ConfigError
 from shardwise.training.config.load import load_config
 from shardwise.training.launch.targets import Target, check_storage, check_target, unshared
+
+if TYPE_CHECKING:
+    from shardwise.training.trainer.train_summary import TrainSummary
 
 TARGETS = ("slurm", "k8s", "ray", "spark")
 
@@ -217,7 +223,6 @@ def _k8s(args: argparse.Namespace, target: Target) -> int:
 
 def _ray(args: argparse.Namespace, target: Target) -> int:
     from shardwise.training.checkpoint.resume import resume_point
-    from shardwise.training.launch.local import publish, report_result
     from shardwise.training.launch.ray_actors import RayOptions, train_on_ray
 
     if args.cpus_per_rank <= 0:
@@ -228,13 +233,12 @@ def _ray(args: argparse.Namespace, target: Target) -> int:
 
         print(describe(target, options, args.resume))
         return 0
-    summary = train_on_ray(target, options, resume_point(target.config, args.resume))
-    return report_result(publish(target.config, summary))
+    checkpoint = resume_point(target.config, args.resume)
+    return _reported(target, lambda: train_on_ray(target, options, checkpoint))
 
 
 def _spark(args: argparse.Namespace, target: Target) -> int:
     from shardwise.training.checkpoint.resume import resume_point
-    from shardwise.training.launch.local import publish, report_result
     from shardwise.training.launch.spark_tasks import SparkOptions, train_on_spark
 
     # every attempt of the stage resumes from the newest good checkpoint, the first included,
@@ -247,5 +251,21 @@ def _spark(args: argparse.Namespace, target: Target) -> int:
         return 0
     chosen = resume_point(target.config, args.resume)  # refuses to overwrite, checks a path
     resume = "auto" if auto else chosen or "auto"
-    summary = train_on_spark(target, SparkOptions(args.spark_master), resume)
+    return _reported(
+        target, lambda: train_on_spark(target, SparkOptions(args.spark_master), resume)
+    )
+
+
+def _reported(target: Target, run: Callable[[], TrainSummary | None]) -> int:
+    """`run` (the ranks on Ray or Spark, from this process) reported as `shardwise train`
+    reports a run on this machine: its outcome with what the ranks left (a hang said as such,
+    launch/outcome.py), and the model logged once they are done."""
+    from shardwise.training.launch.local import publish, report_result
+    from shardwise.training.launch.outcome import WorkerFailed, outcome
+
+    started = time.time()
+    try:
+        summary = run()
+    except WorkerFailed as failure:
+        summary = outcome(target.config.run_dir, started, failure=failure)
     return report_result(publish(target.config, summary))

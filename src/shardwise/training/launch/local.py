@@ -10,10 +10,8 @@ run starts is checkpoint/resume.py's decision, shared with every other launcher.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import signal
 import socket
 import sys
 import tempfile
@@ -41,41 +39,20 @@ from shardwise.training.config.derive import derive
 from shardwise.training.config.load import load_config, validate
 from shardwise.training.config.schema import JobConfig
 from shardwise.training.fault.watchdog import after_a_peer
-from shardwise.training.fault.watchdog import describe as describe_hang
 from shardwise.training.launch.env import WorkerEnv, detect
 from shardwise.training.launch.forkserver import discard_unused_server, fork_target, start_method
+from shardwise.training.launch.outcome import Interrupted, WorkerFailed, outcome
 from shardwise.training.launch.stores import (
     LOOPBACK,
     RENDEZVOUS,
     loopback_collectives,
     register_rendezvous,
 )
-from shardwise.training.launch.worker import PREEMPTED_EXIT, check_devices, run_worker
+from shardwise.training.launch.worker import check_devices, run_worker
 from shardwise.training.parallel.checks import check_layout
 
 if TYPE_CHECKING:
     from shardwise.training.trainer.train_summary import TrainSummary
-
-
-@dataclass
-class WorkerFailed(RuntimeError):
-    """A worker process ended with an error; `rank` is the first rank that failed."""
-
-    rank: int
-    exitcode: int
-    message: str
-    traceback: str
-
-    def __str__(self) -> str:
-        return f"rank {self.rank} failed (exit code {self.exitcode}): {self.message}"
-
-
-class Interrupted(Exception):
-    """The launcher received a termination signal (Ctrl-C, `kill`); the workers were stopped."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"stopped by {signal.Signals(signum).name}")
-        self.signum = signum
 
 
 @dataclass(frozen=True)
@@ -294,20 +271,8 @@ def train(
             max_restarts=config.fault.max_restarts,
             nodes=nodes and replace(nodes, run_id=nodes.run_id or config.job.name),
         ).get(0)
-    except Interrupted as stop:
-        preempted = _preempted_summary(config, since=started)
-        if stop.signum != signal.SIGTERM or preempted is None:
-            raise
-        return preempted  # the workers saved a checkpoint at a step boundary and stopped
-    except WorkerFailed as failure:
-        if failure.exitcode == PREEMPTED_EXIT and (
-            preempted := _preempted_summary(config, since=started)
-        ):
-            return preempted  # SIGTERM reached the workers, not this launcher
-        hang = describe_hang(config.run_dir / "hangs", since=started)
-        if hang is None:
-            raise
-        raise WorkerFailed(failure.rank, failure.exitcode, hang, traceback="") from None
+    except (Interrupted, WorkerFailed) as failure:
+        summary = outcome(config.run_dir, started, failure=failure)
     return publish(config, summary)
 
 
@@ -390,17 +355,6 @@ def check_job(
         check_weights(config.model.init_from, builders.build_on_meta(config))
     if devices_here:
         check_devices(config.job.device, per_node)
-
-
-def _preempted_summary(config: JobConfig, *, since: float) -> TrainSummary | None:
-    """The summary rank 0 wrote when it stopped on SIGTERM during this launch, if it did."""
-    from shardwise.training.trainer.train_summary import TrainSummary
-
-    path = config.run_dir / "summary.json"
-    if not path.exists() or path.stat().st_mtime < since:
-        return None
-    data = json.loads(path.read_text())
-    return TrainSummary(**data) if data.get("preempted") else None
 
 
 def report_result(summary: TrainSummary | None) -> int:

@@ -253,7 +253,7 @@ def _wait_all(ray: Any, calls: list[Any]) -> TrainSummary | None:
 
 def _failed(failure: BaseException) -> Exception:
     """What the command reports: a ConfigError from a rank as one line; else the failed rank."""
-    from shardwise.training.launch.local import WorkerFailed
+    from shardwise.training.launch.outcome import WorkerFailed
 
     if isinstance(failure, ConfigError):
         return failure

@@ -119,7 +119,7 @@ def _stage_failed(failure: Exception) -> Exception:
     own error): one line naming the failure and the rank whose task failed first."""
     if isinstance(failure, ConfigError):
         return failure
-    from shardwise.training.launch.local import WorkerFailed
+    from shardwise.training.launch.outcome import WorkerFailed
 
     reason = _reason(failure)
     task = _FAILED_TASK.search(reason)

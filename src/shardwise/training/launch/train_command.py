@@ -9,7 +9,8 @@ import sys
 
 from shardwise.common.errors import ConfigError
 from shardwise.training.launch.env import kubeflow
-from shardwise.training.launch.local import Interrupted, Nodes, WorkerFailed, report_result, train
+from shardwise.training.launch.local import Nodes, report_result, train
+from shardwise.training.launch.outcome import Interrupted, WorkerFailed
 
 
 def run(args: argparse.Namespace) -> int:

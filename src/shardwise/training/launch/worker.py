@@ -5,7 +5,6 @@ srun): choose the device, join the process group, agree on the restart count and
 from __future__ import annotations
 
 import gc
-import signal
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -24,13 +23,11 @@ from shardwise.training.config.schema import JobConfig
 from shardwise.training.fault.watchdog import after_a_peer
 from shardwise.training.launch.env import WorkerEnv, detect
 from shardwise.training.launch.forkserver import restore_sigterm
+from shardwise.training.launch.outcome import PREEMPTED_EXIT
 from shardwise.training.launch.stores import worker_store
 
 if TYPE_CHECKING:
     from shardwise.training.trainer.train_summary import TrainSummary
-
-PREEMPTED_EXIT = 128 + signal.SIGTERM
-"""The exit code of a rank of shardwise's launcher that saved on SIGTERM and stopped."""
 
 
 def run_worker(
