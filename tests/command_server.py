@@ -46,7 +46,7 @@ from typing import Any
 
 from shardwise.training.launch import forkserver
 
-PRELOAD = ("shardwise.cli", "shardwise.training.launch.local", *forkserver.PRELOAD)
+PRELOAD = ("shardwise.cli", "shardwise.training.run", *forkserver.PRELOAD)
 """What a `shardwise train` imports in its launcher and its ranks' server."""
 
 RUNTIME = (

@@ -21,8 +21,8 @@ _EXPORTS = {
     "ConfigError": "shardwise.common.errors",
     "JobConfig": "shardwise.training.config.schema",
     "load_config": "shardwise.training.config.load",
-    "train": "shardwise.training.launch.local",
-    "Nodes": "shardwise.training.launch.local",
+    "train": "shardwise.training.run",
+    "Nodes": "shardwise.training.launch.agent",
     "WorkerFailed": "shardwise.training.launch.outcome",
     "TrainSummary": "shardwise.training.trainer.train_summary",
     "ManyModelsConfig": "shardwise.manymodel.config",
@@ -36,8 +36,9 @@ if TYPE_CHECKING:
     from shardwise.manymodel.runner import many_models
     from shardwise.training.config.load import load_config
     from shardwise.training.config.schema import JobConfig
-    from shardwise.training.launch.local import Nodes, train
+    from shardwise.training.launch.agent import Nodes
     from shardwise.training.launch.outcome import WorkerFailed
+    from shardwise.training.run import train
     from shardwise.training.trainer.train_summary import TrainSummary
 
 __all__ = [

@@ -91,7 +91,7 @@ def test_accumulation_and_clipping_on_the_gpt_read_nothing_either(tmp_path, one_
 def test_the_loop_calls_train_step_and_train_step_calls_backward(tmp_path, one_rank):
     """Issue 18's short path: in a rank, `loop.train` → `step.train_step` → `loss.backward()`,
     with no other shardwise function between them (the launcher side is `cli._train` →
-    `launch.local.train` → `launch.worker.run_worker` → `loop.train`)."""
+    `run.train` → `launch.agent.launch` → `launch.worker.run_worker` → `loop.train`)."""
     from shardwise.training.trainer import loop
 
     seen: list[list[str]] = []

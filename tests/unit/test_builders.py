@@ -168,7 +168,7 @@ def test_a_launchers_checks_of_a_multi_rank_cpu_job_import_no_dynamo(tmp_path):
     job = write_job(gpt_job(tmp_path / "run"), tmp_path / "job.toml")
     check = (
         "import sys; from shardwise.training.config.load import load_config; "
-        "from shardwise.training.launch.local import check_job; "
+        "from shardwise.training.run import check_job; "
         f"check_job(load_config({str(job)!r}), 2, 2, devices_here=False); "
         "print('torch._dynamo' in sys.modules)"
     )

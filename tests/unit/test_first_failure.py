@@ -7,7 +7,7 @@ import json
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from shardwise.training.launch.local import _first_failure
+from shardwise.training.launch.agent import _first_failure
 from shardwise.training.launch.outcome import WorkerFailed
 
 GLOO_ECHO = (

@@ -12,7 +12,7 @@ import shardwise
 SOURCE = Path(shardwise.__file__).parent
 LAYERS = (
     {"shardwise", "__main__", "cli"},
-    {"launch", "manymodel", "plan"},
+    {"launch", "manymodel", "plan", "run"},
     {"trainer"},
     {"checkpoint", "tracking", "fault"},
     {"parallel", "comm"},
@@ -200,7 +200,7 @@ def test_a_data_parallel_launcher_imports_neither_dtensor_nor_the_trainer():
     statements = (
         "import pickle\n"
         "from shardwise.training.config.load import load_config\n"
-        "from shardwise.training.launch.local import check_job\n"
+        "from shardwise.training.run import check_job\n"
         "from shardwise.training.trainer.train_summary import TrainSummary\n"
         "check_job(load_config('examples/digits.toml'), 2, 2)\n"
         "pickle.loads(pickle.dumps(TrainSummary(1, {}, None, 'runs/x', None, 1.0)))"

@@ -260,8 +260,8 @@ def _reported(target: Target, run: Callable[[], TrainSummary | None]) -> int:
     """`run` (the ranks on Ray or Spark, from this process) reported as `shardwise train`
     reports a run on this machine: its outcome with what the ranks left (a hang said as such,
     launch/outcome.py), and the model logged once they are done."""
-    from shardwise.training.launch.local import publish, report_result
     from shardwise.training.launch.outcome import WorkerFailed, outcome
+    from shardwise.training.run import publish, report_result
 
     started = time.time()
     try:

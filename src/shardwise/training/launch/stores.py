@@ -8,7 +8,7 @@ binds its stores to the address the nodes meet at (the rendezvous endpoint, the 
 node is known by), not to every interface; its collectives use the interface the user names
 (`GLOO_SOCKET_IFNAME`, `NCCL_SOCKET_IFNAME`).
 
-This module must not decide who hosts what: launch/local.py does.
+This module must not decide who hosts what: training/run.py does.
 """
 
 from __future__ import annotations

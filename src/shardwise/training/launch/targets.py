@@ -49,7 +49,7 @@ class Target:
 def check_target(target: Target) -> None:
     """Before submission: the job's layout on `target.world_size` ranks (the mesh, the model, its
     blocks) and GPUs for a GPU job; ConfigError in one line otherwise."""
-    from shardwise.training.launch.local import check_job
+    from shardwise.training.run import check_job
 
     try:
         check_job(target.config, target.world_size, target.per_node, devices_here=False)

@@ -1,4 +1,4 @@
-"""`shardwise train`: the command's options made into a launch (launch/local.py): the processes
+"""`shardwise train`: the command's options made into a launch (training/run.py): the processes
 per machine (--nproc, or a Kubeflow pod's), the machines (--nnodes and the rendezvous, or the
 pod's PET_* variables), and how a run that is stopped or whose ranks failed is reported."""
 
@@ -8,9 +8,10 @@ import argparse
 import sys
 
 from shardwise.common.errors import ConfigError
+from shardwise.training.launch.agent import Nodes
 from shardwise.training.launch.env import kubeflow
-from shardwise.training.launch.local import Nodes, report_result, train
 from shardwise.training.launch.outcome import Interrupted, WorkerFailed
+from shardwise.training.run import report_result, train
 
 
 def run(args: argparse.Namespace) -> int:
