@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Model Registry, from any layout",
         )
     )
-    from shardwise.training.launch.launch_command import add_arguments as launch_arguments
+    from shardwise.training.launch.launch_arguments import add_arguments as launch_arguments
 
     launch_arguments(
         commands.add_parser(

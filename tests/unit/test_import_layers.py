@@ -211,3 +211,12 @@ def test_a_data_parallel_launcher_imports_neither_dtensor_nor_the_trainer():
         "shardwise.training.trainer.loop",
     )
     assert _imported(statements, heavy) == []
+
+
+def test_the_commands_parser_imports_no_products_code():
+    """Every `shardwise` command builds the whole parser first: it imports the options' light
+    modules only, not the training launcher or a job file's schema (0.1 s of every command,
+    many-models' included, before the launcher's options moved to launch_arguments.py)."""
+    statements = "import shardwise.cli\nshardwise.cli.build_parser()"
+    heavy = ("shardwise.training.config", "shardwise.training.launch.targets", "torch")
+    assert _imported(statements, heavy) == []

@@ -1,7 +1,7 @@
 """`shardwise launch TARGET JOB.toml`: take the same job file to a cluster. Targets: `slurm`
 (launch/slurm.py), `k8s` (Kubeflow, launch/k8s.py), `ray` (actors, launch/ray_actors.py), `spark`
 (barrier tasks, launch/spark_tasks.py). The checks every target shares are in
-launch/targets.py."""
+launch/targets.py; the command's options in launch/launch_arguments.py."""
 
 from __future__ import annotations
 
@@ -12,112 +12,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardwise.common.arguments import add_debug, add_overrides
 from shardwise.common.errors import ConfigError
 from shardwise.training.config.load import load_config
 from shardwise.training.launch.targets import Target, check_storage, check_target, unshared
 
 if TYPE_CHECKING:
     from shardwise.training.trainer.train_summary import TrainSummary
-
-TARGETS = ("slurm", "k8s", "ray", "spark")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("target", choices=TARGETS, help="where the job runs")
-    parser.add_argument("job", help="the job's TOML file")
-    parser.add_argument("--nodes", type=int, default=1, help="machines (default 1)")
-    ranks = parser.add_mutually_exclusive_group()
-    ranks.add_argument(
-        "--gpus-per-node", type=int, metavar="G", help="GPUs per node: one rank on each"
-    )
-    ranks.add_argument(
-        "--nproc-per-node", type=int, metavar="P", help="ranks per node on CPUs (default 1)"
-    )
-    add_overrides(parser, "train.steps=1000", "; passed to every node")
-    parser.add_argument(
-        "--shared-storage",
-        action="store_true",
-        help="the checkpoint and run directories are on storage every node mounts, although "
-        "their filesystem does not look shared (it is not NFS, Lustre, GPFS, …)",
-    )
-    parser.add_argument("--dry-run", action="store_true", help="print what would be submitted")
-    parser.add_argument("--submit", action="store_true", help="slurm: submit it (sbatch)")
-    parser.add_argument(
-        "--apply", action="store_true", help="k8s: create it through the Kubernetes API"
-    )
-    k8s = parser.add_argument_group("k8s")
-    k8s.add_argument("--image", help="the container image, with shardwise installed")
-    k8s.add_argument("--namespace", default="default")
-    k8s.add_argument(
-        "--api",
-        choices=("trainjob", "pytorchjob"),
-        default="trainjob",
-        help="Kubeflow Trainer v2's TrainJob (default), or the Training Operator's PyTorchJob",
-    )
-    k8s.add_argument("--memory-per-node", metavar="QUANTITY", help="e.g. 64Gi")
-    k8s.add_argument(
-        "--volume",
-        dest="volumes",
-        action="append",
-        default=[],
-        metavar="CLAIM:/PATH",
-        help="a PersistentVolumeClaim every pod mounts (repeatable): shared checkpoints",
-    )
-    k8s.add_argument(
-        "--max-restarts",
-        type=int,
-        default=3,
-        help="times Kubernetes restarts the job's pods after a failure (default 3)",
-    )
-    ray = parser.add_argument_group("ray")
-    ray.add_argument(
-        "--ray-address", metavar="ADDRESS", help="a running Ray cluster (default: a local Ray)"
-    )
-    ray.add_argument(
-        "--placement",
-        choices=("pack", "spread"),
-        default="pack",
-        help="ranks on as few nodes as possible (pack), or across nodes (spread)",
-    )
-    ray.add_argument("--cpus-per-rank", type=float, default=1.0, metavar="C")
-    ray.add_argument(
-        "--resume",
-        default="never",
-        metavar="auto|never|PATH",
-        help="ray and spark: as shardwise train's (slurm and k8s always resume: auto)",
-    )
-    parser.add_argument_group("spark").add_argument(
-        "--spark-master",
-        metavar="URL",
-        help="the Spark cluster (default local-cluster[nodes, ranks per node, 2048])",
-    )
-    slurm = parser.add_argument_group("slurm")
-    slurm.add_argument("--time", help="the time limit, e.g. 04:00:00")
-    slurm.add_argument("--partition")
-    slurm.add_argument("--account")
-    slurm.add_argument("--cpus-per-node", type=int, metavar="C", help="CPUs for each node's task")
-    slurm.add_argument(
-        "--sbatch",
-        dest="sbatch_lines",
-        action="append",
-        default=[],
-        metavar="OPTION",
-        help="another #SBATCH option, e.g. qos=high or constraint=a100 (repeatable)",
-    )
-    slurm.add_argument(
-        "--port",
-        type=int,
-        help="rendezvous port on the first node (default 20000 + job id %% 20000)",
-    )
-    slurm.add_argument(
-        "--signal-seconds",
-        type=int,
-        default=120,
-        metavar="S",
-        help="SIGTERM this long before the time limit, to save and requeue (default 120)",
-    )
-    add_debug(parser)
 
 
 def target_of(args: argparse.Namespace) -> Target:
