@@ -63,8 +63,8 @@ def write_chunks(series: int, directory: Path) -> list[Path]:
 def measure(directory: Path, whole: bool, method: str) -> dict[str, object]:
     """One `calibrate` call in this process: in parts of `PART_SERIES` series (as outputs.py
     reads them) or, `whole`, every file as one part."""
-    from shardwise.manymodel import outputs
-    from shardwise.manymodel.intervals import calibrate
+    from shardwise.manymodel.evaluation.intervals import calibrate
+    from shardwise.manymodel.run import outputs
 
     files = sorted(directory.glob("backtest-*.parquet"))
     parts = [pl.scan_parquet(files)] if whole else outputs._parts(files, CHUNK)

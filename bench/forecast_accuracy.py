@@ -36,11 +36,11 @@ import numpy as np
 import polars as pl
 
 from shardwise.common.job_files import validate_as
-from shardwise.manymodel.backtest import refits
 from shardwise.manymodel.columns import FUTURE
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.data import load_series
-from shardwise.manymodel.runner import run
+from shardwise.manymodel.data.table import load_series
+from shardwise.manymodel.evaluation.backtest import refits
+from shardwise.manymodel.run.runner import run
 
 HORIZON, WINDOWS, SEASON = 12, 3, 12
 ID = "series_id"

@@ -38,15 +38,15 @@ from pathlib import Path
 import polars as pl
 
 from shardwise.common.job_files import validate_as
-from shardwise.manymodel.backtest import Plan
-from shardwise.manymodel.chunk import run_chunk
 from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.data import SeriesTable, load_series
-from shardwise.manymodel.features import FeatureSpec, polars_features
-from shardwise.manymodel.ray_tasks import start_ray
-from shardwise.manymodel.runner import make_plan, run
-from shardwise.manymodel.warm_imports import THREAD_ENV
+from shardwise.manymodel.data.table import SeriesTable, load_series
+from shardwise.manymodel.evaluation.backtest import Plan
+from shardwise.manymodel.features.spec import FeatureSpec, polars_features
+from shardwise.manymodel.run.chunk import run_chunk
+from shardwise.manymodel.run.ray_tasks import start_ray
+from shardwise.manymodel.run.runner import make_plan, run
+from shardwise.manymodel.run.warm_imports import THREAD_ENV
 
 MODELS = {
     "names": ["seasonal_naive", "ridge", "lightgbm"],
@@ -101,7 +101,7 @@ def sequential(features: pl.DataFrame, plan: Plan, scratch: Path) -> float:
     (scratch / "plan.pkl").write_bytes(pickle.dumps(plan))
     code = (
         "import pickle, sys, time, polars as pl\n"
-        "from shardwise.manymodel.chunk import run_chunk\n"
+        "from shardwise.manymodel.run.chunk import run_chunk\n"
         "d = sys.argv[1]\n"
         "features = pl.read_parquet(d + '/features.parquet')\n"
         "plan = pickle.loads(open(d + '/plan.pkl', 'rb').read())\n"
@@ -219,7 +219,7 @@ def pandas_features(
 
 def bench_features(series: int, repeats: int, scratch: Path) -> None:
     from shardwise.common.spark_session import session
-    from shardwise.manymodel.feature_files import write_features
+    from shardwise.manymodel.features.feature_files import write_features
 
     config = job("retail_synthetic", series, scratch / "features")
     table = load_series(config)
@@ -265,7 +265,7 @@ import json, resource, sys, time
 from pathlib import Path
 sys.path.insert(0, {bench!r})
 from many_models import job
-from shardwise.manymodel.runner import run
+from shardwise.manymodel.run.runner import run
 config = job("retail_synthetic", {series}, Path({run_dir!r}))
 config.backtest.refit = {refit!r}
 config.backtest.levels = {levels!r}
@@ -288,7 +288,7 @@ import sys
 from pathlib import Path
 sys.path.insert(0, {bench!r})
 from many_models import job
-from shardwise.manymodel import datasets
+from shardwise.manymodel.data import datasets
 config = job("retail_synthetic", {series}, Path("unused"))
 data = datasets.retail_synthetic(
     {series}, config.data.periods, future=config.backtest.horizon, seed=config.job.seed

@@ -69,8 +69,8 @@ def measure(bottom: int, methods: list[str], dense: bool) -> dict[str, float]:
     """One reconcile call in this process with the `dense` or the sparse summing matrix, whatever
     the size: seconds, MiB above the resident set before it, and the largest gap between a level
     and the sum below it."""
-    from shardwise.manymodel import hierarchy
     from shardwise.manymodel.columns import SERIES, Columns
+    from shardwise.manymodel.hierarchy import levels as hierarchy
 
     hierarchy.DENSE_UP_TO = sys.maxsize if dense else 0
     history, forecasts, past = hierarchy_frames(bottom)

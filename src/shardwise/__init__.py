@@ -27,13 +27,13 @@ _EXPORTS = {
     "TrainSummary": "shardwise.training.trainer.train_summary",
     "ManyModelsConfig": "shardwise.manymodel.config",
     "load_many_models": "shardwise.manymodel.config",
-    "many_models": "shardwise.manymodel.runner",
+    "many_models": "shardwise.manymodel.run.runner",
 }
 
 if TYPE_CHECKING:
     from shardwise.common.errors import ConfigError
     from shardwise.manymodel.config import ManyModelsConfig, load_many_models
-    from shardwise.manymodel.runner import many_models
+    from shardwise.manymodel.run.runner import many_models
     from shardwise.training.config.load import load_config
     from shardwise.training.config.schema import JobConfig
     from shardwise.training.launch.agent import Nodes

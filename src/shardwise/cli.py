@@ -204,7 +204,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _many_models(args: argparse.Namespace) -> int:
     from shardwise.manymodel.config import load_many_models
-    from shardwise.manymodel.placement import prestart
+    from shardwise.manymodel.run.placement import prestart
 
     flags = {
         "features.backend": args.features_backend,
@@ -215,7 +215,7 @@ def _many_models(args: argparse.Namespace) -> int:
     overrides = [*args.overrides, *(f"{k}={v!r}" for k, v in flags.items() if v is not None)]
     config = load_many_models(args.job, overrides)
     prestart(config)  # the workers' imports overlap the runner's
-    from shardwise.manymodel.runner import run
+    from shardwise.manymodel.run.runner import run
 
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:

@@ -51,7 +51,7 @@ def test_us_employment_with_spark_features(tmp_path):
     """From the user's own Parquet file, which Spark's executors read themselves (issue 19).
     Its own Ray and Spark listen on loopback only (read from /proc all through the run, as
     `ss -ltnp` shows it)."""
-    from shardwise.manymodel import datasets
+    from shardwise.manymodel.data import datasets
 
     source = tmp_path / "employment.parquet"
     datasets.us_employment().frame.write_parquet(source)

@@ -9,12 +9,12 @@ import pytest
 
 from shardwise.common.errors import ConfigError
 from shardwise.common.job_files import validate_as
-from shardwise.manymodel.chunk import run_chunk
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.data import load_series
-from shardwise.manymodel.feature_files import write_features
-from shardwise.manymodel.features import FeatureSpec, polars_features
-from shardwise.manymodel.runner import make_plan
+from shardwise.manymodel.data.table import load_series
+from shardwise.manymodel.features.feature_files import write_features
+from shardwise.manymodel.features.spec import FeatureSpec, polars_features
+from shardwise.manymodel.run.chunk import run_chunk
+from shardwise.manymodel.run.runner import make_plan
 
 pytestmark = pytest.mark.slow
 

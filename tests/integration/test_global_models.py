@@ -11,10 +11,10 @@ import pytest
 from shardwise.common.job_files import validate_as
 from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.data import load_series
-from shardwise.manymodel.features import FeatureSpec, polars_features
-from shardwise.manymodel.global_models import Worker
-from shardwise.manymodel.runner import make_plan, run
+from shardwise.manymodel.data.table import load_series
+from shardwise.manymodel.features.spec import FeatureSpec, polars_features
+from shardwise.manymodel.models.global_models import Worker
+from shardwise.manymodel.run.runner import make_plan, run
 
 pytestmark = pytest.mark.slow
 

@@ -11,10 +11,10 @@ import pytest
 
 from helpers import HIERARCHY_LEVELS as LEVELS
 from helpers import hierarchical_job
-from shardwise.manymodel.data import load_series
-from shardwise.manymodel.hierarchy import incoherence
-from shardwise.manymodel.intervals import METADATA_KEY
-from shardwise.manymodel.runner import run
+from shardwise.manymodel.data.table import load_series
+from shardwise.manymodel.evaluation.intervals import METADATA_KEY
+from shardwise.manymodel.hierarchy.levels import incoherence
+from shardwise.manymodel.run.runner import run
 
 pytestmark = pytest.mark.slow
 

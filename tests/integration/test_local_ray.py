@@ -14,8 +14,8 @@ import pytest
 
 from shardwise.common.job_files import validate_as
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.ray_tasks import start_ray
-from shardwise.manymodel.warm_imports import THREAD_ENV
+from shardwise.manymodel.run.ray_tasks import start_ray
+from shardwise.manymodel.run.warm_imports import THREAD_ENV
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ import pytest
 
 from shardwise.common.job_files import validate_as
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.intervals import METADATA_KEY
-from shardwise.manymodel.runner import run
+from shardwise.manymodel.evaluation.intervals import METADATA_KEY
+from shardwise.manymodel.run.runner import run
 
 pytestmark = pytest.mark.slow
 

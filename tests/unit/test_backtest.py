@@ -10,14 +10,14 @@ import pytest
 
 from shardwise.common.errors import ConfigError
 from shardwise.common.job_files import validate_as
-from shardwise.manymodel.backtest import _metrics
-from shardwise.manymodel.chunk import run_chunk
 from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.data import SeriesTable, load_series
-from shardwise.manymodel.features import FeatureSpec, polars_features
-from shardwise.manymodel.runner import make_plan
-from shardwise.manymodel.selection import select
+from shardwise.manymodel.data.table import SeriesTable, load_series
+from shardwise.manymodel.evaluation.backtest import _metrics
+from shardwise.manymodel.evaluation.selection import select
+from shardwise.manymodel.features.spec import FeatureSpec, polars_features
+from shardwise.manymodel.run.chunk import run_chunk
+from shardwise.manymodel.run.runner import make_plan
 
 
 def test_metrics_by_hand():
@@ -159,7 +159,7 @@ def test_the_ensemble_has_intervals_from_its_own_window_errors(tmp_path):
     errors the same ensemble (the same top models' mean) made on the windows, pooled over the
     series, times the series' scale: its backtest rows are that mean on each window, with the
     window's actual values and scale."""
-    from shardwise.manymodel.intervals import calibrate
+    from shardwise.manymodel.evaluation.intervals import calibrate
 
     config, table = tiny_job(
         tmp_path,
@@ -194,7 +194,7 @@ def test_the_backtest_forecasts_are_the_ones_the_metrics_score(tmp_path):
     """Every model's forecast of every window is kept, a row per step, and scoring those rows
     against the window's actual values gives the metrics table's MAE; the ensemble's rows are
     the mean of the series' final top models on each window."""
-    from shardwise.manymodel.backtest import origins
+    from shardwise.manymodel.evaluation.backtest import origins
 
     config, table = tiny_job(
         tmp_path,
@@ -231,8 +231,8 @@ def test_refit_false_carries_the_first_windows_fit_of_a_feature_model(tmp_path):
     """Per-series ridge under `backtest.refit = false`: fitted on the first window's rows, it
     forecasts every later window (and the forecast) from those rows' own features, unlike a
     model fitted again there."""
-    from shardwise.manymodel.backtest import _fit_predict, origins
-    from shardwise.manymodel.models import build
+    from shardwise.manymodel.evaluation.backtest import _fit_predict, origins
+    from shardwise.manymodel.models.per_series import build
 
     backtest = {"horizon": 6, "n_windows": 3, "refit": False}
     config, table = tiny_job(tmp_path, ["ridge"], backtest=backtest)

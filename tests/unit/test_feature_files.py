@@ -11,9 +11,9 @@ import pytest
 from shardwise.common.job_files import validate_as
 from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.data import load_series
-from shardwise.manymodel.feature_files import write_features
-from shardwise.manymodel.features import FeatureSpec, polars_features
+from shardwise.manymodel.data.table import load_series
+from shardwise.manymodel.features.feature_files import write_features
+from shardwise.manymodel.features.spec import FeatureSpec, polars_features
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def test_which_files_spark_reads_itself(tmp_path):
     """Spark's executors read the user's file where its types read alike in Spark and polars;
     otherwise they read the driver's checked copy, and the run says why."""
     from shardwise.manymodel.columns import Columns
-    from shardwise.manymodel.spark_features import source_file_problem
+    from shardwise.manymodel.features.spark_features import source_file_problem
 
     columns = Columns(ids=("shop",), timestamp="t", target="y", covariates=("price",))
     good = pl.DataFrame(

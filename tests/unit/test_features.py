@@ -11,7 +11,7 @@ import polars as pl
 import pytest
 
 from shardwise.manymodel.columns import Columns
-from shardwise.manymodel.features import FeatureSpec, polars_features
+from shardwise.manymodel.features.spec import FeatureSpec, polars_features
 
 COLUMNS = Columns(ids=("store", "item"), timestamp="ts", target="y", covariates=())
 SPEC = FeatureSpec(

@@ -12,8 +12,8 @@ from helpers import HIERARCHY_LEVELS as LEVELS
 from helpers import hierarchical_job
 from shardwise.common.errors import ConfigError
 from shardwise.manymodel.columns import FUTURE, SERIES, Columns
-from shardwise.manymodel.data import load_series
-from shardwise.manymodel.hierarchy import incoherence, reconcile, unique_ids
+from shardwise.manymodel.data.table import load_series
+from shardwise.manymodel.hierarchy.levels import incoherence, reconcile, unique_ids
 
 
 def incoherent_forecasts(
@@ -120,7 +120,7 @@ def test_a_method_that_cannot_run_is_reported_and_the_others_written(tmp_path):
     and still writes the other methods' reconciled forecasts."""
     from rich.console import Console
 
-    from shardwise.manymodel.reconciliation import _reconcile, series_paths
+    from shardwise.manymodel.hierarchy.reconciliation import _reconcile, series_paths
 
     config = hierarchical_job(tmp_path, hierarchy={"methods": ["bottom_up", "mint_shrink"]})
     config.run_dir.mkdir(parents=True)
@@ -145,7 +145,7 @@ def test_reconcilers_are_scored_on_the_windows_after_the_first(tmp_path):
     second window (the first has no earlier errors). Exact forecasts stay exact."""
     from rich.console import Console
 
-    from shardwise.manymodel.reconciliation import _score, series_paths
+    from shardwise.manymodel.hierarchy.reconciliation import _score, series_paths
 
     config = hierarchical_job(
         tmp_path,
@@ -181,7 +181,12 @@ def test_overlapping_windows_give_mint_one_error_per_row(tmp_path):
     and is scored."""
     from rich.console import Console
 
-    from shardwise.manymodel.reconciliation import _reconcile, _score, latest, series_paths
+    from shardwise.manymodel.hierarchy.reconciliation import (
+        _reconcile,
+        _score,
+        latest,
+        series_paths,
+    )
 
     config = hierarchical_job(tmp_path, backtest={"horizon": 6, "n_windows": 3, "step": 3})
     config.run_dir.mkdir(parents=True)
@@ -222,7 +227,7 @@ def test_overlapping_windows_give_mint_one_error_per_row(tmp_path):
 def test_one_window_cannot_score_mint_shrink_and_says_so(tmp_path):
     from rich.console import Console
 
-    from shardwise.manymodel.reconciliation import _score, series_paths
+    from shardwise.manymodel.hierarchy.reconciliation import _score, series_paths
 
     config = hierarchical_job(tmp_path, backtest={"horizon": 6, "n_windows": 1})
     config.run_dir.mkdir(parents=True)
@@ -298,7 +303,7 @@ def test_above_dense_up_to_the_sparse_forms_reconcile_as_closely(tmp_path, monke
     sparse summing matrix: bottom-up and top-down give the dense forecasts exactly, MinTrace's
     iterative solve comes within 1e-3 of its formula (not exactly: the sparse form ran), and
     every level still adds up to 1e-9. The error-weighted methods stay dense (DENSE_ONLY)."""
-    from shardwise.manymodel import hierarchy
+    from shardwise.manymodel.hierarchy import levels as hierarchy
 
     history, forecasts, past, columns = incoherent_forecasts(tmp_path)
     methods = list(hierarchy._CLASSES)
@@ -319,7 +324,7 @@ def test_above_dense_up_to_the_sparse_forms_reconcile_as_closely(tmp_path, monke
 def test_dense_methods_that_cannot_fit_in_memory_are_an_error_before_the_run(tmp_path, monkeypatch):
     """mint_shrink and mint_wls_var hold n × n matrices: 20,000 series need about 18 GiB, a
     one-line error with 8 GiB free. load_series checks, before any model runs."""
-    from shardwise.manymodel import hierarchy
+    from shardwise.manymodel.hierarchy import levels as hierarchy
 
     with pytest.raises(
         ConfigError, match=r"mint_wls_var and mint_shrink would hold 20000 × 20000 matrices"
@@ -353,8 +358,8 @@ def test_the_reconciled_scores_scale_each_series_as_the_backtest_does():
     """MASE's scale for the reconciled scores, for every series at once, equals the backtest's
     (`seasonal_mae`, one series at a time): missing values skipped, a series no longer than a
     season scaled by lag 1, one with no difference at all NaN."""
-    from shardwise.manymodel.backtest import seasonal_mae
-    from shardwise.manymodel.reconciliation import _seasonal_naive_mae
+    from shardwise.manymodel.evaluation.backtest import seasonal_mae
+    from shardwise.manymodel.hierarchy.reconciliation import _seasonal_naive_mae
 
     rng = np.random.default_rng(7)
     values = {

@@ -14,13 +14,13 @@ import pytest
 from polars.testing import assert_frame_equal
 
 from shardwise.common.job_files import validate_as
-from shardwise.manymodel.chunk import run_chunk
 from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.data import load_series
-from shardwise.manymodel.features import FeatureSpec, polars_features
-from shardwise.manymodel.intervals import METADATA_KEY, calibrate, needed
-from shardwise.manymodel.runner import make_plan
+from shardwise.manymodel.data.table import load_series
+from shardwise.manymodel.evaluation.intervals import METADATA_KEY, calibrate, needed
+from shardwise.manymodel.features.spec import FeatureSpec, polars_features
+from shardwise.manymodel.run.chunk import run_chunk
+from shardwise.manymodel.run.runner import make_plan
 
 SERIES_COUNT, MONTHS, SIGMA, HORIZON = 2000, 60, 2.0, 2
 Z = {80: 1.2815515655446004, 95: 1.959963984540054}
@@ -250,7 +250,7 @@ def test_per_series_intervals_at_three_windows_are_not_made(noisy):
 
 
 def test_the_forecast_files_carry_the_intervals_method_in_their_metadata(tmp_path):
-    from shardwise.manymodel.outputs import _Appended
+    from shardwise.manymodel.run.outputs import _Appended
 
     path = tmp_path / "f.parquet"
     with _Appended({"f": path}, {METADATA_KEY: json.dumps({"80": {"honoured": True}})}) as out:
@@ -298,6 +298,6 @@ def test_coverage_from_too_few_time_steps_is_said_to_be_too_few():
     level = calibrate([rows], [80], 3, "pooled", sources=lambda r: r).levels[80]
     assert level.scores["coverage_80_time_steps"] == 2.0
     assert np.isnan(level.scores["coverage_80_low"])
-    from shardwise.manymodel.intervals import describe
+    from shardwise.manymodel.evaluation.intervals import describe
 
     assert "2 time steps: too few to judge" in describe({80: level})

@@ -12,7 +12,7 @@ from shardwise.common.environment import visible_cpus as cores
 from shardwise.common.errors import ConfigError
 from shardwise.common.job_files import validate_as
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.placement import choose, describe
+from shardwise.manymodel.run.placement import choose, describe
 
 
 def config(**runner) -> ManyModelsConfig:
@@ -73,7 +73,7 @@ def test_chunks_fill_the_slots_last_round(series, slots, size):
     """Chunks of equal work end together: 20 series on 2 slots were 7 chunks of 3 (one slot
     idle for the last round, a third longer than the 10 series each could take), now 10 of 2;
     and at least 4 chunks a slot where the series allow, at most 100 series a chunk."""
-    from shardwise.manymodel.chunk_store import even_chunk_size
+    from shardwise.manymodel.run.chunk_store import even_chunk_size
 
     got = even_chunk_size(series, slots)
     chunks = -(-series // got)

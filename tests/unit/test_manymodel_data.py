@@ -15,7 +15,7 @@ from shardwise.common.errors import ConfigError
 from shardwise.common.job_files import validate_as
 from shardwise.manymodel.columns import FUTURE, SERIES
 from shardwise.manymodel.config import ManyModelsConfig, check
-from shardwise.manymodel.data import load_series
+from shardwise.manymodel.data.table import load_series
 
 
 def config(source, **sections) -> ManyModelsConfig:
@@ -337,8 +337,8 @@ def test_synthetic_data_is_bounded(data, message):
 
 
 def test_resume_ignores_entries_that_are_not_finished_chunks(tmp_path):
-    from shardwise.manymodel.chunk_store import finished_chunks
-    from shardwise.manymodel.outputs import TABLES
+    from shardwise.manymodel.run.chunk_store import finished_chunks
+    from shardwise.manymodel.run.outputs import TABLES
 
     chunks = tmp_path / "chunks"
     for name in ("chunk-000002", "chunk-abc", "chunk-", "chunk-000001.partial-7", "chunk-1"):
@@ -356,8 +356,8 @@ def test_resume_ignores_entries_that_are_not_finished_chunks(tmp_path):
 def test_resume_of_a_run_whose_job_no_longer_loads_is_one_line(tmp_path):
     """A run made before backtest.intervals = "conformal" was renamed: its saved job.toml is
     refused, and the message says what to do with the run directory."""
-    from shardwise.manymodel.chunk_store import finished_chunks
-    from shardwise.manymodel.outputs import TABLES
+    from shardwise.manymodel.run.chunk_store import finished_chunks
+    from shardwise.manymodel.run.outputs import TABLES
 
     chunk = tmp_path / "chunks" / "chunk-000000"
     chunk.mkdir(parents=True)
@@ -378,7 +378,7 @@ def test_resume_of_a_run_whose_job_no_longer_loads_is_one_line(tmp_path):
     ],
 )
 def test_resume_refuses_chunks_of_other_data(tmp_path, layout, done, message):
-    from shardwise.manymodel.chunk_store import saved_chunk_size
+    from shardwise.manymodel.run.chunk_store import saved_chunk_size
 
     (tmp_path / "chunks").mkdir()
     if layout:
@@ -478,7 +478,7 @@ def test_the_eta_counts_time_in_tasks_after_each_workers_warm_up():
     them inside their tasks: each worker's first chunk took ~24 s, ~10 s of it importing and
     compiling, the later ones 12-17 s. Once a worker has run a second chunk the ETA comes from
     the later chunks alone, per input row; Ray's start (outside the tasks) never counts."""
-    from shardwise.manymodel.eta import Eta
+    from shardwise.manymodel.run.eta import Eta
 
     eta = Eta(rows=8 * 1000, slots=2)
     assert math.isnan(eta.seconds())

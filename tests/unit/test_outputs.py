@@ -9,15 +9,15 @@ import polars as pl
 import pytest
 
 from shardwise.common.job_files import validate_as
-from shardwise.manymodel import outputs
-from shardwise.manymodel.chunk import run_chunk
-from shardwise.manymodel.chunk_store import write_chunk
 from shardwise.manymodel.columns import FUTURE, SERIES
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.data import load_series
-from shardwise.manymodel.features import FeatureSpec, polars_features
-from shardwise.manymodel.outputs import _Appended, assemble
-from shardwise.manymodel.runner import make_plan
+from shardwise.manymodel.data.table import load_series
+from shardwise.manymodel.features.spec import FeatureSpec, polars_features
+from shardwise.manymodel.run import outputs
+from shardwise.manymodel.run.chunk import run_chunk
+from shardwise.manymodel.run.chunk_store import write_chunk
+from shardwise.manymodel.run.outputs import _Appended, assemble
+from shardwise.manymodel.run.runner import make_plan
 
 SHOPS = ("a", "b", "c", "d", "e", "f", "g")
 FORECAST_TABLES = ("forecasts_by_model", "forecasts", "backtest_forecasts")

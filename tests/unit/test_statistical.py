@@ -10,11 +10,11 @@ from statsforecast.models import ADIDA, TSB, AutoETS, AutoTheta, CrostonOptimize
 
 from shardwise.common.errors import ConfigError
 from shardwise.common.job_files import validate_as
-from shardwise.manymodel.chunk import run_chunk
 from shardwise.manymodel.config import ManyModelsConfig, check
-from shardwise.manymodel.data import load_series
-from shardwise.manymodel.features import FeatureSpec, polars_features
-from shardwise.manymodel.runner import make_plan
+from shardwise.manymodel.data.table import load_series
+from shardwise.manymodel.features.spec import FeatureSpec, polars_features
+from shardwise.manymodel.run.chunk import run_chunk
+from shardwise.manymodel.run.runner import make_plan
 
 MONTHS = 72
 
@@ -127,7 +127,7 @@ def test_a_models_own_intervals_are_statsforecasts(tmp_path):
     """`backtest.intervals = "model"`: auto_ets's interval columns are statsforecast's own, on
     the same history; seasonal_naive (none of its own) gets pooled ones, here not honoured (one
     series, two windows: 2 errors where 80% needs 4)."""
-    from shardwise.manymodel.intervals import calibrate
+    from shardwise.manymodel.evaluation.intervals import calibrate
 
     y = _multiplicative()
     backtest = {"horizon": 6, "n_windows": 2, "levels": [80], "intervals": "model"}
@@ -291,7 +291,7 @@ def test_reselect_false_chooses_again_where_the_kept_form_cannot_be_fitted(tmp_p
 def test_the_history_a_statistical_model_is_given():
     """The target as float64 without its leading gap, inner gaps (null or NaN) filled linearly,
     a writable array of the series' own; a series without gaps (most) as it is."""
-    from shardwise.manymodel.statistical import _history
+    from shardwise.manymodel.models.statistical import _history
 
     plain = _history(pl.DataFrame({"y": [1.0, 2.0, 4.0]}), "y")
     assert plain.tolist() == [1.0, 2.0, 4.0] and plain.dtype == np.float64

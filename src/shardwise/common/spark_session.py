@@ -1,5 +1,5 @@
 """A Spark session, for the products that start one: many-models' features
-(manymodel/spark_features.py) and training on Spark (launch/spark_tasks.py)."""
+(manymodel/features/spark_features.py) and training on Spark (launch/spark_tasks.py)."""
 
 from __future__ import annotations
 

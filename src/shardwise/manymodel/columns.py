@@ -1,6 +1,6 @@
 """The names every many-models table shares, and the job's columns: a leaf, so that reading the
-data (data.py), computing features (features.py, feature_files.py, spark.py) and aggregating a
-hierarchy (hierarchy.py) all use them without importing one another back."""
+data (data/table.py), computing features (features/) and aggregating a hierarchy
+(hierarchy/levels.py) all use them without importing one another back."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from shardwise.common.job_files import RunName, Section, load_job_file
 
 BUILTIN_SOURCES = ("us_employment", "retail_synthetic")
 STATISTICAL_MODELS = ("auto_ets", "auto_arima", "auto_theta", "mstl", "croston", "tsb", "adida")
-"""statsforecast's models (manymodel/statistical.py): they read the target only, unscaled."""
+"""statsforecast's models (manymodel/models/statistical.py): they read the target only, unscaled."""
 TARGET_ONLY_MODELS = ("seasonal_naive", *STATISTICAL_MODELS)
 """Models that read the target alone: no feature is computed for a job of only these."""
 BUILTIN_MODELS = ("seasonal_naive", "ridge", "lightgbm", "mlp", *STATISTICAL_MODELS)
@@ -152,11 +152,12 @@ class ModelsSection(Section):
     difference: dict[str, bool] = Field(default_factory=dict)
     """difference.lightgbm = true: the model predicts the target minus its smallest lag (the
     value `horizon` steps earlier, by default), and level features are taken relative to it, so
-    trees follow trends (manymodel/transforms.py). Feature models and user models only."""
+    trees follow trends (manymodel/models/transforms.py). Feature models and user models only."""
     global_: dict[str, bool] = Field(default_factory=dict, alias="global")
     """global.lightgbm = true: one model fitted on every series' rows at once in each backtest
     window (and for the forecast) instead of one per series, trained on Ray workers that each
-    hold a part of the series (manymodel/global_models.py). Feature models and user models."""
+    hold a part of the series (manymodel/models/global_models.py). Feature models and user
+    models."""
 
 
 class BacktestSection(Section):
@@ -180,7 +181,7 @@ class BacktestSection(Section):
     """Prediction intervals at these levels in percent, e.g. [80, 95]: conformal, from the
     backtest windows' errors (no extra fits), pooled across series; scored on later windows
     (coverage, Winkler, MSIS) and written as `lo_80`, `hi_80`, … columns of the forecasts, null
-    where the level cannot be honoured (manymodel/intervals.py)."""
+    where the level cannot be honoured (manymodel/evaluation/intervals.py)."""
     intervals: Literal["auto", "pooled", "series", "model"] = "auto"
     """Where the intervals' errors come from: `pooled` (every series' errors, each divided by
     its series' seasonal naive MAE, per model and step), `series` (each series' own: 19 windows
@@ -246,7 +247,7 @@ class HierarchySection(Section):
     """Aggregation levels from the top, each a list of id columns, e.g. [["state"], ["state",
     "region"]]: each level's sums of the bottom series (data.id_columns) become series too, as
     does the total. Every series is forecast, then the forecasts are reconciled so they add up
-    (manymodel/hierarchy.py)."""
+    (manymodel/hierarchy/levels.py)."""
     methods: list[Reconciler] = Field(default_factory=lambda: list(DEFAULT_RECONCILERS))
     """hierarchicalforecast's reconcilers: BottomUp, TopDown (average historical proportions),
     MinTrace with OLS or structural (wls_struct) weights, or weighted by the backtest errors'
@@ -262,7 +263,7 @@ class RunnerSection(Section):
     """Where the chunks of series run: `local` in worker processes on this machine (in this
     process where one task at a time fits on the cores), `ray` on Ray; `auto` takes Ray for
     a cluster (`ray_address`), a Ray the caller started, global models or GPUs, else local
-    (a local Ray would cost its start and its processes' time: manymodel/local_tasks.py)."""
+    (a local Ray would cost its start and its processes' time: manymodel/run/local_tasks.py)."""
     ray_address: str = ""
     """"" starts a local Ray instance; `auto` or `ray://host:port` joins a cluster."""
     num_cpus: float = Field(1.0, gt=0)

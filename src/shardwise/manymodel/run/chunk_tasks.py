@@ -11,12 +11,12 @@ from contextlib import contextmanager
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from shardwise.manymodel.chunk_result import ChunkResult
-from shardwise.manymodel.chunk_store import write_chunk
 from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.eta import Eta
-from shardwise.manymodel.feature_files import FeatureChunks
+from shardwise.manymodel.features.feature_files import FeatureChunks
+from shardwise.manymodel.run.chunk_result import ChunkResult
+from shardwise.manymodel.run.chunk_store import write_chunk
+from shardwise.manymodel.run.eta import Eta
 
 
 def longest_first(features: FeatureChunks, todo: list[int]) -> list[int]:

@@ -25,11 +25,11 @@ from typing import Any
 
 import polars as pl
 
-from shardwise.manymodel.backtest import Plan, failure_message, origins
 from shardwise.manymodel.columns import FUTURE, SERIES
-from shardwise.manymodel.group import Group
-from shardwise.manymodel.models import as_values, build
-from shardwise.manymodel.transforms import TARGET
+from shardwise.manymodel.evaluation.backtest import Plan, failure_message, origins
+from shardwise.manymodel.models.group import Group
+from shardwise.manymodel.models.per_series import as_values, build
+from shardwise.manymodel.models.transforms import TARGET
 
 GIVEN_SCHEMA: dict[str, Any] = {
     SERIES: pl.Int64,
@@ -79,7 +79,7 @@ class Worker:
         every actor calls this at once, with fresh ports each time, as LightGBM binds its port
         anew for every fit), or on `gathered` rows (object refs of every actor's `rows`). The
         fitted model is kept for `predict`; a fit on gathered rows also returns it."""
-        from shardwise.manymodel.limits import one_thread
+        from shardwise.manymodel.run.limits import one_thread
 
         name, args = self._model(label)
         model = build(name, args, self.plan.context)
@@ -102,7 +102,7 @@ class Worker:
     def predict(self, label: str, window: int, fitted: Any = None) -> pl.DataFrame:
         """Forecast this actor's series for `window` with `fitted` (or the model it fitted last:
         a window that `backtest.refit` does not refit forecasts with an earlier window's)."""
-        from shardwise.manymodel.limits import one_thread
+        from shardwise.manymodel.run.limits import one_thread
 
         name, args = self._model(label)
         model = build(name, args, self.plan.context)

@@ -22,18 +22,18 @@ import polars as pl
 
 from shardwise.common.errors import ConfigError
 from shardwise.manymodel.columns import CHUNK_KEY, FUTURE, SERIES, Columns
-from shardwise.manymodel.features import (
-    FeatureSpec,
-    group_features,
-    series_features,
-    with_groups,
-)
-from shardwise.manymodel.spark_features import (
+from shardwise.manymodel.features.spark_features import (
     FIRST,
     LAST,
     SourceFile,
     source_file_problem,
     spark_features,
+)
+from shardwise.manymodel.features.spec import (
+    FeatureSpec,
+    group_features,
+    series_features,
+    with_groups,
 )
 
 BATCH_ROWS = 500_000

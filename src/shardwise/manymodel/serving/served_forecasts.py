@@ -3,6 +3,6 @@ so no pickled object is stored): it names the pyfunc that serves the forecasts (
 
 import mlflow.models
 
-from shardwise.manymodel.served import ChosenForecasts
+from shardwise.manymodel.serving.served import ChosenForecasts
 
 mlflow.models.set_model(ChosenForecasts())

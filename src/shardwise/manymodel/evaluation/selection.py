@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from shardwise.manymodel.chunk_result import ENSEMBLE, METRICS, SELECTED
 from shardwise.manymodel.columns import SERIES
+from shardwise.manymodel.run.chunk_result import ENSEMBLE, METRICS, SELECTED
 
 STRATEGIES = ("best_model", "per_series", "ensemble")
 INTERVAL_SCORES = ("coverage_", "winkler_", "msis_")

@@ -29,7 +29,11 @@ from typing import Any, Literal
 import numpy as np
 import polars as pl
 
-from shardwise.manymodel.chunk_result import (
+from shardwise.manymodel.columns import FUTURE, SERIES, Columns
+from shardwise.manymodel.models.context import ModelContext
+from shardwise.manymodel.models.per_series import Model, as_values
+from shardwise.manymodel.models.transforms import TARGET, TargetTransform
+from shardwise.manymodel.run.chunk_result import (
     ENSEMBLE,
     METRICS,
     SELECTED,
@@ -37,10 +41,6 @@ from shardwise.manymodel.chunk_result import (
     Window,
     own_bounds,
 )
-from shardwise.manymodel.columns import FUTURE, SERIES, Columns
-from shardwise.manymodel.context import ModelContext
-from shardwise.manymodel.models import Model, as_values
-from shardwise.manymodel.transforms import TARGET, TargetTransform
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """What a built-in model knows of the job besides its rows: a leaf, so that the model registry
-(models.py) and the statistical models (statistical.py) share it without importing each
+(per_series.py) and the statistical models (statistical.py) share it without importing each
 other."""
 
 from __future__ import annotations

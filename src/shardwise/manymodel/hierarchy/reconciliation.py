@@ -1,5 +1,5 @@
 """A hierarchical run's reconciliation (`[hierarchy]`): the chosen forecasts of every level are
-reconciled by each of `hierarchy.methods` (hierarchy.py) into `forecasts_reconciled.parquet`, the
+reconciled by each of `hierarchy.methods` (levels.py) into `forecasts_reconciled.parquet`, the
 error-weighted methods with the backtest forecasts of the model (or ensemble) each series'
 forecast comes from.
 
@@ -22,13 +22,13 @@ import pyarrow.parquet as pq
 from rich.console import Console
 from rich.table import Table
 
-from shardwise.manymodel.backtest import failure_message
 from shardwise.manymodel.columns import FUTURE, SERIES, Columns
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.data import SeriesTable
-from shardwise.manymodel.hierarchy import FROM_ERRORS, incoherence, reconcile, unique_ids
-from shardwise.manymodel.intervals import Calibration, calibrate, describe
-from shardwise.manymodel.outputs import with_metadata
+from shardwise.manymodel.data.table import SeriesTable
+from shardwise.manymodel.evaluation.backtest import failure_message
+from shardwise.manymodel.evaluation.intervals import Calibration, calibrate, describe
+from shardwise.manymodel.hierarchy.levels import FROM_ERRORS, incoherence, reconcile, unique_ids
+from shardwise.manymodel.run.outputs import with_metadata
 
 
 def reconcile_run(
@@ -119,7 +119,7 @@ def _reconcile(
     calibrated: tuple[Calibration, pl.DataFrame] | None,
     console: Console,
 ) -> None:
-    """Reconcile the chosen forecasts (`chosen_forecasts`) of every level (hierarchy.py), the
+    """Reconcile the chosen forecasts (`chosen_forecasts`) of every level (levels.py), the
     error-weighted methods with the same models' backtest forecasts `past`:
     `forecasts_reconciled.parquet`, with each method's intervals (`<method>_lo_80`, …) from
     its reconciled backtest forecasts' errors (`calibrated`: their calibration and rows). A

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from shardwise.common.environment import visible_cpus
 from shardwise.common.errors import ConfigError
 from shardwise.manymodel.config import ManyModelsConfig, model_global
-from shardwise.manymodel.warm_imports import start_server
+from shardwise.manymodel.run.warm_imports import start_server
 
 
 @dataclass(frozen=True)

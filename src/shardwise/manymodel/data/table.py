@@ -18,9 +18,9 @@ from typing import Any
 import polars as pl
 
 from shardwise.common.errors import ConfigError
-from shardwise.manymodel import calendar
 from shardwise.manymodel.columns import FUTURE, SERIES, Columns, run_numbers
 from shardwise.manymodel.config import BUILTIN_SOURCES, ManyModelsConfig
+from shardwise.manymodel.data import calendar
 
 _SEASONS = {"1mo": 12, "3mo": 4, "1q": 4, "1w": 52, "7d": 52, "1d": 7, "1h": 24, "1y": 1}
 
@@ -50,7 +50,7 @@ def read_table(config: ManyModelsConfig) -> tuple[pl.DataFrame, Columns]:
     """The raw long table and its column roles, from a built-in source or a file/URL."""
     data = config.data
     if data.source in BUILTIN_SOURCES:
-        from shardwise.manymodel import datasets
+        from shardwise.manymodel.data import datasets
 
         if data.source == "us_employment":
             builtin = datasets.us_employment()
@@ -168,7 +168,7 @@ def load_series(config: ManyModelsConfig) -> SeriesTable:
     del planned
     frame = _with_ids(frame, names)  # and numbered 0 … n − 1 again, after the series dropped
     if config.hierarchy.levels:  # the sums of every level become series too
-        from shardwise.manymodel.hierarchy import aggregate, check_levels
+        from shardwise.manymodel.hierarchy.levels import aggregate, check_levels
 
         check_levels(config.hierarchy.levels, columns)
         if config.features.group_by:
@@ -187,7 +187,7 @@ def load_series(config: ManyModelsConfig) -> SeriesTable:
         skipped=skipped,
     )
     if config.hierarchy.levels:  # what the reconcilers would need, before any model runs
-        from shardwise.manymodel.hierarchy import check_methods
+        from shardwise.manymodel.hierarchy.levels import check_methods
 
         check_methods(config.hierarchy.methods, table.num_series)
     return table
@@ -401,7 +401,7 @@ def _drop_short(
     """Drop the series too short for the backtest, before any work that grows with the horizon,
     the season or the lags: values too large for every series fail here, in one line. The
     series dropped, by their ids, with their number of observations and the reason."""
-    from shardwise.manymodel.features import FeatureSpec
+    from shardwise.manymodel.features.spec import FeatureSpec
 
     counts = frame.group_by(SERIES, maintain_order=True).agg(pl.len().alias("observations"))
     longest = int(counts["observations"].max())  # type: ignore[arg-type]

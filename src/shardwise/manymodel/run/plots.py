@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from shardwise.manymodel.chunk_result import ENSEMBLE, SELECTED
 from shardwise.manymodel.columns import FUTURE, SERIES
-from shardwise.manymodel.data import SeriesTable
+from shardwise.manymodel.data.table import SeriesTable
+from shardwise.manymodel.run.chunk_result import ENSEMBLE, SELECTED
 
 
 def write_plots(

@@ -35,7 +35,7 @@ def register_forecasts(
     import mlflow.pyfunc
     from mlflow.models import infer_signature
 
-    from shardwise.manymodel import served
+    from shardwise.manymodel.serving import served
 
     artifacts = {"forecasts": str(run_dir / "forecasts.parquet")}
     settings = {"ids": ids, "horizon": config.backtest.horizon}

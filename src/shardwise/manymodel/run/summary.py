@@ -13,12 +13,12 @@ from rich.console import Console
 from rich.table import Table
 
 from shardwise.common.job_files import flatten
-from shardwise.manymodel.chunk_result import ENSEMBLE, SELECTED
 from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.data import SeriesTable
-from shardwise.manymodel.intervals import Calibration, Level, describe
-from shardwise.manymodel.selection import STRATEGIES, Selection
+from shardwise.manymodel.data.table import SeriesTable
+from shardwise.manymodel.evaluation.intervals import Calibration, Level, describe
+from shardwise.manymodel.evaluation.selection import STRATEGIES, Selection
+from shardwise.manymodel.run.chunk_result import ENSEMBLE, SELECTED
 
 
 @dataclass
@@ -131,7 +131,7 @@ def _reconciled(config: ManyModelsConfig, run_dir: Path) -> dict[str, float]:
     path = run_dir / "reconciled_metrics.parquet"
     if not (config.hierarchy.levels and path.exists()):
         return {}
-    from shardwise.manymodel.reconciliation import mean_mase
+    from shardwise.manymodel.hierarchy.reconciliation import mean_mase
 
     means = mean_mase(pl.read_parquet(path))
     return {f"reconciled/{level}/{method}_mase": mase for level, method, mase in means.iter_rows()}

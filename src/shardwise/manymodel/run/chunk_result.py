@@ -12,7 +12,7 @@ import numpy as np
 import polars as pl
 
 from shardwise.manymodel.columns import SERIES
-from shardwise.manymodel.intervals import bound_names
+from shardwise.manymodel.evaluation.intervals import bound_names
 
 METRICS = ("mae", "rmse", "smape", "mase")
 

@@ -23,9 +23,9 @@ import polars as pl
 from shardwise.common.errors import ConfigError
 from shardwise.common.imports import import_object
 from shardwise.manymodel.config import BUILTIN_MODELS
-from shardwise.manymodel.context import ModelContext
-from shardwise.manymodel.group import Group
-from shardwise.manymodel.statistical import STATISTICAL
+from shardwise.manymodel.models.context import ModelContext
+from shardwise.manymodel.models.group import Group
+from shardwise.manymodel.models.statistical import STATISTICAL
 
 
 class Model(Protocol):

@@ -2,7 +2,7 @@
 smoothing, ARIMA and Theta chosen by information criterion, MSTL for several seasonalities, and
 Croston, TSB and ADIDA for intermittent demand (series with many zeros).
 
-Each is a per-series model like the others (models.py): `fit` sees one series' training rows and
+Each is a per-series model like the others (per_series.py): `fit` sees one series' training rows and
 `predict` forecasts the rows after them. They read only the target, in its own units: their
 default `scale` is "none" (a standardised target would hide the level that multiplicative ETS
 forms need). The season length comes from the data's frequency (`data.season_length` overrides).
@@ -18,7 +18,7 @@ import numpy as np
 import polars as pl
 
 from shardwise.common.errors import ConfigError
-from shardwise.manymodel.context import ModelContext
+from shardwise.manymodel.models.context import ModelContext
 
 _SEASONALITIES = {"1h": (24, 168), "1d": (7, 365), "1w": (52,), "7d": (52,)}
 """Seasonal periods MSTL fits by default, by data frequency (else the one season length)."""

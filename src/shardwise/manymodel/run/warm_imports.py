@@ -45,7 +45,7 @@ def libraries(names: list[str]) -> list[str]:
 
 def worker_imports(names: list[str]) -> list[str]:
     """What a chunk worker of a job with the models `names` imports before its first chunk."""
-    return ["shardwise.manymodel.chunk", *libraries(names)]
+    return ["shardwise.manymodel.run.chunk", *libraries(names)]
 
 
 def start_server(names: list[str]) -> None:

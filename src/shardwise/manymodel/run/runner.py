@@ -24,15 +24,6 @@ from rich.console import Console
 
 from shardwise.common.errors import ConfigError
 from shardwise.common.ray_cluster import check_ray_address
-from shardwise.manymodel.backtest import Plan
-from shardwise.manymodel.chunk_store import (
-    GLOBAL_FILE,
-    choose_chunk_size,
-    finished_chunks,
-    saved_chunk_size,
-    start_run_dir,
-)
-from shardwise.manymodel.chunk_tasks import peak_concurrency
 from shardwise.manymodel.config import (
     BUILTIN_MODELS,
     BUILTIN_SOURCES,
@@ -42,16 +33,25 @@ from shardwise.manymodel.config import (
     model_label,
     model_scale,
 )
-from shardwise.manymodel.context import ModelContext
-from shardwise.manymodel.data import SeriesTable, load_series
-from shardwise.manymodel.feature_files import FeatureChunks, write_features
-from shardwise.manymodel.features import FeatureSpec
-from shardwise.manymodel.local_tasks import Pool, run_local
-from shardwise.manymodel.outputs import assemble, chosen_forecasts
-from shardwise.manymodel.placement import Backend, choose, describe
-from shardwise.manymodel.ray_tasks import global_forecasts, run_chunks, start_ray, task_slots
-from shardwise.manymodel.summary import Summary, print_summary, start_tracking, summarise, track
-from shardwise.manymodel.transforms import TARGET, TargetTransform
+from shardwise.manymodel.data.table import SeriesTable, load_series
+from shardwise.manymodel.evaluation.backtest import Plan
+from shardwise.manymodel.features.feature_files import FeatureChunks, write_features
+from shardwise.manymodel.features.spec import FeatureSpec
+from shardwise.manymodel.models.context import ModelContext
+from shardwise.manymodel.models.transforms import TARGET, TargetTransform
+from shardwise.manymodel.run.chunk_store import (
+    GLOBAL_FILE,
+    choose_chunk_size,
+    finished_chunks,
+    saved_chunk_size,
+    start_run_dir,
+)
+from shardwise.manymodel.run.chunk_tasks import peak_concurrency
+from shardwise.manymodel.run.local_tasks import Pool, run_local
+from shardwise.manymodel.run.outputs import assemble, chosen_forecasts
+from shardwise.manymodel.run.placement import Backend, choose, describe
+from shardwise.manymodel.run.ray_tasks import global_forecasts, run_chunks, start_ray, task_slots
+from shardwise.manymodel.run.summary import Summary, print_summary, start_tracking, summarise, track
 
 
 def run(
@@ -142,7 +142,7 @@ def _run(
     wanted = bool(config.hierarchy.levels) or config.tracking.plots
     chosen = chosen_forecasts(run_dir, table) if wanted else None
     if chosen is not None and config.hierarchy.levels:
-        from shardwise.manymodel.reconciliation import reconcile_run
+        from shardwise.manymodel.hierarchy.reconciliation import reconcile_run
 
         reconcile_run(config, table, chosen, console)
     summary = summarise(
@@ -162,7 +162,7 @@ def _run(
         },
     )
     if chosen is not None and config.tracking.plots:
-        from shardwise.manymodel.plots import write_plots
+        from shardwise.manymodel.run.plots import write_plots
 
         write_plots(run_dir, table, {**outputs, "forecasts": chosen}, seed=config.job.seed)
     summary.mlflow_run_id = track(mlflow_run, config, summary, run_dir)
@@ -194,10 +194,10 @@ def _run_models(
 
 
 def _register(config: ManyModelsConfig, summary: Summary, ids: list[str]) -> str:
-    """The run's forecasts registered (manymodel/registered_forecasts.py); a store that is down
+    """The run's forecasts registered (serving/registered_forecasts.py); a store that is down
     is one line, the run's results left as they are."""
     from shardwise.common.model_registry import RegistryError
-    from shardwise.manymodel.registered_forecasts import register_forecasts
+    from shardwise.manymodel.serving.registered_forecasts import register_forecasts
 
     try:
         registered = register_forecasts(
@@ -234,7 +234,7 @@ def make_plan(config: ManyModelsConfig, table: SeriesTable, spec: FeatureSpec) -
     # Build each model once here: a bad name or argument fails before any task starts. A
     # built-in without arguments has nothing to check: building it would only import its
     # library here (statsforecast: a second of CPU the workers need, as they import it too).
-    from shardwise.manymodel.models import build
+    from shardwise.manymodel.models.per_series import build
 
     for _, name, args in models:
         if args or name not in BUILTIN_MODELS:

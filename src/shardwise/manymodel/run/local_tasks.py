@@ -26,14 +26,14 @@ from rich.console import Console
 
 from shardwise.common.environment import environment
 from shardwise.common.spawned import without_main_module
-from shardwise.manymodel.backtest import Plan
-from shardwise.manymodel.chunk import run_chunk
-from shardwise.manymodel.chunk_result import ChunkResult
-from shardwise.manymodel.chunk_tasks import Finished, longest_first, lost_chunk, progress_of
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.feature_files import FeatureChunks
-from shardwise.manymodel.placement import Backend
-from shardwise.manymodel.warm_imports import THREAD_ENV, start_server, warm, worker_imports
+from shardwise.manymodel.evaluation.backtest import Plan
+from shardwise.manymodel.features.feature_files import FeatureChunks
+from shardwise.manymodel.run.chunk import run_chunk
+from shardwise.manymodel.run.chunk_result import ChunkResult
+from shardwise.manymodel.run.chunk_tasks import Finished, longest_first, lost_chunk, progress_of
+from shardwise.manymodel.run.placement import Backend
+from shardwise.manymodel.run.warm_imports import THREAD_ENV, start_server, warm, worker_imports
 
 STOP_S = 10.0
 """How long a worker has to exit once told to, before it is terminated."""

@@ -17,9 +17,9 @@ import pyarrow.parquet as pq
 from shardwise.common.errors import ConfigError
 from shardwise.manymodel.columns import FUTURE, SERIES
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.data import SeriesTable
-from shardwise.manymodel.intervals import Calibration, bound_names, calibrate
-from shardwise.manymodel.selection import Selection, forecasts, select
+from shardwise.manymodel.data.table import SeriesTable
+from shardwise.manymodel.evaluation.intervals import Calibration, bound_names, calibrate
+from shardwise.manymodel.evaluation.selection import Selection, forecasts, select
 
 TABLES = ("metrics", "choices", "forecasts", "failures", "backtest")
 """The tables every chunk writes (`chunk_store.write_chunk`)."""

@@ -15,11 +15,11 @@ import tomli_w
 
 from shardwise.common.errors import ConfigError
 from shardwise.common.job_files import flatten, redacted_dump
-from shardwise.manymodel.chunk_result import ChunkResult
 from shardwise.manymodel.config import (
     ManyModelsConfig,
 )
-from shardwise.manymodel.outputs import TABLES
+from shardwise.manymodel.run.chunk_result import ChunkResult
+from shardwise.manymodel.run.outputs import TABLES
 
 GLOBAL_FILE = "global.parquet"
 

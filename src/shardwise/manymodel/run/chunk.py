@@ -10,12 +10,12 @@ from typing import Any
 
 import polars as pl
 
-from shardwise.manymodel.backtest import Given, Plan, forecast_series
-from shardwise.manymodel.chunk_result import ChunkResult
 from shardwise.manymodel.columns import SERIES
-from shardwise.manymodel.limits import memory_cap, one_thread
-from shardwise.manymodel.models import build
-from shardwise.manymodel.transforms import TARGET
+from shardwise.manymodel.evaluation.backtest import Given, Plan, forecast_series
+from shardwise.manymodel.models.per_series import build
+from shardwise.manymodel.models.transforms import TARGET
+from shardwise.manymodel.run.chunk_result import ChunkResult
+from shardwise.manymodel.run.limits import memory_cap, one_thread
 
 
 def run_chunk(rows: Any, plan: Plan, given: Any = None) -> ChunkResult:

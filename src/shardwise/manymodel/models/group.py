@@ -1,4 +1,4 @@
-"""The workers that fit one global model together (manymodel/global_models.py), as a model's
+"""The workers that fit one global model together (manymodel/models/global_models.py), as a model's
 `fit(frame, group)` sees them: its rank, their number, LightGBM's machine list, and collectives
 over torch.distributed (gloo) for models that reduce statistics or gradients themselves.
 

@@ -17,18 +17,18 @@ from rich.console import Console
 from shardwise.common.console import warn
 from shardwise.common.errors import ConfigError
 from shardwise.common.ray_cluster import loopback_ray, ray_logs_to
-from shardwise.manymodel.backtest import Plan
-from shardwise.manymodel.chunk import run_chunk
-from shardwise.manymodel.chunk_result import ChunkResult
-from shardwise.manymodel.chunk_store import GLOBAL_FILE
-from shardwise.manymodel.chunk_tasks import longest_first, lost_chunk, progress_of
 from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import (
     BUILTIN_MODELS,
     ManyModelsConfig,
 )
-from shardwise.manymodel.feature_files import FeatureChunks
-from shardwise.manymodel.warm_imports import THREAD_ENV
+from shardwise.manymodel.evaluation.backtest import Plan
+from shardwise.manymodel.features.feature_files import FeatureChunks
+from shardwise.manymodel.run.chunk import run_chunk
+from shardwise.manymodel.run.chunk_result import ChunkResult
+from shardwise.manymodel.run.chunk_store import GLOBAL_FILE
+from shardwise.manymodel.run.chunk_tasks import longest_first, lost_chunk, progress_of
+from shardwise.manymodel.run.warm_imports import THREAD_ENV
 
 
 def task_slots(ray: Any, config: ManyModelsConfig) -> int:
@@ -128,7 +128,7 @@ def global_forecasts(
     if saved.exists():
         given = pl.read_parquet(saved)
     else:
-        from shardwise.manymodel.global_models import fit_global
+        from shardwise.manymodel.models.global_models import fit_global
 
         started = time.perf_counter()
         workers = min(slots, config.runner.global_workers or slots)

@@ -17,7 +17,7 @@ import polars as pl
 
 from shardwise.common.spark_session import session
 from shardwise.manymodel.columns import CHUNK_KEY, FUTURE, SERIES, Columns
-from shardwise.manymodel.features import FeatureSpec, window_moments
+from shardwise.manymodel.features.spec import FeatureSpec, window_moments
 
 FIRST, LAST = "_first", "_last"
 """`SourceFile.keys`' columns: the times of a series' first and last observations."""
