@@ -25,7 +25,7 @@ from shardwise.plan.layout import PRECISIONS, Layout
 from shardwise.plan.model import Transformer
 from shardwise.plan.timing import step_time
 
-PROFILE = Path(__file__).resolve().parents[1] / "data" / "h200-calibrated-profile.json"
+PROFILE = Path(__file__).resolve().parents[2] / "data" / "h200-calibrated-profile.json"
 AUTOCAST = PRECISIONS["bf16-autocast"]
 MEASURED = {  # name: (layers, heads, hidden, micro-batch), seconds per step
     "86M": ((12, 12, 768, 8), 35.3e-3),

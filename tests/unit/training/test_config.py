@@ -240,7 +240,7 @@ def test_every_example_job_file_loads_and_passes_its_checks(path):
 def test_a_many_models_run_registers_its_forecasts_only_where_mlflow_records_it():
     from shardwise.manymodel.config import load_many_models
 
-    job = Path(__file__).resolve().parents[2] / "examples" / "retail-synthetic.toml"
+    job = Path(__file__).resolve().parents[3] / "examples" / "retail-synthetic.toml"
     sets = ["tracking.registered_model='retail'"]
     assert load_many_models(job, sets).tracking.registered_model == "retail"
     with pytest.raises(ConfigError, match=r"registered_model: registers the run in mlflow"):
