@@ -2,9 +2,10 @@
 
 Every target-derived feature at time t summarises target values at t − k or earlier with
 k ≥ the forecast horizon, so the features of all `horizon` rows after a forecast origin are known
-at the origin, and nothing reads the present or the future (tests/unit/manymodel/test_features.py perturbs
-the future and checks). Windows are counted in rows of a regular series: a rolling window of w
-exists once it holds w non-empty values; expanding windows need one (two for std).
+at the origin, and nothing reads the present or the future
+(tests/unit/manymodel/test_features.py perturbs the future and checks). Windows are counted in
+rows of a regular series: a rolling window of w exists once it holds w non-empty values;
+expanding windows need one (two for std).
 
 The polars backend runs in this process on all cores; the Spark backend expresses the same
 features as Spark window functions (no Python UDFs), partitioned by series, so it scales out to a
