@@ -75,7 +75,7 @@ class Hardware:
     """Bytes of fp32 gradients per second one rank puts through comm/'s bf16 codec and error
     feedback (the casts both ways, what was lost kept), collectives aside. Calibrated profiles
     measure it (a CPU core casts far slower than it copies); None: memory bandwidth over the
-    passes `network.CODEC_PASSES` counts."""
+    passes `comm_modes.CODEC_PASSES` counts."""
     int8_codec_rate: float | None = None
     """Likewise through the int8 codec (quantising per chunk, summing, quantising again)."""
     powersgd_codec_rate: float | None = None
@@ -83,7 +83,7 @@ class Hardware:
     POWERSGD_RANK, beside a cost per matrix:"""
     powersgd_matrix_seconds: float | None = None
     """seconds of that work per compressed matrix, whatever its size (a few dozen small
-    operations). None (either): memory bandwidth over `network.CODEC_PASSES` and the FLOPs."""
+    operations). None (either): memory bandwidth over `comm_modes.CODEC_PASSES` and the FLOPs."""
     dispatch_seconds: float | None = None
     """Seconds the host takes per operator it dispatches in an eager step (Python, torch's
     dispatcher and the kernel launch), measured on a GPU by running a block too small to keep it

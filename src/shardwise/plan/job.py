@@ -15,11 +15,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from shardwise.common.errors import ConfigError
+from shardwise.plan.comm_modes import Mode, Tensors
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import PRECISIONS, Layout, Precision
 from shardwise.plan.memory_model import Traced
 from shardwise.plan.model import Transformer
-from shardwise.plan.network import Mode, Tensors
 from shardwise.training import builders
 from shardwise.training.config.derive import derive
 from shardwise.training.config.schema import JobConfig
@@ -40,7 +40,7 @@ class PlannedJob:
     mode: Mode | None
     """How its data-parallel ranks synchronise (None: a mode the planner does not model)."""
     hierarchical_auto: bool
-    """`parallel.hierarchical = "auto"`: on where the ranks span nodes (`network.job_mode`)."""
+    """`parallel.hierarchical = "auto"`: on where the ranks span nodes (`comm_modes.job_mode`)."""
 
 
 def model_of(config: JobConfig) -> tuple[Transformer, bool, Traced, Tensors]:

@@ -1,12 +1,12 @@
 """The `--link` part of `shardwise plan`'s report: the data-parallel communication modes compared
-on a layout (network.py), as a table with its assumptions, and as JSON."""
+on a layout (comm_modes.py), as a table with its assumptions, and as JSON."""
 
 from __future__ import annotations
 
 from dataclasses import asdict
 from typing import Any
 
-from shardwise.plan.network import Comparison, ModeCost
+from shardwise.plan.comm_modes import Comparison, ModeCost
 from shardwise.plan.search import Candidate, Plan, seconds
 
 

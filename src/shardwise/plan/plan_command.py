@@ -14,10 +14,11 @@ from shardwise.common.errors import ConfigError
 from shardwise.plan import hardware as hw
 from shardwise.plan.bounds import Bound, one_of
 from shardwise.plan.chart import chart_path
+from shardwise.plan.comm_modes import job_mode
 from shardwise.plan.layout import OPTIMIZERS, PRECISIONS, RECOMPUTE
 from shardwise.plan.link_report import modes_json, render_modes
 from shardwise.plan.model import Transformer, describe, divisors, shape_for
-from shardwise.plan.network import LINK_GBPS, job_mode, parse_link
+from shardwise.plan.network import LINK_GBPS, parse_link
 from shardwise.plan.search import (
     Candidate,
     Constraints,

@@ -6,11 +6,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
+from shardwise.plan.comm_modes import Comparison, Mode, Tensors, compare
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import RECOMPUTE, Layout, Precision, Recompute
 from shardwise.plan.memory_model import Memory, Traced, estimate
 from shardwise.plan.model import Transformer, divisors
-from shardwise.plan.network import Comparison, Mode, Network, Tensors, compare
+from shardwise.plan.network import Network
 from shardwise.plan.timing import StepTime, achieved_utilisation, one_device_step, step_time
 
 MAX_LAYOUTS = 20_000
@@ -85,7 +86,7 @@ class Plan:
         return self.one_device_step / candidate.time.total
 
     def comm_modes(self, candidate: Candidate) -> Comparison:
-        """Every data-parallel communication mode on `candidate`'s layout (network.py)."""
+        """Every data-parallel communication mode on `candidate`'s layout (comm_modes.py)."""
         return compare(
             self.model, candidate.layout, self.precision, self.hardware, candidate.time,
             tensors=self.tensors, job=self.job_mode,

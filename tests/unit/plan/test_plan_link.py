@@ -12,21 +12,20 @@ import pytest
 import tomli_w
 
 from shardwise.cli import main
-from shardwise.plan.hardware import PRESETS, Hardware
-from shardwise.plan.layout import PRECISIONS, Layout
-from shardwise.plan.model import Transformer
-from shardwise.plan.network import (
+from shardwise.plan.comm_modes import (
     CODEC_PASSES,
     SYNC_PASSES,
     Mode,
     ModeCost,
-    Network,
     Tensors,
     compare,
     job_mode,
-    parse_link,
     transformer_tensors,
 )
+from shardwise.plan.hardware import PRESETS, Hardware
+from shardwise.plan.layout import PRECISIONS, Layout
+from shardwise.plan.model import Transformer
+from shardwise.plan.network import Network, parse_link
 from shardwise.plan.search import Constraints, explain, search
 from shardwise.plan.timing import node_links, step_time
 
