@@ -18,6 +18,7 @@ import shutil
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
@@ -80,14 +81,23 @@ def _run(
     console: Console,
     started: float,
 ) -> Summary:
-    """`run`, once it knows where the models run (`where`: a `Pool` already starting)."""
-    run_dir = config.run_dir
-    backend = where[0]
+    """`run`, once it knows where the models run (`where`: a `Pool` already starting): the
+    data read and planned, the chunks run, the outputs reported."""
+    table, spec, plan = _prepare(config, console)
+    saved_size = saved_chunk_size(config.run_dir, table.num_series, done)
+    start_run_dir(config.run_dir, config)
+    mlflow_run = start_tracking(config, config.run_dir)
+    ran = _run_chunks(config, where, (table, spec, plan), saved_size, done, console)
+    return _report(config, table, ran, (done, mlflow_run, started), console)
+
+
+def _prepare(config: ManyModelsConfig, console: Console) -> tuple[SeriesTable, FeatureSpec, Plan]:
+    """The series read and checked, their features declared, and the plan every chunk runs."""
     table = load_series(config)
     if table.skipped.height:
         console.print(
             f"skipping {table.skipped.height} series too short for the backtest "
-            f"(listed in {run_dir / 'skipped.parquet'})"
+            f"(listed in {config.run_dir / 'skipped.parquet'})"
         )
     spec = FeatureSpec.from_config(config, table.season_length)
     others = set(table.frame.columns) - {table.columns.target}
@@ -97,10 +107,36 @@ def _run(
             f"input column '{clash[0]}' has the name of a computed feature (or of the target's "
             "name inside models, 'y'); rename it in the data"
         )
-    plan = make_plan(config, table, spec)
-    saved_size = saved_chunk_size(run_dir, table.num_series, done)
-    start_run_dir(run_dir, config)
-    mlflow_run = start_tracking(config, run_dir)
+    return table, spec, make_plan(config, table, spec)
+
+
+@dataclass
+class _Ran:
+    """What running the chunks leaves for the report."""
+
+    n_chunks: int
+    chunk_size: int
+    todo: list[int]
+    intervals: list[tuple[float, float]]
+    """Each chunk's start and end."""
+    seconds: dict[str, float]
+    """`features` and `models`."""
+
+
+def _run_chunks(
+    config: ManyModelsConfig,
+    where: tuple[Backend, Pool | None],
+    prepared: tuple[SeriesTable, FeatureSpec, Plan],
+    saved_size: int,
+    done: set[int],
+    console: Console,
+) -> _Ran:
+    """The features written by chunk, then the chunks `done` has not run, where `where` says
+    (Ray started and stopped here where it runs them); the workers stopped and the features
+    removed however it ends."""
+    run_dir = config.run_dir
+    backend = where[0]
+    table, spec, plan = prepared
     ray, started_ray = start_ray(config) if backend.name == "ray" else (None, False)
     try:
         slots = task_slots(ray, config) if ray is not None else backend.slots
@@ -128,15 +164,30 @@ def _run(
         console.print(describe(backend), highlight=False)
         train_started = time.perf_counter()
         intervals = _run_models((ray, *where, slots), config, plan, (features, todo, done), console)
-        train_seconds = time.perf_counter() - train_started
+        seconds = {"features": features_seconds, "models": time.perf_counter() - train_started}
     finally:
         if started_ray and ray is not None:
             ray.shutdown()
         if where[1] is not None:  # idle now: not held through the assembly
             where[1].stop()
         shutil.rmtree(run_dir / "features", ignore_errors=True)  # scratch: big, and redone
+    return _Ran(n_chunks, chunk_size, todo, intervals, seconds)
+
+
+def _report(
+    config: ManyModelsConfig,
+    table: SeriesTable,
+    ran: _Ran,
+    run: tuple[set[int], Any, float],
+    console: Console,
+) -> Summary:
+    """The output tables assembled from the chunks (reconciled, plotted where asked), the
+    summary made, tracked in MLflow (`run`: the chunks reused, the MLflow run, when the job
+    started) and printed, and the forecasts registered where asked."""
+    done, mlflow_run, started = run
+    run_dir = config.run_dir
     assembly_started = time.perf_counter()
-    outputs, selection, calibration = assemble(config, table, n_chunks, chunk_size)
+    outputs, selection, calibration = assemble(config, table, ran.n_chunks, ran.chunk_size)
     assembly_seconds = time.perf_counter() - assembly_started
     # the chosen forecasts were streamed to their file: read back once, for what needs them
     wanted = bool(config.hierarchy.levels) or config.tracking.plots
@@ -151,12 +202,11 @@ def _run(
         outputs,
         selection,
         calibration,
-        chunks_run=len(todo),
+        chunks_run=len(ran.todo),
         chunks_reused=len(done),
-        peak=peak_concurrency(intervals),
+        peak=peak_concurrency(ran.intervals),
         seconds={
-            "features": features_seconds,
-            "models": train_seconds,
+            **ran.seconds,
             "outputs": assembly_seconds,
             "total": time.perf_counter() - started,
         },
