@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from shardwise.training import builders
+from shardwise.training import job_names
 from shardwise.training.config.derive import derive
 from shardwise.training.config.load import load_config
 from shardwise.training.trainer.optim import build_optimizer, lr_factor
@@ -46,15 +46,15 @@ def train_loop() -> None:
     train = config.train
 
     torch.manual_seed(config.job.seed)
-    model = DistributedDataParallel(builders.build_model(config))
-    train_set, _ = builders.build_datasets(config)
+    model = DistributedDataParallel(job_names.build_model(config))
+    train_set, _ = job_names.build_datasets(config)
     sampler = DistributedSampler(train_set, shuffle=True, seed=config.job.seed, drop_last=True)
     loader = DataLoader(train_set, batch_size=derived.micro_batch, sampler=sampler, drop_last=True)
     # The same parameter groups as shardwise (no weight decay on biases and norms), so both
     # do the same optimizer work.
     optimizer = build_optimizer(model, train, lr=derived.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: lr_factor(k + 1, train))
-    loss_fn = builders.build_loss(config)
+    loss_fn = job_names.build_loss(config)
 
     step, epoch = 0, 0
     while step < args.steps:

@@ -80,7 +80,7 @@ def hand_cmd(sets: list[str], compiled: bool, counts: Path, threads: int) -> lis
 
 def flops_per_token(size: tuple[int, int, int, int, int]) -> float:
     from shardwise.models.gpt import build_gpt
-    from shardwise.training.builders import LOSSES
+    from shardwise.training.job_names import LOSSES
     from shardwise.training.trainer.flops import count_flops, meta_batch
 
     layers, heads, hidden, seq, micro = size

@@ -58,7 +58,7 @@ def hand_loop(
     from torch.profiler import ProfilerActivity, profile, record_function
     from torch.utils.data import DataLoader, RandomSampler
 
-    from shardwise.training import builders
+    from shardwise.training import job_names
     from shardwise.training.config.load import load_config
     from shardwise.training.trainer.optim import build_optimizer, lr_factor
     from shardwise.training.trainer.profile import STEP, step_counts
@@ -67,18 +67,18 @@ def hand_loop(
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     torch.manual_seed(config.job.seed)
-    model = builders.build_model(config).to(device)
+    model = job_names.build_model(config).to(device)
     train = config.train
     optimizer = build_optimizer(model, train, lr=train.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: lr_factor(k + 1, train))
     forward = torch.compile(model) if compiled else model
-    train_set, _ = builders.build_datasets(config)
+    train_set, _ = job_names.build_datasets(config)
     sampler = RandomSampler(train_set, generator=torch.Generator().manual_seed(0))
     micro = train.micro_batch or train.global_batch
     loader = DataLoader(
         train_set, batch_size=micro, sampler=sampler, drop_last=True, pin_memory=cuda
     )
-    loss_fn = builders.build_loss(config)
+    loss_fn = job_names.build_loss(config)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(train.precision)
     first, count = profile_window or (0, 0)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])

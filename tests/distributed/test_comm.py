@@ -87,7 +87,7 @@ def test_bf16_sends_half_of_ddps_bytes_and_powersgd_its_factors(tmp_path, ddp):
     train(tmp_path / "powersgd", parallel=powersgd)
     got = comm_metrics(tmp_path / "powersgd")
     # the digits MLP (hidden 32): 64→32 and 32→10 matrices in factors, the biases as they are
-    model = shardwise.training.builders.build_model(digits_job(tmp_path))
+    model = shardwise.training.job_names.build_model(digits_job(tmp_path))
     payload = sum(
         factor_bytes(p.shape, 2) or p.numel() * 4 for p in model.parameters() if p.requires_grad
     )
@@ -102,7 +102,7 @@ def test_bytes_per_step_are_the_logging_windows_not_a_mean_since_the_start(tmp_p
     train(tmp_path, parallel=powersgd, train={"steps": 20}, tracking={"log_every": 5})
     records = read_metrics(tmp_path / "metrics.jsonl")
     at = {r["step"]: r for r in records if "comm/bytes_per_step" in r}
-    model = shardwise.training.builders.build_model(digits_job(tmp_path))
+    model = shardwise.training.job_names.build_model(digits_job(tmp_path))
     factors = sum(
         factor_bytes(p.shape, 2) or p.numel() * 4 for p in model.parameters() if p.requires_grad
     )

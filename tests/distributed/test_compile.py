@@ -170,16 +170,16 @@ def _hand_loop_breaks(steps: int) -> tuple[int, int]:
     import torch
     from torch._dynamo.utils import counters
 
-    from shardwise.training import builders
+    from shardwise.training import job_names
 
     torch._dynamo.reset()
     counters.clear()
     config = _gpt2_job(Path("unused"))
-    model = builders.build_model(config)
+    model = job_names.build_model(config)
     compiled = torch.compile(model, backend=DYNAMO["compile_backend"])
     optimizer = torch.optim.AdamW(model.parameters())
-    train, _ = builders.build_datasets(config)
-    loss_fn = builders.build_loss(config)
+    train, _ = job_names.build_datasets(config)
+    loss_fn = job_names.build_loss(config)
     for i in range(steps):
         batch = [train[4 * i + j] for j in range(4)]
         inputs, target = torch.stack([b[0] for b in batch]), torch.stack([b[1] for b in batch])

@@ -191,7 +191,7 @@ def test_the_export_loads_into_the_stock_class_and_gives_the_runs_evaluation(
     the run's own eval/loss: no buffer, tied weight or layer was left behind."""
     import transformers
 
-    from shardwise.training import builders
+    from shardwise.training import job_names
     from shardwise.training.checkpoint.export import export_safetensors, load_exported
     from shardwise.training.config.load import load_config
     from shardwise.training.trainer.step import batch_sums
@@ -203,16 +203,16 @@ def test_the_export_loads_into_the_stock_class_and_gives_the_runs_evaluation(
     config = load_config(run_dir / "config.toml")
     exported = tmp_path / "model.safetensors"
     export_safetensors(run_dir / "checkpoints" / f"step_{STEPS:08d}", exported)
-    model = builders.build_model(config)
+    model = job_names.build_model(config)
     assert type(model) is getattr(transformers, FAMILIES[family][1])
     model.load_state_dict(load_exported(exported))  # strict
-    _, held_out = builders.build_datasets(config)
+    _, held_out = job_names.build_datasets(config)
     count = min(len(held_out), config.eval.max_samples or len(held_out))
     inputs = torch.stack([held_out[i][0] for i in range(count)])
     target = torch.stack([held_out[i][1] for i in range(count)])
     model.eval()
     with torch.no_grad():
-        sums = batch_sums(builders.cross_entropy, model(inputs), target)
+        sums = batch_sums(job_names.cross_entropy, model(inputs), target)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert math.isfinite(summary["metrics"]["eval/loss"])
     assert float(sums[0] / sums[2]) == pytest.approx(summary["metrics"]["eval/loss"], rel=1e-5)

@@ -64,7 +64,7 @@ def _initial_states(configs: list[dict[str, Any]]) -> list[dict[tuple[int, str],
     travel as a handle to this process's memory, gone when it ends)."""
     import torch.distributed as dist
 
-    from shardwise.training import builders
+    from shardwise.training import job_names
     from shardwise.training.config.derive import derive
     from shardwise.training.config.schema import JobConfig
     from shardwise.training.parallel.mesh import build_mesh
@@ -76,7 +76,7 @@ def _initial_states(configs: list[dict[str, Any]]) -> list[dict[tuple[int, str],
         config = JobConfig.model_validate(data)
         derived = derive(config, dist.get_world_size())
         mesh = build_mesh(derived.degrees, "cpu")
-        train, _ = builders.build_datasets(config)
+        train, _ = job_names.build_datasets(config)
         layout = build_layout(config, derived, mesh, torch.device("cpu"), sample=train[0])
         pipe = layout.pipeline
         parts = pipe.modules if pipe is not None else dict(enumerate(layout.parts))
@@ -93,10 +93,10 @@ def _initial_states(configs: list[dict[str, Any]]) -> list[dict[tuple[int, str],
 
 
 def _full_build_buffers(config_data: dict[str, Any]) -> dict[str, np.ndarray]:
-    from shardwise.training import builders
+    from shardwise.training import job_names
     from shardwise.training.config.schema import JobConfig
 
-    model = builders.build_model(JobConfig.model_validate(config_data))
+    model = job_names.build_model(JobConfig.model_validate(config_data))
     return {name: b.numpy().copy() for name, b in model.named_buffers()}
 
 

@@ -137,7 +137,7 @@ class _ReadsAValue(torch.nn.Module):  # its forward reads a value: it cannot run
 
 
 def _count_in_every_rank() -> tuple[int, float, str | float]:
-    from shardwise.training.builders import LOSSES
+    from shardwise.training.job_names import LOSSES
     from shardwise.training.trainer.flops import Peak, for_run
 
     built = []

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 import helpers
-from shardwise.training import builders
+from shardwise.training import job_names
 from shardwise.training.checkpoint.disk_layout import problem, read_manifest
 from shardwise.training.config.load import validate
 from shardwise.training.tracking.metrics import read_metrics
@@ -69,7 +69,7 @@ def held_out_loss(model: Any, checkpoint: Path) -> float:
     """Cross-entropy of the logged model's predictions over the job's held-out samples (as many
     as the job's eval.max_samples), the job read from the checkpoint as export reads it."""
     config = validate(read_manifest(checkpoint)["job"])
-    held_out = builders.build_datasets(config)[1]
+    held_out = job_names.build_datasets(config)[1]
     count = min(len(held_out), config.eval.max_samples or len(held_out))
     inputs, target = torch.utils.data.default_collate([held_out[i] for i in range(count)])
     logits = torch.from_numpy(model.predict(inputs.numpy()))

@@ -16,7 +16,7 @@ LAYERS = (
     {"trainer"},
     {"checkpoint", "tracking", "fault"},
     {"parallel", "comm"},
-    {"models", "data", "builders"},
+    {"models", "data", "job_names"},
     {"config"},
     {"common", "training"},
 )

@@ -7,7 +7,7 @@ is a Hugging Face one, which means it is imported already.
 
 What else a stock model needs (its own initialisation on the meta device, no generation cache)
 is models/hf_init.py, apart from DTensor; the loss and evaluation read the `.logits` of the
-`ModelOutput` its forward returns (`builders.model_output`). FSDP finds the decoder layers
+`ModelOutput` its forward returns (`job_names.model_output`). FSDP finds the decoder layers
 itself (parallel.pipeline.repeated_layers), and pipelines trace the model (parallel/traced.py);
 tied input and output embeddings stay tied (parallel/ties.py).
 """

@@ -20,7 +20,7 @@ from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import PRECISIONS, Layout, Precision
 from shardwise.plan.memory_model import Traced
 from shardwise.plan.model import Transformer
-from shardwise.training import builders
+from shardwise.training import job_names
 from shardwise.training.config.derive import derive
 from shardwise.training.config.schema import JobConfig
 from shardwise.training.parallel.pipeline import model_blocks
@@ -56,7 +56,7 @@ def model_of(config: JobConfig) -> tuple[Transformer, bool, Traced, Tensors]:
             f"{', '.join(missing)} argument(s): plan it by size instead (shardwise plan --params "
             "N --seq S …)"
         )
-    model = builders.build_on_meta(config)
+    model = job_names.build_on_meta(config)
     count = sum(p.numel() for p in model.parameters())
     tensors = Tensors(tuple(tuple(p.shape) for p in model.parameters() if p.requires_grad))
     shape = Transformer(
@@ -84,7 +84,7 @@ def trace_activations(
     `layers`). On the meta device attention decomposes into its unfused parts;
     with `fused_attention` it saves what the fused kernels keep instead (query, key, value, the
     output and a log-sum-exp per row)."""
-    train_set, _ = builders.build_datasets(config)
+    train_set, _ = job_names.build_datasets(config)
     inputs, target = (torch.as_tensor(x).unsqueeze(0).to("meta") for x in train_set[0])
     modules = {name: model.get_submodule(name) for name in model_blocks(model)}
     kind = Counter(type(m) for m in modules.values()).most_common(1)
@@ -111,7 +111,7 @@ def trace_activations(
     mode = _FusedAttentionMode() if fused_attention else contextlib.nullcontext()
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
-            builders.build_loss(config)(model(inputs), target)
+            job_names.build_loss(config)(model(inputs), target)
     finally:
         for handle in handles:
             handle.remove()
@@ -151,7 +151,7 @@ def _defaults(config: JobConfig) -> dict[str, object]:
     """The model builder's default arguments (e.g. the built-in GPT's 4 layers)."""
     import inspect
 
-    builder = builders.resolve(config.model.name, builders.MODELS, "model.name")
+    builder = job_names.resolve(config.model.name, job_names.MODELS, "model.name")
     return {
         name: p.default
         for name, p in inspect.signature(builder).parameters.items()

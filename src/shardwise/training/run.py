@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from shardwise.common.console import warn
 from shardwise.common.job_files import apply_override
-from shardwise.training import builders
+from shardwise.training import job_names
 from shardwise.training.checkpoint.export import check_weights
 from shardwise.training.checkpoint.resume import resume_point
 from shardwise.training.config.derive import derive
@@ -165,10 +165,10 @@ def check_job(
     """Everything that can be checked before a worker starts, in this process (`devices_here`:
     also this machine's GPUs, where the job runs here)."""
     derived = derive(config, world_size)
-    builders.check(config)
+    job_names.check(config)
     check_layout(config, derived)
     if config.model.init_from:
-        check_weights(config.model.init_from, builders.build_on_meta(config))
+        check_weights(config.model.init_from, job_names.build_on_meta(config))
     if devices_here:
         check_devices(config.job.device, per_node)
 

@@ -63,9 +63,9 @@ def test_a_job_file_plans_its_own_model_and_layout(repo_cwd, capsys):
     assert "job. dp2 mb" in out  # the job's own layout, evaluated, above the ranking
     config = load_config("examples/text-gpt.toml", [])
     job = plan_job(config, 2)
-    from shardwise.training import builders
+    from shardwise.training import job_names
 
-    built = builders.build_model(config)
+    built = job_names.build_model(config)
     assert job.model.params == sum(p.numel() for p in built.parameters())
     assert job.layout.dp == 2 and job.layout.global_batch == config.train.global_batch
 
@@ -124,15 +124,15 @@ def test_the_meta_trace_saves_what_a_real_forward_on_cpu_does(tmp_path, dropout)
 
     from helpers import gpt_job
     from shardwise.plan.job import trace_activations
-    from shardwise.training import builders
+    from shardwise.training import job_names
 
     args = {"layers": 3, "heads": 4, "hidden": 64, "seq_len": 32, "dropout": dropout}
     config = gpt_job(tmp_path, model={"args": args})
     with torch.device("meta"):
-        meta = builders.build_model(config)
+        meta = job_names.build_model(config)
     traced = trace_activations(config, meta, layers=3, fused_attention=dropout == 0)
 
-    real = builders.build_model(config)
+    real = job_names.build_model(config)
     params = {p.untyped_storage().data_ptr() for p in real.parameters()}
     saved: dict[int, int] = {}
 
@@ -141,10 +141,10 @@ def test_the_meta_trace_saves_what_a_real_forward_on_cpu_does(tmp_path, dropout)
             saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    train_set, _ = builders.build_datasets(config)
+    train_set, _ = job_names.build_datasets(config)
     inputs, target = (torch.as_tensor(x).unsqueeze(0) for x in train_set[0])
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        builders.build_loss(config)(real(inputs), target)
+        job_names.build_loss(config)(real(inputs), target)
     # the same but for the token ids, which on CPU share one storage with the targets
     real_bytes = sum(saved.values())
     assert 3 * traced.layer + traced.before + traced.after == pytest.approx(real_bytes, abs=520)
@@ -174,11 +174,11 @@ def traced_gpt(tmp_path, layers: int, *, wrap: bool, traced_layers: int):
 
     from helpers import gpt_job
     from shardwise.plan.job import trace_activations
-    from shardwise.training import builders
+    from shardwise.training import job_names
 
     config = gpt_job(tmp_path, model={"args": {"layers": layers, "heads": 4, "hidden": 64}})
     with torch.device("meta"):
-        gpt = builders.build_model(config)
+        gpt = job_names.build_model(config)
     model = opaque(gpt) if wrap else gpt
     return trace_activations(config, model, layers=traced_layers, fused_attention=False)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from shardwise.training.builders import cross_entropy, mse
+from shardwise.training.job_names import cross_entropy, mse
 from shardwise.training.trainer.step import batch_sums
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from shardwise.models.gpt import build_gpt
-from shardwise.training.builders import LOSSES
+from shardwise.training.job_names import LOSSES
 from shardwise.training.trainer.flops import (
     Peak,
     Utilisation,

@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from helpers import gpt_job
 from shardwise.common.errors import ConfigError
-from shardwise.training import builders
+from shardwise.training import job_names
 from shardwise.training.config.derive import derive
 from shardwise.training.parallel.checks import check_layout
 from shardwise.training.parallel.pipeline import (
@@ -49,7 +49,7 @@ def test_a_llama_family_decoder_pipelines_by_the_plan_transformers_declares(
     the others through and runs the model's own forward: the stages, run one after another on
     the meta device, give the whole model's logits."""
     config = hf_job(tmp_path, "decoder", args={"family": family, "layers": 3})
-    model = builders.build_on_meta(config)
+    model = job_names.build_on_meta(config)
     blocks = pipeline_blocks(model)
     assert blocks == [
         "model.embed_tokens",
@@ -81,7 +81,7 @@ def test_a_llama_family_decoder_pipelines_by_the_plan_transformers_declares(
 def test_a_model_whose_head_the_plan_does_not_name_is_traced(tmp_path, repo_cwd):
     """Llama for sequence classification: its `score` head is in no declared plan, so it
     would run on every stage: the model is traced instead."""
-    model = builders.build_on_meta(hf_job(tmp_path, "llama_classifier", data=CLASSES))
+    model = job_names.build_on_meta(hf_job(tmp_path, "llama_classifier", data=CLASSES))
     assert not has_blocks(model)
 
 
@@ -121,7 +121,7 @@ def test_models_that_declare_no_plan_are_traced_and_their_stages_run(
     tmp_path, repo_cwd, model, data
 ):
     config = hf_job(tmp_path, model, data=data, pp=2)
-    assert not has_blocks(builders.build_on_meta(config))
+    assert not has_blocks(job_names.build_on_meta(config))
     check_layout(config, derive(config, 2))
 
 
@@ -136,7 +136,7 @@ def test_a_llama_family_decoder_splits_by_the_tensor_parallel_plan_transformers_
 
     from shardwise.training.parallel.tensor import tensor_parallel_plan
 
-    model = builders.build_on_meta(hf_job(tmp_path, "llama", args={"layers": 3}))
+    model = job_names.build_on_meta(hf_job(tmp_path, "llama", args={"layers": 3}))
     plan = tensor_parallel_plan(model, None, tp=2, sequence_parallel=False)
     assert len(plan) == 3 * 7 + 2
     for layer in range(3):
@@ -179,7 +179,7 @@ def test_bert_splits_by_shardwises_plan_for_encoders_and_a_resnet_is_refused(tmp
 
     masked = {"name": "tests.hf_models:masked_text", "args": {}}
     config = hf_job(tmp_path, "bert_mlm", data=masked, tp=2)
-    model = builders.build_on_meta(config)
+    model = job_names.build_on_meta(config)
     plan = tensor_parallel_plan(model, None, tp=2, sequence_parallel=False)
     layer = "bert.encoder.layer.1"
     for name in ("attention.self.query", "attention.self.key", "attention.self.value"):

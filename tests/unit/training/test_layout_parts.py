@@ -147,16 +147,16 @@ def test_a_parameter_no_initialiser_sets_is_refused_not_left_uninitialised():
 def test_buffers_come_from_init_and_the_template_is_left_as_it_was(tmp_path):
     """A buffer no initialiser sets (rotary frequencies) takes the value __init__ computed,
     on every part that holds it; materializing leaves the template able to do it again."""
-    from shardwise.training import builders
+    from shardwise.training import job_names
 
     config = gpt_job(tmp_path, model={"name": "tests.foreign_models:rope_lm", "args": {}})
-    template = builders.build_with_meta_parameters(config)
+    template = job_names.build_with_meta_parameters(config)
     assert all(p.is_meta for p in template.parameters())
-    expected = builders.build_model(config).rotary.inv_freq
+    expected = job_names.build_model(config).rotary.inv_freq
     assert torch.equal(template.rotary.inv_freq, expected)
     for _ in range(2):
         with torch.device("meta"):
-            model = builders.build_model(config)
+            model = job_names.build_model(config)
         blocks = pipeline_blocks(model)
         first = stage_module(model, blocks, {"embed", "layers.0"})
         last = stage_module(model, blocks, {"layers.3", "final"})
@@ -187,11 +187,11 @@ def test_a_value_a_traced_stage_takes_from_further_back_is_carried_through_the_s
 
 
 def test_the_template_keeps_a_parameter_two_modules_were_built_with_as_one(tmp_path):
-    from shardwise.training import builders
+    from shardwise.training import job_names
     from shardwise.training.parallel.ties import tied_groups
 
     config = gpt_job(tmp_path, model={"name": "tests.foreign_models:shared_scale", "args": {}})
-    template = builders.build_with_meta_parameters(config)
+    template = job_names.build_with_meta_parameters(config)
     assert tied_groups(template) == [("first.scale", "second.scale")]
     assert template.first.scale is template.second.scale and template.first.scale.is_meta
 
@@ -396,13 +396,13 @@ def test_models_that_can_take_a_layout_pass_the_checks(tmp_path, repo_cwd, model
 def test_the_layout_says_what_it_applied_to_what(tmp_path, repo_cwd, model, parallel, line):
     """FSDP and recomputation without blocks are not silent no-ops: the start of every run
     says what each was applied to (repeated layers are found without the blocks contract)."""
-    from shardwise.training import builders
+    from shardwise.training import job_names
     from shardwise.training.parallel.apply import data_parallel_wrapper, describe
     from shardwise.training.parallel.pipeline import model_blocks
 
     config = zoo_job(tmp_path, model, **parallel)
     degrees = derive(config, 2).degrees
-    built = builders.build_model(config)
+    built = job_names.build_model(config)
     lines = describe(
         built, model_blocks(built), degrees, config.parallel, data_parallel_wrapper(degrees)
     )
@@ -420,7 +420,7 @@ def test_a_hugging_face_model_initialises_on_the_meta_device_with_its_own_scheme
     """`model.init = "auto"` picks meta initialisation for a Hugging Face model (it crashed
     calling init_weights(module)): every module by Hugging Face's `_init_weights`, then its
     parents' (GPT-2's scaled residual projections), tied embeddings tied."""
-    from shardwise.training import builders
+    from shardwise.training import job_names
     from shardwise.training.parallel.meta_init import initializer
 
     args = {"n_layer": 4, "n_embd": 256, "n_head": 4}
@@ -428,7 +428,7 @@ def test_a_hugging_face_model_initialises_on_the_meta_device_with_its_own_scheme
         repo_cwd / "runs", model={"name": "examples.hf_gpt2:build_model", "args": args}
     )
     with torch.device("meta"):
-        model = builders.build_model(config)
+        model = job_names.build_model(config)
     assert initializer(model) is not None and supports_meta_init(model)
     template = copy.deepcopy(model)
     materialize([model], template, seed=0, device=torch.device("cpu"))
@@ -469,7 +469,7 @@ def test_train_compile_says_whether_it_compiles_the_model_whole_or_block_by_bloc
 ):
     """Whole where nothing wraps the blocks (one process, DDP), per block where a wrapper needs
     them; the start-up line says which, and names a backend other than inductor."""
-    from shardwise.training import builders
+    from shardwise.training import job_names
     from shardwise.training.parallel.apply import data_parallel_wrapper, describe
     from shardwise.training.parallel.compilation import whole_model
     from shardwise.training.parallel.pipeline import model_blocks
@@ -481,7 +481,7 @@ def test_train_compile_says_whether_it_compiles_the_model_whole_or_block_by_bloc
     wrapper = data_parallel_wrapper(degrees)
     whole = whole_model(degrees, config.parallel.activation_checkpoint, wrapper)
     assert whole == (words.startswith("torch.compile") and "compiles GPT whole" in words)
-    built = builders.build_model(config)
+    built = job_names.build_model(config)
     lines = describe(
         built,
         model_blocks(built),

@@ -11,7 +11,7 @@ from typing import Any
 from shardwise.common.console import warn
 from shardwise.common.errors import ConfigError
 from shardwise.common.job_files import redacted_dump
-from shardwise.training import builders
+from shardwise.training import job_names
 from shardwise.training.checkpoint.disk_layout import (
     MANIFEST,
     complete_checkpoints,
@@ -88,9 +88,9 @@ def check_data(path: str, config: JobConfig) -> None:
     since the checkpoint (another Delta version, Iceberg snapshot, or set of files), unless the
     job allows it: the resumed run would not read the samples the run would have read."""
     saved = read_manifest(path).get("data")
-    if not saved or config.data.allow_changed or config.data.name not in builders.STREAMED:
+    if not saved or config.data.allow_changed or config.data.name not in job_names.STREAMED:
         return
-    now = builders.stream_version(config)
+    now = job_names.stream_version(config)
     if now != saved:
         raise ConfigError(f"{name_of(path)}: {changed_message(saved, now)}")
 
@@ -100,7 +100,7 @@ def _model_label(model: dict[str, Any]) -> str:
     can be found, so a default written out and one left out are the same model."""
     name, args = str(model.get("name")), dict(model.get("args") or {})
     try:
-        builder = builders.resolve(name, builders.MODELS, "model.name")
+        builder = job_names.resolve(name, job_names.MODELS, "model.name")
         bound = inspect.signature(builder).bind_partial(**args)
         bound.apply_defaults()
         args = {k: v for k, v in bound.arguments.items() if not k.startswith("_")}

@@ -1,7 +1,7 @@
 """A user's own `torch.utils.data.IterableDataset`, read through torchdata's `StatefulDataLoader`.
 
 Sharding is the dataset's: a builder that takes `dp_rank` and `dp_size` keyword arguments is
-given this rank's data-parallel position (builders.build_datasets), and its dataset yields this
+given this rank's data-parallel position (job_names.build_datasets), and its dataset yields this
 rank's share; a builder that does not take them gets the same dataset on every rank, which then
 yields the same samples on every rank (said at start).
 

@@ -18,7 +18,7 @@ def check_layout(config: JobConfig, derived: Derived) -> None:
     """Check the model against the layout before any process starts (the model is built on the
     meta device, so this is cheap at any size): blocks to recompute, pipeline stages that can
     be cut and run, a tensor-parallel plan that fits the model's layers."""
-    from shardwise.training import builders
+    from shardwise.training import job_names
 
     degrees = derived.degrees
     recompute = config.parallel.activation_checkpoint
@@ -27,7 +27,7 @@ def check_layout(config: JobConfig, derived: Derived) -> None:
     synced_on_cpus = cpus and derived.world_size > 1  # what _check_sync_batch_norm refuses
     if not (split or synced_on_cpus):
         return
-    model = builders.build_on_meta(config)
+    model = job_names.build_on_meta(config)
     if synced_on_cpus:
         _check_sync_batch_norm(model)
     if split:

@@ -77,7 +77,7 @@ def materialize(
     """Give the (parallelized, meta) `parts` storage on `device` and fill every parameter and
     buffer with this rank's slice of the value the unsharded `template` would get: a
     parameter's from its module's initialisers, a buffer's from the template (built with
-    `builders.build_with_meta_parameters`, its buffers as `__init__` computed them) and then
+    `job_names.build_with_meta_parameters`, its buffers as `__init__` computed them) and then
     from those initialisers. The template's tensors are given back to it (an initialiser of a
     parent module may write the template's own real buffers, with the values they hold).
 

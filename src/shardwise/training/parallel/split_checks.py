@@ -37,7 +37,7 @@ from shardwise.training.parallel.traced import TracedSplit, trace_split
 def check_split(config: JobConfig, derived: Derived, model: nn.Module) -> None:
     """Check `model` (built on the meta device) against the job's pipeline, tensor-parallel
     and recompute settings."""
-    from shardwise.training import builders
+    from shardwise.training import job_names
 
     degrees = derived.degrees
     recompute = config.parallel.activation_checkpoint
@@ -49,14 +49,14 @@ def check_split(config: JobConfig, derived: Derived, model: nn.Module) -> None:
             "'Bring your own model and data') or set parallel.activation_checkpoint = 'none'"
         )
     if degrees["pp"] > 1:
-        train_set, _ = builders.build_datasets(config)
+        train_set, _ = job_names.build_datasets(config)
         example = example_batch(train_set[0], derived.micro_batch, torch.device("meta"))
         _check_buffers_in_forward(model, example, degrees["pp"])
         _check_pipeline(config, derived, model, example)
     if degrees["tp"] > 1:
         tp = degrees["tp"]
         plan_fn = (
-            builders.resolve(config.parallel.tp_plan, {}, "parallel.tp_plan")
+            job_names.resolve(config.parallel.tp_plan, {}, "parallel.tp_plan")
             if config.parallel.tp_plan
             else None
         )
@@ -205,7 +205,7 @@ def _run_stages(model: nn.Module, stages: list[nn.Module], example: Any) -> tupl
     so (its forward reads values): the stages would fail for the same reason."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from shardwise.training.builders import model_output
+    from shardwise.training.job_names import model_output
 
     with FakeTensorMode(allow_non_fake_inputs=True) as fake, torch.no_grad():
         inputs = fake.from_tensor(example)

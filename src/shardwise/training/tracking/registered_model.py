@@ -36,7 +36,7 @@ from shardwise.common.model_registry import (
     pinned,
 )
 from shardwise.common.redact import redact
-from shardwise.training import builders
+from shardwise.training import job_names
 from shardwise.training.checkpoint.disk_layout import read_manifest
 from shardwise.training.checkpoint.export import export_safetensors, require_complete
 from shardwise.training.config.load import validate
@@ -119,7 +119,7 @@ def _example(config: JobConfig, artifacts: dict[str, str]) -> tuple[Any, Any]:
 
     from shardwise.training.tracking.served import TrainedModel
 
-    inputs = builders.first_inputs(config, EXAMPLE_SAMPLES)
+    inputs = job_names.first_inputs(config, EXAMPLE_SAMPLES)
     example = (
         {k: v.numpy() for k, v in inputs.items()} if isinstance(inputs, dict) else inputs.numpy()
     )

@@ -28,13 +28,13 @@ class TrainedModel(mlflow.pyfunc.PythonModel):  # type: ignore[misc]
         import torch
         from safetensors.torch import load_file
 
-        from shardwise.training import builders
+        from shardwise.training import job_names
         from shardwise.training.config.load import validate
 
         job = tomllib.loads(Path(context.artifacts["job"]).read_text())
         config = validate(job, source=context.artifacts["job"])
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        model = builders.build_model(config)
+        model = job_names.build_model(config)
         model.load_state_dict(load_file(context.artifacts["weights"]))
         self.model = model.float().to(self.device).eval()
 
@@ -43,7 +43,7 @@ class TrainedModel(mlflow.pyfunc.PythonModel):  # type: ignore[misc]
     ) -> np.ndarray:
         import torch
 
-        from shardwise.training.builders import model_output
+        from shardwise.training.job_names import model_output
 
         with torch.no_grad():
             outputs = self.model(_tensors(model_input, self.device))

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
 from shardwise.common.errors import ConfigError
-from shardwise.training import builders
+from shardwise.training import job_names
 from shardwise.training.checkpoint.disk_layout import name_of, read_manifest
 from shardwise.training.checkpoint.export import load_weights
 from shardwise.training.checkpoint.manager import (
@@ -60,11 +60,11 @@ def build_run(
     dp_rank, dp_size = dp_position(mesh)
     data = open_data(config, derived, dp_rank, dp_size)
     config, train_set, held_out = data.config, data.samples, data.held_out
-    loss_fn = builders.build_loss(config)
+    loss_fn = job_names.build_loss(config)
     layout = build_layout(
         config, derived, mesh, device, sample=train_set[0], loading=resume is not None
     )
-    builtin = config.train.loss in builders.LOSSES
+    builtin = config.train.loss in job_names.LOSSES
     if layout.compiled:
         one_graph = layout.wrapper == "none"
         layout.applied.append(
@@ -202,10 +202,10 @@ def open_data(
     read one version, even while someone writes the table), its held-out split read into
     memory (unless not `held_out_too`: a dry run shapes the model only); a user's
     IterableDataset given this rank's data-parallel position (data/iterable.py)."""
-    train, held_out = builders.build_datasets(config, dp_rank=dp_rank, dp_size=dp_size)
+    train, held_out = job_names.build_datasets(config, dp_rank=dp_rank, dp_size=dp_size)
     if isinstance(train, IterableDataset):
         notes = []
-        if not builders.takes_position(config):
+        if not job_names.takes_position(config):
             notes.append(
                 "data: the IterableDataset's builder takes no dp_rank/dp_size, so every "
                 "data-parallel rank reads the same samples"
@@ -312,7 +312,7 @@ def _utilisation(
     config: JobConfig,
     derived: Derived,
     layout: Layout,
-    loss_fn: builders.LossFn,
+    loss_fn: job_names.LossFn,
     train_set: Any,
     device: torch.device,
 ) -> flops.Utilisation | str:
@@ -333,7 +333,7 @@ def _utilisation(
 
     dtype = DTYPES.get(config.train.precision, torch.float32)
     return flops.for_run(
-        lambda: builders.build_model(config),
+        lambda: job_names.build_model(config),
         loss_fn,
         train_set[0],
         micro_batch=derived.micro_batch,
@@ -357,7 +357,7 @@ def build_layout(
     `materialize_weights` false (a dry run) the parameters stay on meta; `loading`: the run's
     weights are loaded from a checkpoint next (a resumed run)."""
     with torch.device("meta"):
-        model = builders.build_model(config)
+        model = job_names.build_model(config)
     use_meta = config.model.init == "meta" or (
         config.model.init == "auto" and initializer(model) is not None
     )
@@ -368,10 +368,10 @@ def build_layout(
         )
     by_cost = derived.degrees["pp"] > 1 and config.parallel.pipeline_balance == "cost"
     # where the initial values come from: its parameters' initialisers, its buffers' values
-    template = builders.build_with_meta_parameters(config) if use_meta or by_cost else None
+    template = job_names.build_with_meta_parameters(config) if use_meta or by_cost else None
     if not use_meta and materialize_weights:
         torch.manual_seed(config.job.seed)  # identical initial weights on every rank
-        model = builders.build_model(config)
+        model = job_names.build_model(config)
 
     def init(parts: list[nn.Module]) -> None:
         if template is not None and use_meta:  # strict unless weights are loaded next
@@ -389,7 +389,7 @@ def build_layout(
             template, config.job.seed, sample, micro_batch=derived.micro_batch
         )
     tp_plan = (
-        builders.resolve(config.parallel.tp_plan, {}, "parallel.tp_plan")
+        job_names.resolve(config.parallel.tp_plan, {}, "parallel.tp_plan")
         if config.parallel.tp_plan
         else None
     )

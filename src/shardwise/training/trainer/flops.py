@@ -32,7 +32,7 @@ from torch.utils.data import default_collate
 from torch.utils.flop_counter import FlopCounterMode
 
 from shardwise.common.devices import calibrated_peak, datasheet, matmul_peak, profile_path
-from shardwise.training.builders import LossFn
+from shardwise.training.job_names import LossFn
 from shardwise.training.parallel.compilation import eager
 from shardwise.training.trainer.precision import autocast
 

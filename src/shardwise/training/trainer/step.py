@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
-from shardwise.training import builders
+from shardwise.training import job_names
 from shardwise.training.checkpoint.manager import CheckpointManager
 from shardwise.training.comm.base import Sync
 from shardwise.training.config.derive import Derived
@@ -45,7 +45,7 @@ class Run:
     derived: Derived
     device: torch.device
     layout: Layout
-    loss_fn: builders.LossFn
+    loss_fn: job_names.LossFn
     forward_loss: ForwardLoss
     """One micro-batch's forward and loss (compiled under train.compile: compilation.py)."""
     optimizers: list[torch.optim.Optimizer]
@@ -294,14 +294,14 @@ IGNORE_INDEX = -100
 puts at the positions a masked or padded language model does not predict."""
 
 
-def batch_sums(loss_fn: builders.LossFn, outputs: Any, target: torch.Tensor) -> torch.Tensor:
+def batch_sums(loss_fn: job_names.LossFn, outputs: Any, target: torch.Tensor) -> torch.Tensor:
     """One evaluation batch's [loss × targets, correct, targets, targets where accuracy
     applies], without waiting for the device. A class target (integers, one class dimension
     fewer than the outputs) of -100 is no target: the loss
     (a mean over the others) is weighted by the others' count and accuracy is taken over them
     (a batch with none adds nothing)."""
     sums = torch.zeros(4, dtype=torch.float64, device=target.device)
-    logits = builders.model_output(outputs)
+    logits = job_names.model_output(outputs)
     classes = not target.is_floating_point() and logits.dim() == target.dim() + 1
     counted = target != IGNORE_INDEX if classes else None
     count = target.numel() if counted is None else counted.sum()

@@ -6,7 +6,7 @@ import torch
 
 from helpers import REPO, digits_job, gpt_job, write_job
 from shardwise.common.errors import ConfigError
-from shardwise.training.builders import (
+from shardwise.training.job_names import (
     build_datasets,
     build_loss,
     build_model,
