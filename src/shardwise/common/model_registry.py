@@ -1,12 +1,11 @@
 """Logging a model to MLflow and registering it in the Model Registry, for both products.
 
-Training logs a checkpoint's model (training/tracking/registered_model.py) and many-models
-its chosen forecasts (manymodel/serving/served.py) as an MLflow pyfunc; this module does what
+Training logs a checkpoint's model (training/tracking/registered_model.py) and many-models its
+chosen forecasts (manymodel/serving/forecasts_pyfunc.py) as an MLflow pyfunc; this module does what
 they share: checks that the store answers (within seconds, so a registry that is down costs one
-line, not minutes of MLflow's retries), logs the model into a run (the training run, or a new
-one), and registers it as a new version of a named model with tags. Every failure of the store
-becomes a `RegistryError`, one line naming the store (its credentials hidden) and what went
-wrong.
+line, not minutes of MLflow's retries), logs the model into a run (the training run, or a new one),
+and registers it as a new version of a named model with tags. Every failure of the store becomes a
+`RegistryError`, one line naming the store (its credentials hidden) and what went wrong.
 """
 
 from __future__ import annotations

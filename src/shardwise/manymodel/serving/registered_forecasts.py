@@ -1,7 +1,7 @@
-"""A many-models run registered in MLflow's Model Registry (`tracking.registered_model`): one
-pyfunc (served.py) holding the chosen forecasts of every series with their intervals, logged
-into the run's MLflow run and registered as the name's next version, tagged with the run's
-overall metrics. Serving it answers "what is the forecast of these series" by lookup."""
+"""A many-models run registered in MLflow's Model Registry (`tracking.registered_model`): one pyfunc
+(forecasts_pyfunc.py) holding the chosen forecasts of every series with their intervals, logged into
+the run's MLflow run and registered as the name's next version, tagged with the run's overall
+metrics. Serving it answers "what is the forecast of these series" by lookup."""
 
 from __future__ import annotations
 
@@ -35,13 +35,13 @@ def register_forecasts(
     import mlflow.pyfunc
     from mlflow.models import infer_signature
 
-    from shardwise.manymodel.serving import served
+    from shardwise.manymodel.serving import forecasts_pyfunc
 
     artifacts = {"forecasts": str(run_dir / "forecasts.parquet")}
     settings = {"ids": ids, "horizon": config.backtest.horizon}
     example = pd.read_parquet(artifacts["forecasts"], columns=ids).astype(str)
     example = example.drop_duplicates().head(EXAMPLE_SERIES).reset_index(drop=True)
-    model = served.ChosenForecasts()
+    model = forecasts_pyfunc.ChosenForecasts()
     model.load_context(mlflow.pyfunc.PythonModelContext(artifacts, settings))
     signature = infer_signature(
         example, model.predict(None, example), params={"horizon": config.backtest.horizon}
@@ -56,7 +56,7 @@ def register_forecasts(
     )
     return log_pyfunc(
         destination,
-        python_model=str(Path(served.__file__).with_name("served_forecasts.py")),
+        python_model=str(Path(forecasts_pyfunc.__file__).with_name("served_forecasts.py")),
         artifacts=artifacts,
         model_config=settings,
         signature=signature,

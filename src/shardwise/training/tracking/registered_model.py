@@ -1,12 +1,12 @@
 """A checkpoint's model logged to MLflow and registered in its Model Registry, from any layout.
 
 What is logged (`tracking.log_model`, and `shardwise export CHECKPOINT --mlflow NAME`): an MLflow
-pyfunc (tracking/served.py) holding the model's weights as one safetensors file (exported from
-the checkpoint in one process, whatever layout wrote it: checkpoint/export.py), the job file it
+pyfunc (tracking/trained_pyfunc.py) holding the model's weights as one safetensors file (exported
+from the checkpoint in one process, whatever layout wrote it: checkpoint/export.py), the job file it
 was trained with, the model's own code when it is not an installed package (`code_paths`), a
-signature and an input example taken from the first samples of the job's training data, and
-pinned requirements. With a registered name it becomes that model's next version, tagged with
-the run's final metrics, the step and the checkpoint.
+signature and an input example taken from the first samples of the job's training data, and pinned
+requirements. With a registered name it becomes that model's next version, tagged with the run's
+final metrics, the step and the checkpoint.
 
 The job comes from the checkpoint's manifest (it records the job, credentials hidden), so a
 checkpoint exports on its own; an older checkpoint's run directory holds it as `config.toml`.
@@ -77,7 +77,7 @@ def log_checkpoint(
         example, output = _example(config, artifacts)
         from mlflow.models import infer_signature
 
-        from shardwise.training.tracking import served
+        from shardwise.training.tracking import trained_pyfunc
 
         destination = Destination(
             uri=store,
@@ -89,7 +89,7 @@ def log_checkpoint(
         )
         return log_pyfunc(
             destination,
-            python_model=str(Path(served.__file__).with_name("served_model.py")),
+            python_model=str(Path(trained_pyfunc.__file__).with_name("served_model.py")),
             artifacts=artifacts,
             signature=infer_signature(example, output),
             input_example=example,
@@ -117,7 +117,7 @@ def _example(config: JobConfig, artifacts: dict[str, str]) -> tuple[Any, Any]:
     MLflow will load it) predicts for them: the signature's two sides."""
     import mlflow.pyfunc
 
-    from shardwise.training.tracking.served import TrainedModel
+    from shardwise.training.tracking.trained_pyfunc import TrainedModel
 
     inputs = job_names.first_inputs(config, EXAMPLE_SAMPLES)
     example = (
