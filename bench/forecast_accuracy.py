@@ -38,7 +38,7 @@ import polars as pl
 from shardwise.common.job_files import validate_as
 from shardwise.manymodel.columns import FUTURE
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.data.table import load_series
+from shardwise.manymodel.data.long_table import load_series
 from shardwise.manymodel.evaluation.backtest import refits
 from shardwise.manymodel.run.runner import run
 

@@ -40,7 +40,7 @@ import polars as pl
 from shardwise.common.job_files import validate_as
 from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.data.table import SeriesTable, load_series
+from shardwise.manymodel.data.long_table import SeriesTable, load_series
 from shardwise.manymodel.evaluation.backtest import Plan
 from shardwise.manymodel.features.spec import FeatureSpec, polars_features
 from shardwise.manymodel.run.chunk import run_chunk

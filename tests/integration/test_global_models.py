@@ -11,7 +11,7 @@ import pytest
 from shardwise.common.job_files import validate_as
 from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.data.table import load_series
+from shardwise.manymodel.data.long_table import load_series
 from shardwise.manymodel.features.spec import FeatureSpec, polars_features
 from shardwise.manymodel.models.global_models import Worker
 from shardwise.manymodel.run.runner import make_plan, run

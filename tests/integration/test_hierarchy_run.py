@@ -11,7 +11,7 @@ import pytest
 
 from helpers import HIERARCHY_LEVELS as LEVELS
 from helpers import hierarchical_job
-from shardwise.manymodel.data.table import load_series
+from shardwise.manymodel.data.long_table import load_series
 from shardwise.manymodel.evaluation.intervals import METADATA_KEY
 from shardwise.manymodel.hierarchy.levels import incoherence
 from shardwise.manymodel.run.runner import run

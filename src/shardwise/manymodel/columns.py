@@ -1,5 +1,5 @@
 """The names every many-models table shares, and the job's columns: a leaf, so that reading the
-data (data/table.py), computing features (features/) and aggregating a hierarchy
+data (data/long_table.py), computing features (features/) and aggregating a hierarchy
 (hierarchy/levels.py) all use them without importing one another back."""
 
 from __future__ import annotations

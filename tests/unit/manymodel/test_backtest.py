@@ -12,7 +12,7 @@ from shardwise.common.errors import ConfigError
 from shardwise.common.job_files import validate_as
 from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.data.table import SeriesTable, load_series
+from shardwise.manymodel.data.long_table import SeriesTable, load_series
 from shardwise.manymodel.evaluation.backtest import _metrics
 from shardwise.manymodel.evaluation.selection import select
 from shardwise.manymodel.features.spec import FeatureSpec, polars_features

@@ -12,7 +12,7 @@ from helpers import HIERARCHY_LEVELS as LEVELS
 from helpers import hierarchical_job
 from shardwise.common.errors import ConfigError
 from shardwise.manymodel.columns import FUTURE, SERIES, Columns
-from shardwise.manymodel.data.table import load_series
+from shardwise.manymodel.data.long_table import load_series
 from shardwise.manymodel.hierarchy.levels import incoherence, reconcile, unique_ids
 
 

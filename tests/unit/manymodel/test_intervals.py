@@ -16,7 +16,7 @@ from polars.testing import assert_frame_equal
 from shardwise.common.job_files import validate_as
 from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.data.table import load_series
+from shardwise.manymodel.data.long_table import load_series
 from shardwise.manymodel.evaluation.intervals import METADATA_KEY, calibrate, needed
 from shardwise.manymodel.features.spec import FeatureSpec, polars_features
 from shardwise.manymodel.run.chunk import run_chunk

@@ -10,7 +10,7 @@ import pytest
 from shardwise.common.errors import ConfigError
 from shardwise.common.job_files import validate_as
 from shardwise.manymodel.config import ManyModelsConfig, check
-from shardwise.manymodel.data.table import load_series
+from shardwise.manymodel.data.long_table import load_series
 from shardwise.manymodel.features.spec import FeatureSpec, polars_features
 from shardwise.manymodel.models.transforms import TARGET, TargetTransform
 from shardwise.manymodel.run.chunk import run_chunk

@@ -24,7 +24,7 @@ from rich.table import Table
 
 from shardwise.manymodel.columns import FUTURE, SERIES, Columns
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.data.table import SeriesTable
+from shardwise.manymodel.data.long_table import SeriesTable
 from shardwise.manymodel.evaluation.backtest import failure_message
 from shardwise.manymodel.evaluation.intervals import Calibration, calibrate, describe
 from shardwise.manymodel.hierarchy.levels import FROM_ERRORS, incoherence, reconcile, unique_ids

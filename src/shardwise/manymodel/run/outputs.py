@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 from shardwise.common.errors import ConfigError
 from shardwise.manymodel.columns import FUTURE, SERIES
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.data.table import SeriesTable
+from shardwise.manymodel.data.long_table import SeriesTable
 from shardwise.manymodel.evaluation.intervals import Calibration, bound_names, calibrate
 from shardwise.manymodel.evaluation.selection import Selection, forecasts, select
 

@@ -13,7 +13,7 @@ import numpy as np
 import polars as pl
 
 from shardwise.manymodel.columns import FUTURE, SERIES
-from shardwise.manymodel.data.table import SeriesTable
+from shardwise.manymodel.data.long_table import SeriesTable
 from shardwise.manymodel.run.chunk_result import ENSEMBLE, SELECTED
 
 

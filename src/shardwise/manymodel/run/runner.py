@@ -34,7 +34,7 @@ from shardwise.manymodel.config import (
     model_label,
     model_scale,
 )
-from shardwise.manymodel.data.table import SeriesTable, load_series
+from shardwise.manymodel.data.long_table import SeriesTable, load_series
 from shardwise.manymodel.evaluation.backtest import Plan
 from shardwise.manymodel.features.feature_files import FeatureChunks, write_features
 from shardwise.manymodel.features.spec import FeatureSpec

@@ -15,7 +15,7 @@ from rich.table import Table
 from shardwise.common.job_files import flatten
 from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.manymodel.data.table import SeriesTable
+from shardwise.manymodel.data.long_table import SeriesTable
 from shardwise.manymodel.evaluation.intervals import Calibration, Level, describe
 from shardwise.manymodel.evaluation.selection import STRATEGIES, Selection
 from shardwise.manymodel.run.chunk_result import ENSEMBLE, SELECTED

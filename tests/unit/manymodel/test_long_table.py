@@ -15,7 +15,7 @@ from shardwise.common.errors import ConfigError
 from shardwise.common.job_files import validate_as
 from shardwise.manymodel.columns import FUTURE, SERIES
 from shardwise.manymodel.config import ManyModelsConfig, check
-from shardwise.manymodel.data.table import load_series
+from shardwise.manymodel.data.long_table import load_series
 
 
 def config(source, **sections) -> ManyModelsConfig:
