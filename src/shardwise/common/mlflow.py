@@ -4,8 +4,7 @@ The training process only puts records on a queue (a background feeder thread wr
 pipe). A child process, at lower CPU priority, imports MLflow, opens the store (an embedded SQLite
 file in the run directory by default, or a server), creates or reopens the run, and sends metrics
 in batches. It is a process rather than a thread because MLflow's work is Python (SQLAlchemy,
-request handling) that would otherwise hold the trainer's GIL: as a thread it slowed a 2-rank run
-of the digits example by a quarter while it opened its store, and by several percent after.
+request handling) that would otherwise hold the trainer's GIL and slow its steps.
 
 The child also samples the machine (CPU and memory, and GPU utilisation and memory where NVIDIA's
 management library sees a GPU) as MLflow's system metrics (`system/…`) every
@@ -41,10 +40,9 @@ from shardwise.common.spawned import without_main_module
 _FLUSH_SECONDS = 1.0
 _BATCH_LIMIT = 1000  # MLflow's log_batch accepts at most 1000 metrics per call
 _CLOSE_TIMEOUT = 120.0
-# The lowest priority: when the trainer's ranks keep every core busy, CFS gives a nice-19 process
-# about 1.5% of a core, so MLflow's start-up (importing it, creating the store: ~3 s of CPU) and
-# its batches happen in the time the ranks leave idle. At nice 10 (~10% of a core) its start-up
-# still cost a 2-rank GPT run 5% of its throughput (bench/ddp_overhead.py).
+# The lowest priority: when the trainer's ranks keep every core busy, MLflow's start-up (importing
+# it, opening the store: seconds of CPU) and its batches happen in the time the ranks leave idle.
+# A higher one still costs the ranks throughput (bench/ddp_overhead.py measures it).
 _NICENESS = 19
 
 

@@ -1,8 +1,7 @@
 """The many-models progress line's ETA: the time left, from the time the tasks spent on their
 rows. It must not count what the remaining chunks will not wait for: Ray's start and its workers'
 (outside the tasks), and each worker's warm-up inside its first task (importing the models'
-libraries, compiling statsforecast's numba kernels: about 10 s of a 24 s first chunk, against
-12-17 s for each later one, on us_employment with the statistical models)."""
+libraries, compiling statsforecast's numba kernels), which can be most of a first chunk's time."""
 
 from __future__ import annotations
 

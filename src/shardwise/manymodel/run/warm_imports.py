@@ -69,5 +69,5 @@ _SERVER_IMPORTS = [name for name in os.environ.pop(WARM_ENV, "").split(",") if n
 if _SERVER_IMPORTS:  # in the fork server (its workers inherit its environment, not this list)
     warm(_SERVER_IMPORTS)
     # What it imported lives as long as the workers: frozen, their garbage collections never
-    # walk it (200,000 objects with statsforecast: 2.7% of a task's time) nor copy its pages.
+    # walk it (statsforecast's hundreds of thousands of objects) nor copy its pages.
     gc.freeze()

@@ -313,9 +313,8 @@ class TrackingSection(Section):
     time into compute, communication and data, with each step's operators, kernels, waits for
     the device and shardwise's own phases; then count the host's reads of tensor values over
     as many steps again (profile/rank<r>.json, trainer/profile.py). Those steps are left out of
-    the throughput. On a GPU every step after the window was slower: 33-36 ms against 23-25
-    without one for the 86M GPT on an H100 (torch 2.11, docs/benchmarks.md); set 0 there for
-    speed."""
+    the throughput. On a GPU the steps after the window ran slower than without one
+    (docs/benchmarks.md); set 0 there for speed."""
     profile_steps: int = Field(2, gt=0)
     """Steps the profiler window records, from profile_step on; as many steps again then count
     the host's reads of tensor values (not under `train.compile`)."""

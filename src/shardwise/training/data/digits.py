@@ -47,8 +47,8 @@ def build_digits(
 
 def _digits_table() -> np.ndarray:
     """The 1,797 × 65 table (64 pixels, then the label) that scikit-learn ships as a CSV. It is read
-    directly because importing scikit-learn costs about 2 s per rank, more than the training run
-    of the example; `load_digits` is the fallback should the file ever move."""
+    directly because importing scikit-learn would cost every rank more than the example's training
+    run; `load_digits` is the fallback should the file ever move."""
     spec = importlib.util.find_spec("sklearn")
     if spec and spec.submodule_search_locations:
         path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
