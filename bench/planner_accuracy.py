@@ -164,7 +164,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="layout names to run (default all)")
     args = parser.parse_args()
     from shardwise.plan.calibrate import calibrate
-    from shardwise.plan.plan_command import summary_of
+    from shardwise.plan.plan_report import summary_of
 
     hardware = calibrate(progress=lambda line: print(line, flush=True))
     print(f"profile: {summary_of(hardware)}\n", flush=True)

@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
             help="backtest, select and forecast a model per series, thousands at once",
         )
     )
-    from shardwise.plan.plan_command import add_arguments as plan_arguments
+    from shardwise.plan.plan_arguments import add_arguments as plan_arguments
 
     plan_arguments(
         commands.add_parser(

@@ -35,7 +35,7 @@ import shardwise
 from helpers import digits_job
 from shardwise.cli import build_parser, main
 from shardwise.manymodel.config import ManyModelsConfig
-from shardwise.plan.plan_command import NUMBERS
+from shardwise.plan.plan_arguments import NUMBERS
 from shardwise.training.checkpoint.disk_layout import MANIFEST
 from shardwise.training.config.schema import JobConfig
 

@@ -10,7 +10,7 @@ import pytest
 
 from shardwise.cli import main
 from shardwise.plan.job import plan_job
-from shardwise.plan.plan_command import CHOICES, NUMBERS
+from shardwise.plan.plan_arguments import CHOICES, NUMBERS
 from shardwise.training.config.load import load_config
 
 SHAPE = ["--model", "gpt", "--layers", "32", "--hidden", "4096", "--heads", "32"]
