@@ -12,6 +12,13 @@
   never stopped, in every mode (compression residuals, PowerSGD's Q, each rank's own parameters
   and optimizer state under local SGD and DiLoCo, DiLoCo's outer state are all checkpointed).
 
+By module of comm/: hierarchical.py `test_an_uncompressed_hierarchical_reduction_is_ddp`;
+local_sgd.py `test_local_sgd_every_step_is_ddp_…`, `test_diloco_with_outer_lr_1_…`;
+powersgd.py `test_powersgd_at_full_rank_…`; compression.py `test_bf16_sends_half_…`,
+`test_fsdp_reduces_in_bf16_when_asked`; param_server.py `test_async_…`,
+`test_an_async_run_replays_…`; every mode (choose.py, base.py) `test_a_killed_rank_resumes_…`,
+`test_every_mode_runs_across_two_machines`; collectives.py in test_collectives.py.
+
 Tolerances: as tests/distributed/test_ddp.py (losses 1e-5 relative, parameters 1e-5 absolute);
 DiLoCo against local SGD adds one rounding per synchronisation (g − (g − mean) for mean).
 """
