@@ -168,3 +168,32 @@ def test_every_commands_help_prints(command, capsys):
     assert done.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith(f"usage: shardwise {command}") and "--debug" in out
+
+
+def test_the_command_ends_as_the_interpreter_would_less_its_teardown(tmp_path):
+    """`exit_without_teardown` (how the console script ends): non-daemon threads finish, exit
+    handlers run, buffered output is written, and the exit code is the command's; only the
+    interpreter's freeing of every object is skipped."""
+    import subprocess
+    import sys
+
+    script = f"""
+import atexit, threading, time
+from pathlib import Path
+from shardwise.cli import exit_without_teardown
+here = Path({str(tmp_path)!r})
+atexit.register(lambda: (here / "handler").write_text("ran"))
+def late():
+    time.sleep(0.3)
+    (here / "thread").write_text("finished")
+threading.Thread(target=late).start()
+print("buffered, never flushed by hand", end="")
+exit_without_teardown(3)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 3, done.stderr
+    assert done.stdout == "buffered, never flushed by hand"
+    assert (tmp_path / "handler").read_text() == "ran"
+    assert (tmp_path / "thread").read_text() == "finished"

@@ -10,6 +10,7 @@ the driver's.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import importlib
@@ -71,3 +72,6 @@ if _SERVER_IMPORTS:  # in the fork server (its workers inherit its environment, 
     # What it imported lives as long as the workers: frozen, their garbage collections never
     # walk it (statsforecast's hundreds of thousands of objects) nor copy its pages.
     gc.freeze()
+    # The server ends once the job's process has (multiprocessing's alive pipe closes): without
+    # freeing all that one object at a time, which kept the job's output open after it ended.
+    atexit.register(os._exit, 0)
