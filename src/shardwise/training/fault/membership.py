@@ -1,0 +1,82 @@
+"""Membership of a job's data-parallel replicas by generation: the groundwork of live recovery
+(issue 59, being built; nothing in a run uses it yet).
+
+A coordinator (the process that supervises the replicas) owns a TCPStore. It publishes each
+generation, a number and the slots of the replicas that belong to it, with `publish`; every
+replica reads the newest with `current` and builds that generation's process group with `group`:
+a gloo group of its own on a `PrefixStore` of the generation, its ranks in slot order. torch 2.13
+cannot shrink a gloo group: a new membership is a new group (a few hundredths of a second for a
+few ranks). When a replica dies, its peers' collectives on the old group fail at once; each
+waits for the coordinator's next generation (`newer`) and goes on in it. A replica whose slot is
+not in the newest generation has been replaced: `group` raises `Fenced`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+from torch.distributed import PrefixStore, ProcessGroupGloo, Store  # type: ignore[attr-defined]
+
+GENERATION_KEY = "sw/generation"
+
+
+class Fenced(RuntimeError):
+    """This replica's slot is not in the newest generation: another took its place."""
+
+
+@dataclass(frozen=True)
+class Generation:
+    number: int
+    slots: tuple[int, ...]
+    """The live replicas' slots, in rank order."""
+
+    def rank_of(self, slot: int) -> int:
+        if slot not in self.slots:
+            raise Fenced(f"slot {slot} is not in generation {self.number} {list(self.slots)}")
+        return self.slots.index(slot)
+
+
+def publish(store: Store, number: int, slots: list[int] | tuple[int, ...]) -> Generation:
+    """The coordinator's: generation `number` with the replicas `slots` (its slots first, then
+    its number, so that a replica that sees the number finds the slots)."""
+    ordered = tuple(sorted(slots))
+    store.set(_slots_key(number), json.dumps(list(ordered)))
+    store.set(GENERATION_KEY, str(number))
+    return Generation(number, ordered)
+
+
+def current(store: Store, timeout_s: float) -> Generation:
+    """The newest generation, waiting up to `timeout_s` for the first."""
+    store.wait([GENERATION_KEY], timedelta(seconds=timeout_s))
+    number = int(store.get(GENERATION_KEY))
+    return Generation(number, tuple(json.loads(store.get(_slots_key(number)))))
+
+
+def newer(store: Store, than: int, timeout_s: float) -> Generation:
+    """The newest generation once there is one after `than`, waiting up to `timeout_s`."""
+    store.wait([_slots_key(than + 1)], timedelta(seconds=timeout_s))
+    deadline = time.monotonic() + timeout_s
+    while (found := current(store, timeout_s)).number <= than:  # its number comes next
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"generation {than + 1} has slots but was never published")
+        time.sleep(0.001)
+    return found
+
+
+def group(store: Store, generation: Generation, slot: int, timeout_s: float) -> ProcessGroupGloo:
+    """This replica's gloo group in `generation` (`Fenced` where its slot is not in it);
+    collectives on it fail after `timeout_s` where a peer neither answers nor dies."""
+    prefix = PrefixStore(f"sw/g{generation.number}/group/", store)
+    return ProcessGroupGloo(
+        prefix,
+        generation.rank_of(slot),
+        len(generation.slots),
+        timedelta(seconds=timeout_s),
+    )
+
+
+def _slots_key(number: int) -> str:
+    return f"sw/g{number}/slots"
