@@ -77,3 +77,30 @@ def test_statistical_models_cannot_be_differenced_or_global(tmp_path):
     raw = {"models": {"names": ["ridge"], "global": {"rigde": True}}}
     with pytest.raises(ConfigError, match=r"models\.global\.rigde names no model; did you mean"):
         check(validate_as(ManyModelsConfig, raw))
+
+
+@pytest.mark.parametrize("anchor", ["", "lag_12"])
+def test_a_window_in_the_models_units_is_what_polars_expressions_make(anchor):
+    """`_to_model` builds its columns one by one (a window is a few rows, and polars' query
+    engine cost more than the work); it must equal the expressions it stands for: the target
+    and level features shifted and scaled, spread features scaled, the rest as they were, and
+    with an anchor every level column but the anchor less the (scaled) anchor."""
+    rng = np.random.default_rng(0)
+    frame = pl.DataFrame({
+        "unique_id": [3] * 9, "y": rng.normal(50, 5, 9), "lag_12": rng.normal(50, 5, 9),
+        "roll_mean": rng.normal(50, 5, 9), "roll_std": rng.uniform(1, 2, 9),
+        "month": pl.Series(range(9), dtype=pl.Int32), "count": pl.Series(range(9)),
+    })  # fmt: skip
+    level = ("lag_12", "roll_mean", "count")
+    transform = TargetTransform("standard", anchor=anchor, level=level, spread=("roll_std",))
+    loc, scale = 48.0, 4.5
+    moved = ["y", *level]
+    shifted = ((pl.col(c) - loc) / scale for c in moved)
+    want = frame.with_columns(*shifted, pl.col("roll_std") / scale)
+    if anchor:
+        want = want.with_columns(pl.col(c) - pl.col(anchor) for c in moved if c != anchor)
+    got = transform._to_model(frame, loc, scale)
+    assert got.columns == frame.columns and got.schema == want.schema
+    assert got.equals(want)
+    without_target = transform._to_model(frame.drop("y"), loc, scale)
+    assert without_target.equals(want.drop("y"))

@@ -53,16 +53,16 @@ class TargetTransform:
         return train, rows, lambda values: (values + anchor) * scale + loc
 
     def _to_model(self, frame: pl.DataFrame, loc: float, scale: float) -> pl.DataFrame:
-        level = [c for c in (TARGET, *self.level) if c in frame.columns]
-        frame = frame.with_columns(
-            *((pl.col(c) - loc) / scale for c in level),
-            *(pl.col(c) / scale for c in self.spread),
-        )
-        if not self.anchor:
-            return frame
-        # the anchor itself stays: its level tells a model where in its range the series is
-        moved = [c for c in level if c != self.anchor]
-        return frame.with_columns(pl.col(c) - pl.col(self.anchor) for c in moved)
+        # column by column, not through polars' query engine: a window of one series is a few
+        # rows, and this runs for every window of every model of every series
+        columns = {column.name: column for column in frame.get_columns()}
+        level = [c for c in (TARGET, *self.level) if c in columns]
+        changed = {c: (columns[c] - loc) / scale for c in level}
+        changed |= {c: columns[c] / scale for c in self.spread if c in columns}
+        if self.anchor:  # the anchor itself stays: its level says where in its range a series is
+            anchor = changed.get(self.anchor, columns[self.anchor])
+            changed |= {c: changed[c] - anchor for c in level if c != self.anchor}
+        return pl.DataFrame([changed.get(name, column) for name, column in columns.items()])
 
 
 def scaling(y: np.ndarray, how: str) -> tuple[float, float]:
