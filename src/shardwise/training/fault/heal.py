@@ -16,7 +16,8 @@ import json
 from typing import Any
 
 import torch
-from torch.distributed import ProcessGroup
+
+from shardwise.training.fault.membership import Collectives
 
 _MATCH, _MISMATCH = 1, 0
 
@@ -26,7 +27,7 @@ class HealError(RuntimeError):
 
 
 def send_state(
-    pg: ProcessGroup, to_rank: int, tensors: dict[str, torch.Tensor], extra: dict[str, Any]
+    pg: Collectives, to_rank: int, tensors: dict[str, torch.Tensor], extra: dict[str, Any]
 ) -> int:
     """Send `tensors` and the JSON-able `extra` to `to_rank` (which calls `receive_state`);
     the bytes of tensors sent."""
@@ -50,9 +51,7 @@ def send_state(
     return sent
 
 
-def receive_state(
-    pg: ProcessGroup, from_rank: int, into: dict[str, torch.Tensor]
-) -> dict[str, Any]:
+def receive_state(pg: Collectives, from_rank: int, into: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Receive `from_rank`'s state (`send_state`) into the tensors `into`, in place; its
     JSON-able state beside them."""
     size = torch.zeros(1, dtype=torch.int64)

@@ -17,10 +17,22 @@ import json
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any, Protocol, cast
 
+import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, Store  # type: ignore[attr-defined]
 
 GENERATION_KEY = "sw/generation"
+
+
+class Collectives(Protocol):
+    """What live recovery calls on a generation's gloo group (torch's stubs do not type it)."""
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> Any: ...
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any: ...
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any: ...
 
 
 class Fenced(RuntimeError):
@@ -32,6 +44,8 @@ class Generation:
     number: int
     slots: tuple[int, ...]
     """The live replicas' slots, in rank order."""
+    joined: tuple[int, ...] = ()
+    """Slots new in this generation: replacements that heal from a member before its first step."""
 
     def rank_of(self, slot: int) -> int:
         if slot not in self.slots:
@@ -39,20 +53,27 @@ class Generation:
         return self.slots.index(slot)
 
 
-def publish(store: Store, number: int, slots: list[int] | tuple[int, ...]) -> Generation:
-    """The coordinator's: generation `number` with the replicas `slots` (its slots first, then
-    its number, so that a replica that sees the number finds the slots)."""
-    ordered = tuple(sorted(slots))
-    store.set(_slots_key(number), json.dumps(list(ordered)))
+def publish(
+    store: Store,
+    number: int,
+    slots: list[int] | tuple[int, ...] | set[int],
+    joined: tuple[int, ...] = (),
+) -> Generation:
+    """The coordinator's: generation `number` with the replicas `slots`, of which `joined` are
+    new (its slots first, then its number, so that a replica that sees the number finds them)."""
+    generation = Generation(number, tuple(sorted(slots)), tuple(sorted(joined)))
+    described = {"slots": list(generation.slots), "joined": list(generation.joined)}
+    store.set(_slots_key(number), json.dumps(described))
     store.set(GENERATION_KEY, str(number))
-    return Generation(number, ordered)
+    return generation
 
 
 def current(store: Store, timeout_s: float) -> Generation:
     """The newest generation, waiting up to `timeout_s` for the first."""
     store.wait([GENERATION_KEY], timedelta(seconds=timeout_s))
     number = int(store.get(GENERATION_KEY))
-    return Generation(number, tuple(json.loads(store.get(_slots_key(number)))))
+    described = json.loads(store.get(_slots_key(number)))
+    return Generation(number, tuple(described["slots"]), tuple(described["joined"]))
 
 
 def newer(store: Store, than: int, timeout_s: float) -> Generation:
@@ -66,16 +87,19 @@ def newer(store: Store, than: int, timeout_s: float) -> Generation:
     return found
 
 
-def group(store: Store, generation: Generation, slot: int, timeout_s: float) -> ProcessGroupGloo:
+def group(store: Store, generation: Generation, slot: int, timeout_s: float) -> Collectives:
     """This replica's gloo group in `generation` (`Fenced` where its slot is not in it);
     collectives on it fail after `timeout_s` where a peer neither answers nor dies."""
     prefix = PrefixStore(f"sw/g{generation.number}/group/", store)
-    return ProcessGroupGloo(
-        prefix,
-        generation.rank_of(slot),
-        len(generation.slots),
-        timedelta(seconds=timeout_s),
+    made = ProcessGroupGloo(
+        prefix, generation.rank_of(slot), len(generation.slots), timedelta(seconds=timeout_s)
     )
+    return cast(Collectives, made)
+
+
+def published(store: Store) -> int:
+    """The newest generation's number (-1 before the first): one read of the store."""
+    return int(store.get(GENERATION_KEY)) if store.check([GENERATION_KEY]) else -1
 
 
 def _slots_key(number: int) -> str:

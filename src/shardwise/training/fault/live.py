@@ -1,0 +1,111 @@
+"""A replica's side of live recovery, on membership.py's generations and heal.py's transfer
+(issue 59, being built; no run uses it yet). The coordinator's side, which starts and replaces
+replicas and publishes the generations, is launch/live_supervisor.py.
+
+`LiveGroup` is a replica's process group across generations. `allreduce` sums a tensor over the
+generation's members and carries one more value: whether a member has seen a newer generation
+published, so that every member moves to it at the same step boundary (`boundary`) without a round
+trip of its own. A collective that fails (a member died) is `recover`ed from: the next generation,
+the step done again. Where a generation admits replacements, the lowest member that is not new sends
+them its state before the next step (`heal.send_state`), so they start from the survivors' state."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+from shardwise.training.fault.heal import receive_state, send_state
+from shardwise.training.fault.membership import (
+    Generation,
+    current,
+    group,
+    newer,
+    published,
+)
+
+State = Callable[[], tuple[dict[str, torch.Tensor], dict[str, Any]]]
+"""A replica's state as heal.py sends it: its tensors (received into in place) and its JSON."""
+
+
+def join_key(slot: int) -> str:
+    """Where a replacement of `slot` says it is ready: its incarnation."""
+    return f"sw/join/{slot}"
+
+
+class LiveGroup:
+    """A replica's process group across generations (module docstring)."""
+
+    def __init__(self, endpoint: str, slot: int, incarnation: int, timeout_s: float) -> None:
+        """`endpoint`: the coordinator's store, HOST:PORT; `incarnation` 0 for the replicas a
+        job starts with, then 1, 2, … for each replacement of the slot (it must `join`)."""
+        host, _, port = endpoint.rpartition(":")
+        timeout = timedelta(seconds=timeout_s)
+        self.store = TCPStore(host, int(port), is_master=False, timeout=timeout)
+        self.slot = slot
+        self.incarnation = incarnation
+        self.timeout_s = timeout_s
+        self.generation = current(self.store, timeout_s) if incarnation == 0 else None
+        self.pg = group(self.store, self.generation, slot, timeout_s) if self.generation else None
+        self._switch = False
+
+    def join(self, state: State) -> dict[str, Any]:
+        """A replacement's start: say it is ready, wait for the generation that admits it, and
+        receive a member's state into `state`'s tensors; that state's JSON."""
+        self.store.set(join_key(self.slot), str(self.incarnation))
+        seen = -1
+        while True:
+            generation = newer(self.store, seen, self.timeout_s)
+            if self.slot in generation.joined:
+                return self._move(generation, state)
+            seen = generation.number
+
+    def allreduce(self, tensor: torch.Tensor) -> bool:
+        """Sum `tensor` over the members, in place. False where a member died: `recover`, then
+        do the step again."""
+        assert self.generation is not None, "join first"
+        assert self.pg is not None
+        seen = 1.0 if published(self.store) > self.generation.number else 0.0
+        buffer = torch.cat([tensor.detach().flatten(), torch.tensor([seen], dtype=tensor.dtype)])
+        try:
+            self.pg.allreduce([buffer]).wait()
+        except RuntimeError:
+            return False
+        tensor.copy_(buffer[:-1].view_as(tensor))
+        self._switch = bool(buffer[-1] > 0)
+        return True
+
+    def boundary(self, state: State) -> dict[str, Any] | None:
+        """Between two steps: where a member saw a newer generation, every member moves to the
+        newest now (healing its replacements); the JSON a replacement was sent, else None."""
+        if not self._switch:
+            return None
+        self._switch = False
+        return self._move(current(self.store, self.timeout_s), state)
+
+    def recover(self, state: State) -> None:
+        """After a failed collective: the next generation (healing its replacements)."""
+        assert self.generation is not None
+        self._move(newer(self.store, self.generation.number, self.timeout_s), state)
+
+    @property
+    def size(self) -> int:
+        assert self.generation is not None
+        return len(self.generation.slots)
+
+    def _move(self, generation: Generation, state: State) -> dict[str, Any]:
+        self.generation = generation
+        self.pg = group(self.store, generation, self.slot, self.timeout_s)
+        if not generation.joined:
+            return {}
+        source = min(s for s in generation.slots if s not in generation.joined)
+        tensors, extra = state()
+        if self.slot == source:
+            for slot in generation.joined:
+                send_state(self.pg, generation.rank_of(slot), tensors, extra)
+        elif self.slot in generation.joined:
+            return receive_state(self.pg, generation.rank_of(source), tensors)
+        return {}
