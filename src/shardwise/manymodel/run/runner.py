@@ -1,5 +1,5 @@
 """`shardwise many-models`: read the series, compute features, then backtest, select and forecast
-every series in chunks, on worker processes of this machine or on Ray (local_tasks.choose),
+every series in chunks, on worker processes of this machine or on Ray (placement.choose),
 persisting each chunk's results as it finishes.
 
 Main flow (`run`): `load_series` → `feature_files.write_features` (chunks of whole series, on disk

@@ -70,7 +70,7 @@ def run_worker(
         except Exception as e:
             # This rank's own error on record (torch elastic's error file) before its group goes:
             # leaving the group is what fails the other ranks' collectives, and the launcher
-            # names the rank whose error is not such an echo (local.py's _first_failure).
+            # names the rank whose error is not such an echo (agent.py's _first_failure).
             if not after_a_peer(str(e)):
                 get_error_handler().record_exception(e)
             raise

@@ -59,7 +59,7 @@ RUNTIME_ONLY = (
 """Variables (or prefixes) that nothing reads at import: shardwise's own (`SHARDWISE_FAULT`, the
 launcher's pid), which a rank reads as it runs; torch elastic's, which its agent reads and sets
 (it sets `TORCHELASTIC_SIGNALS_TO_HANDLE` in the launcher at its first launch); those the
-launcher sets for its ranks' rendezvous and collectives (local.py, stores.py), read when they
+launcher sets for its ranks' rendezvous and collectives (agent.py, stores.py), read when they
 meet; and pytest's name of the running test. A change of these reaches the ranks without
 starting the server again."""
 
