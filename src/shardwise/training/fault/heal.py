@@ -31,11 +31,7 @@ def send_state(
 ) -> int:
     """Send `tensors` and the JSON-able `extra` to `to_rank` (which calls `receive_state`);
     the bytes of tensors sent."""
-    described = {
-        "tensors": [[name, str(t.dtype).removeprefix("torch."), list(t.shape)]
-                    for name, t in tensors.items()],
-        "extra": extra,
-    }  # fmt: skip
+    described = {"tensors": _described(tensors), "extra": extra}
     encoded = torch.frombuffer(bytearray(json.dumps(described).encode()), dtype=torch.uint8)
     pg.send([torch.tensor([encoded.numel()], dtype=torch.int64)], to_rank, 0).wait()
     pg.send([encoded], to_rank, 1).wait()
@@ -59,7 +55,7 @@ def receive_state(pg: Collectives, from_rank: int, into: dict[str, torch.Tensor]
     encoded = torch.empty(int(size.item()), dtype=torch.uint8)
     pg.recv([encoded], from_rank, 1).wait()
     described = json.loads(bytes(encoded.numpy()).decode())
-    mine = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in into.items()]
+    mine = _described(into)
     match = described["tensors"] == mine
     pg.send([torch.tensor([_MATCH if match else _MISMATCH])], from_rank, 2).wait()
     if not match:
@@ -76,6 +72,13 @@ def receive_state(pg: Collectives, from_rank: int, into: dict[str, torch.Tensor]
             pg.recv([staged], from_rank, tag).wait()
             target.data.copy_(staged)
     return dict(described["extra"])
+
+
+def _described(tensors: dict[str, torch.Tensor]) -> list[list[Any]]:
+    """Each tensor's name, dtype and shape, as JSON carries them (both sides compare these)."""
+    return [
+        [name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in tensors.items()
+    ]
 
 
 def state_of(

@@ -102,10 +102,10 @@ class LiveGroup:
         if not generation.joined:
             return {}
         source = min(s for s in generation.slots if s not in generation.joined)
-        tensors, extra = state()
         if self.slot == source:
+            tensors, extra = state()
             for slot in generation.joined:
                 send_state(self.pg, generation.rank_of(slot), tensors, extra)
         elif self.slot in generation.joined:
-            return receive_state(self.pg, generation.rank_of(source), tensors)
+            return receive_state(self.pg, generation.rank_of(source), state()[0])
         return {}

@@ -98,8 +98,9 @@ def group(store: Store, generation: Generation, slot: int, timeout_s: float) -> 
 
 
 def published(store: Store) -> int:
-    """The newest generation's number (-1 before the first): one read of the store."""
-    return int(store.get(GENERATION_KEY)) if store.check([GENERATION_KEY]) else -1
+    """The newest generation's number, once there is one: one read of the store (a member asks
+    at every step)."""
+    return int(store.get(GENERATION_KEY))
 
 
 def _slots_key(number: int) -> str:

@@ -38,9 +38,9 @@ def supervise(
         LOOPBACK, 0, world_size=None, timeout=timedelta(seconds=timeout_s), multi_tenant=False
     )
     context = multiprocessing.get_context("spawn")
+    endpoint = f"{LOOPBACK}:{store.port}"
 
     def start(slot: int, incarnation: int) -> Any:
-        endpoint = f"{LOOPBACK}:{store.port}"
         process = context.Process(target=target, args=(slot, incarnation, endpoint, *args))
         process.start()
         return process
