@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardwise.common.console import warn
+from shardwise.common.errors import ConfigError
 from shardwise.common.job_files import apply_override
 from shardwise.training import job_names
 from shardwise.training.checkpoint.export import check_weights
@@ -28,6 +29,7 @@ from shardwise.training.config.schema import JobConfig
 from shardwise.training.launch.agent import Nodes, launch
 from shardwise.training.launch.env import WorkerEnv, detect
 from shardwise.training.launch.forkserver import discard_unused_server, start_method
+from shardwise.training.launch.live_launch import check_live, launch_live
 from shardwise.training.launch.outcome import Interrupted, WorkerFailed, outcome
 from shardwise.training.launch.stores import LOOPBACK
 from shardwise.training.launch.worker import check_devices, run_worker
@@ -66,6 +68,12 @@ def train(
                 stacklevel=2,
             )
         check_job(config, worker.world_size, worker.local_world_size)
+        if config.fault.mode == "live":
+            raise ConfigError(
+                "fault.mode = 'live' runs under shardwise's own supervisor, not "
+                f"{worker.launcher}: start the job with `shardwise train --nproc N`, or set "
+                "fault.mode = 'restart'"
+            )
         # Every rank runs this; the ranks decide where to start together, once joined.
         return publish(
             config, run_worker(config.model_dump(mode="json"), resume, dry_run, decided=False)
@@ -75,7 +83,21 @@ def train(
     # have started a runtime that a fork breaks (launch/forkserver/).
     start_method()
     per_node = nproc or 1
-    checkpoint = _checked_here(config, per_node, nodes, None if dry_run else resume)
+    live = config.fault.mode == "live" and not dry_run
+    if live:
+        check_live(config, per_node, nodes=nodes is not None)
+        if per_node == 1:
+            warn(
+                "fault.mode = 'live' needs two replicas or more (--nproc): one process restarts "
+                "as fault.mode = 'restart' does",
+                stacklevel=2,
+            )
+            live = False
+    # a live replica is a world of its own; its share of each step is not a fixed divisor
+    checked = 1 if live else per_node
+    checkpoint = _checked_here(config, checked, nodes, None if dry_run else resume)
+    if live:
+        return publish(config, launch_live(config, per_node, checkpoint))
     store_host = LOOPBACK if nodes is None else ""
     args = (config.model_dump(mode="json"), checkpoint, dry_run, True, store_host)
     started = time.time()

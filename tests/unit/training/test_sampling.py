@@ -1,7 +1,8 @@
+import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from shardwise.training.data.sampling import GlobalBatchSampler, StepLoader, eval_loader
+from shardwise.training.data.sampling import GlobalBatchSampler, StepLoader, chunk, eval_loader
 
 
 def sampler(rank=0, size=1, n=100, batch=16, seed=0):
@@ -90,3 +91,41 @@ def test_eval_split_covers_everything_exactly_once():
     assert sorted(seen) == list(range(37))
     capped = eval_loader(data, dp_rank=0, dp_size=1, batch=5, max_samples=12)
     assert sum(len(b[0]) for b in capped) == 12
+
+
+@pytest.mark.parametrize(("total", "ranks"), [(64, 3), (64, 4), (7, 3), (5, 5), (100, 7)])
+def test_chunks_cover_the_batch_once_and_differ_by_at_most_one(total, ranks):
+    """Live recovery's replicas split a step's samples whatever their number: contiguous, in
+    rank order, none twice, sizes within one; where the number divides the batch, the equal
+    slices data parallelism always read."""
+    spans = [chunk(total, r, ranks) for r in range(ranks)]
+    assert spans[0][0] == 0 and spans[-1][1] == total
+    assert all(spans[i][1] == spans[i + 1][0] for i in range(ranks - 1))
+    sizes = [end - first for first, end in spans]
+    assert max(sizes) - min(sizes) <= 1
+    if total % ranks == 0:
+        assert spans == [(r * total // ranks, (r + 1) * total // ranks) for r in range(ranks)]
+
+
+def test_a_loader_moved_to_another_share_reads_the_steps_samples_split_anew():
+    """Three replicas read a step of 10 as 3, 3 and 4 samples; after one is lost, the two left
+    read the next step as 5 and 5; together always the step's samples, once each."""
+    data = TensorDataset(torch.arange(40).float(), torch.arange(40))
+    loaders = [
+        StepLoader(
+            data,
+            GlobalBatchSampler(40, global_batch=10, dp_rank=r, dp_size=3, seed=0),
+            micro_batch=2,
+            num_workers=0,
+        )
+        for r in range(3)
+    ]
+    first = [torch.cat([mb[1] for mb in loader.next_step()]) for loader in loaders]
+    assert [len(t) for t in first] == [3, 3, 4]
+    assert sorted(torch.cat(first).tolist()) == sorted(set(torch.cat(first).tolist()))
+    for rank, loader in enumerate(loaders[:2]):
+        loader.place(rank, 2)
+    second = [torch.cat([mb[1] for mb in loader.next_step()]) for loader in loaders[:2]]
+    assert [len(t) for t in second] == [5, 5]
+    both = torch.cat(first + second).tolist()
+    assert len(set(both)) == 20  # two steps, no sample twice

@@ -338,9 +338,16 @@ class FaultSection(Section):
     """A rank that makes no progress for this long (a hung collective, a stalled rank): every
     rank writes where it is, and the run ends naming the stuck ranks (or restarts, with
     max_restarts)."""
+    mode: Literal["restart", "live"] = "restart"
+    """What a dead worker costs. `restart`: the whole worker group restarts (up to
+    max_restarts times) and resumes from the newest complete checkpoint. `live` (data
+    parallelism alone, on one machine): the other replicas never stop; they do the step again
+    without it, a replacement is started and heals from a live replica's memory, and joins
+    (docs/fault-tolerance.md, "Live recovery")."""
     max_restarts: int = Field(0, ge=0)
     """When a worker dies (any signal or exception), restart the whole worker group up to this
-    many times; every rank resumes from the newest complete checkpoint."""
+    many times; every rank resumes from the newest complete checkpoint. In `mode = "live"`: the
+    replacements started, in all."""
     check_interval_s: float = Field(2.0, ge=0)
     """How often (in seconds of training, rounded to whole steps) the ranks compare notes: a
     SIGTERM received, per-rank step times for straggler detection."""

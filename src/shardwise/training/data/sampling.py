@@ -1,8 +1,10 @@
 """Which samples each data-parallel rank reads at each step, and the loaders that fetch them.
 
 Sharding rule. Each epoch is a permutation of the training set drawn from (seed, epoch). A step
-takes the next `global_batch` indices of that permutation; data-parallel rank r reads the r-th
-contiguous slice of them and splits it into micro-batches. So the ranks of one step read disjoint
+takes the next `global_batch` indices of that permutation; data-parallel rank r of n reads the
+r-th of n contiguous slices of them (equal, or, where n does not divide the batch, as live
+recovery's replicas read it, differing by at most one sample: `chunk`) and splits it into
+micro-batches. So the ranks of one step read disjoint
 samples, one epoch of steps reads each sample at most once, and the order does not depend on the
 number of ranks: a run on 1 process with 4 micro-batches reads exactly what 4 ranks read.
 
@@ -57,7 +59,6 @@ class GlobalBatchSampler:
         self, num_samples: int, *, global_batch: int, dp_rank: int, dp_size: int, seed: int
     ) -> None:
         enough(num_samples, global_batch, "the training set")
-        assert global_batch % dp_size == 0, "derive() guarantees global_batch divides by dp"
         self.num_samples = num_samples
         self.global_batch = global_batch
         self.dp_rank = dp_rank
@@ -79,15 +80,27 @@ class GlobalBatchSampler:
 
     def epoch_plan(self) -> list[list[int]]:
         """This rank's indices for each remaining step of the current epoch."""
-        per_rank = self.global_batch // self.dp_size
+        first, end = chunk(self.global_batch, self.dp_rank, self.dp_size)
         perm = self.permutation(self.epoch)
         plan = []
         for start in range(
             self.offset, self.num_samples - self.global_batch + 1, self.global_batch
         ):
-            mine = start + self.dp_rank * per_rank
-            plan.append(perm[mine : mine + per_rank].tolist())
+            plan.append(perm[start + first : start + end].tolist())
         return plan
+
+    @property
+    def per_rank(self) -> int:
+        """The samples this rank reads each step."""
+        first, end = chunk(self.global_batch, self.dp_rank, self.dp_size)
+        return end - first
+
+    def place(self, dp_rank: int, dp_size: int) -> bool:
+        """Read as rank `dp_rank` of `dp_size` from the next step on (live recovery's
+        membership changed); whether that is a change."""
+        moved = (dp_rank, dp_size) != (self.dp_rank, self.dp_size)
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        return moved
 
     def advance(self) -> None:
         """Mark one step as consumed."""
@@ -102,6 +115,12 @@ class GlobalBatchSampler:
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
         if self.offset + self.global_batch > self.num_samples:  # the global batch changed
             self.epoch, self.offset = self.epoch + 1, 0
+
+
+def chunk(total: int, rank: int, ranks: int) -> tuple[int, int]:
+    """Rank `rank` of `ranks`'s slice [first, end) of `total` samples: contiguous slices in rank
+    order whose sizes differ by at most one (equal where `ranks` divides `total`)."""
+    return total * rank // ranks, total * (rank + 1) // ranks
 
 
 class StepLoader:
@@ -133,8 +152,8 @@ class StepLoader:
     def next_step(self) -> list[Batch]:
         if self._micro is None:
             self._micro = iter(self._epoch_loader())
-        per_rank = self.sampler.global_batch // self.sampler.dp_size
-        batches = [next(self._micro) for _ in range(per_rank // self.micro_batch)]
+        count = -(-self.sampler.per_rank // self.micro_batch)  # the last may be smaller
+        batches = [next(self._micro) for _ in range(count)]
         epoch = self.sampler.epoch
         self.sampler.advance()
         if self.sampler.epoch != epoch:
@@ -162,6 +181,11 @@ class StepLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sampler.load_state_dict(state)
         self._micro = None
+
+    def place(self, dp_rank: int, dp_size: int) -> None:
+        """Read as data-parallel rank `dp_rank` of `dp_size` from the next step on."""
+        if self.sampler.place(dp_rank, dp_size):
+            self._micro = None
 
     def close(self) -> None:
         self._micro = None  # the epoch's DataLoader, and its worker processes

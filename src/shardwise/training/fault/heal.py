@@ -13,6 +13,7 @@ bitwise equal to the sender. Checkpoints are data (checkpoint/safe.py); so is a 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,14 +48,27 @@ def send_state(
     return sent
 
 
-def receive_state(pg: Collectives, from_rank: int, into: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Receive `from_rank`'s state (`send_state`) into the tensors `into`, in place; its
-    JSON-able state beside them."""
+Allocate = Callable[[str, torch.dtype, list[int]], "torch.Tensor | None"]
+"""Makes the receiver's tensor `name` where it has none yet (an optimizer's state, which exists
+only once a step was taken), or returns None: it should have had one."""
+
+
+def receive_state(
+    pg: Collectives,
+    from_rank: int,
+    into: dict[str, torch.Tensor],
+    allocate: Allocate | None = None,
+) -> dict[str, Any]:
+    """Receive `from_rank`'s state (`send_state`) into the tensors `into`, in place (and into
+    those `allocate` makes for names the sender has and `into` lacks); its JSON-able state
+    beside them."""
     size = torch.zeros(1, dtype=torch.int64)
     pg.recv([size], from_rank, 0).wait()
     encoded = torch.empty(int(size.item()), dtype=torch.uint8)
     pg.recv([encoded], from_rank, 1).wait()
     described = json.loads(bytes(encoded.numpy()).decode())
+    if allocate is not None:
+        into = _with_allocated(into, described["tensors"], allocate)
     mine = _described(into)
     match = described["tensors"] == mine
     pg.send([torch.tensor([_MATCH if match else _MISMATCH])], from_rank, 2).wait()
@@ -72,6 +86,22 @@ def receive_state(pg: Collectives, from_rank: int, into: dict[str, torch.Tensor]
             pg.recv([staged], from_rank, tag).wait()
             target.data.copy_(staged)
     return dict(described["extra"])
+
+
+def _with_allocated(
+    into: dict[str, torch.Tensor], described: list[list[Any]], allocate: Allocate
+) -> dict[str, torch.Tensor]:
+    """`into` in the sender's order, with what `allocate` makes for the names it lacks (what
+    stays missing, or is extra, shows as a mismatch)."""
+    ordered: dict[str, torch.Tensor] = {}
+    for name, dtype, shape in described:
+        found = into.get(name)
+        if found is None:
+            found = allocate(name, getattr(torch, dtype), shape)
+        if found is not None:
+            ordered[name] = found
+    ordered.update({name: t for name, t in into.items() if name not in ordered})
+    return ordered
 
 
 def _described(tensors: dict[str, torch.Tensor]) -> list[list[Any]]:

@@ -11,15 +11,18 @@ them its state before the next step (`heal.send_state`), so they start from the 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-from shardwise.training.fault.heal import receive_state, send_state
+from shardwise.training.fault.heal import Allocate, receive_state, send_state
 from shardwise.training.fault.membership import (
+    Collectives,
     Generation,
     current,
     group,
@@ -36,6 +39,21 @@ def join_key(slot: int) -> str:
     return f"sw/join/{slot}"
 
 
+@dataclass(frozen=True)
+class Heal:
+    """A heal this replica sent: to whom, from which slot, the bytes and the seconds it took."""
+
+    to: tuple[int, ...]
+    source: int
+    bytes: int
+    seconds: float
+
+
+def healed_key(slot: int) -> str:
+    """Where a replacement of `slot` says it has healed and trains: its incarnation."""
+    return f"sw/healed/{slot}"
+
+
 class LiveGroup:
     """A replica's process group across generations (module docstring)."""
 
@@ -49,18 +67,25 @@ class LiveGroup:
         self.incarnation = incarnation
         self.timeout_s = timeout_s
         self.generation = current(self.store, timeout_s) if incarnation == 0 else None
-        self.pg = group(self.store, self.generation, slot, timeout_s) if self.generation else None
+        self.pg: Collectives | None = (
+            group(self.store, self.generation, slot, timeout_s) if self.generation else None
+        )
         self._switch = False
+        self.healed: Heal | None = None
+        """The last heal this replica sent (live_replica.py reports it, then clears it)."""
 
-    def join(self, state: State) -> dict[str, Any]:
+    def join(self, state: State, allocate: Allocate | None = None) -> dict[str, Any]:
         """A replacement's start: say it is ready, wait for the generation that admits it, and
-        receive a member's state into `state`'s tensors; that state's JSON."""
+        receive a member's state into `state`'s tensors (and those `allocate` makes:
+        heal.receive_state); that state's JSON."""
         self.store.set(join_key(self.slot), str(self.incarnation))
         seen = -1
         while True:
             generation = newer(self.store, seen, self.timeout_s)
             if self.slot in generation.joined:
-                return self._move(generation, state)
+                extra = self._move(generation, state, allocate)
+                self.store.set(healed_key(self.slot), str(self.incarnation))
+                return extra
             seen = generation.number
 
     def allreduce(self, tensor: torch.Tensor) -> bool:
@@ -89,6 +114,9 @@ class LiveGroup:
     def recover(self, state: State) -> None:
         """After a failed collective: the next generation (healing its replacements)."""
         assert self.generation is not None
+        # This replica's end of the broken group closed now: a peer still waiting on it inside
+        # the same collective fails at once too, rather than at gloo's timeout.
+        self.pg = None
         self._move(newer(self.store, self.generation.number, self.timeout_s), state)
 
     @property
@@ -96,16 +124,27 @@ class LiveGroup:
         assert self.generation is not None
         return len(self.generation.slots)
 
-    def _move(self, generation: Generation, state: State) -> dict[str, Any]:
+    @property
+    def rank(self) -> int:
+        """This replica's rank in its generation (0: the lowest live slot)."""
+        assert self.generation is not None
+        return self.generation.rank_of(self.slot)
+
+    def _move(
+        self, generation: Generation, state: State, allocate: Allocate | None = None
+    ) -> dict[str, Any]:
         self.generation = generation
         self.pg = group(self.store, generation, self.slot, self.timeout_s)
         if not generation.joined:
             return {}
         source = min(s for s in generation.slots if s not in generation.joined)
         if self.slot == source:
+            began = time.perf_counter()
             tensors, extra = state()
+            sent = 0
             for slot in generation.joined:
-                send_state(self.pg, generation.rank_of(slot), tensors, extra)
+                sent += send_state(self.pg, generation.rank_of(slot), tensors, extra)
+            self.healed = Heal(generation.joined, source, sent, time.perf_counter() - began)
         elif self.slot in generation.joined:
-            return receive_state(self.pg, generation.rank_of(source), state()[0])
+            return receive_state(self.pg, generation.rank_of(source), state()[0], allocate)
         return {}

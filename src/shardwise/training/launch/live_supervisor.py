@@ -17,9 +17,17 @@ from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Any
 
-from shardwise.training.fault.live import join_key
+from shardwise.training.fault.live import healed_key, join_key
 from shardwise.training.fault.membership import Generation, publish
 from shardwise.training.launch.stores import LOOPBACK, host_store
+
+
+class ReplicaFailed(RuntimeError):
+    """A replica died with no restart left (`fault.max_restarts`), or failed on its own error."""
+
+    def __init__(self, slot: int, exitcode: int, why: str) -> None:
+        super().__init__(why)
+        self.slot, self.exitcode = slot, exitcode
 
 
 def supervise(
@@ -37,40 +45,98 @@ def supervise(
     store = host_store(
         LOOPBACK, 0, world_size=None, timeout=timedelta(seconds=timeout_s), multi_tenant=False
     )
-    context = multiprocessing.get_context("spawn")
-    endpoint = f"{LOOPBACK}:{store.port}"
-
-    def start(slot: int, incarnation: int) -> Any:
-        process = context.Process(target=target, args=(slot, incarnation, endpoint, *args))
-        process.start()
-        return process
-
-    running = {slot: start(slot, 0) for slot in range(count)}
-    incarnations = dict.fromkeys(running, 0)
-    members = set(running)
-    generations = [publish(store, 0, members)]
+    replicas = _Replicas(store, target, args, restarts)
     try:
-        while running:
-            wait([p.sentinel for p in running.values()], timeout=0.02)
-            for slot, process in list(running.items()):
-                if process.exitcode is None:
-                    continue
-                del running[slot]
-                if process.exitcode == 0:
-                    continue
-                if sum(incarnations.values()) >= restarts:
-                    raise RuntimeError(f"replica {slot} exited {process.exitcode}, no restart left")
-                members.discard(slot)
-                generations.append(publish(store, len(generations), members))
-                incarnations[slot] += 1
-                running[slot] = start(slot, incarnations[slot])
-            for slot in set(running) - members:  # replacements not yet admitted
-                key = join_key(slot)
-                if store.check([key]) and int(store.get(key)) == incarnations[slot]:
-                    members.add(slot)
-                    generations.append(publish(store, len(generations), members, (slot,)))
+        replicas.start(count)
+        while replicas.running:
+            wait([p.sentinel for p in replicas.running.values()], timeout=0.02)
+            replicas.reap()
+            if replicas.finished:  # a replacement still healing would wait for ended members
+                replicas.stop_unhealed()
+            else:
+                replicas.admit()
     finally:
-        for process in running.values():
+        replicas.kill()
+    return replicas.generations
+
+
+class _Replicas:
+    """The replica processes by slot, their incarnations, and the generations published."""
+
+    def __init__(
+        self, store: Any, target: Callable[..., None], args: tuple[Any, ...], restarts: int
+    ) -> None:
+        self.store, self.target, self.args, self.restarts = store, target, args, restarts
+        self.context = multiprocessing.get_context("spawn")
+        self.endpoint = f"{LOOPBACK}:{store.port}"
+        self.running: dict[int, Any] = {}
+        self.incarnations: dict[int, int] = {}
+        self.members: set[int] = set()
+        self.generations: list[Generation] = []
+        self.finished = False
+        """A replica ended its last step: its members end with it, nothing more is admitted."""
+
+    def start(self, count: int) -> None:
+        for slot in range(count):
+            self._spawn(slot, 0)
+        self.members = set(self.running)
+        self.generations.append(publish(self.store, 0, self.members))
+
+    def reap(self) -> None:
+        """Replicas that ended: done, or dead and replaced (dropped from a new generation)."""
+        for slot, process in list(self.running.items()):
+            if process.exitcode is None:
+                continue
+            del self.running[slot]
+            if process.exitcode == 0:
+                self.finished = True
+                continue
+            if sum(self.incarnations.values()) >= self.restarts:
+                raise ReplicaFailed(
+                    slot,
+                    process.exitcode,
+                    f"replica {slot} exited with code {process.exitcode} and no restart is left "
+                    f"({self.restarts} in all: fault.max_restarts)",
+                )
+            self.members.discard(slot)
+            self._publish()
+            self._spawn(slot, self.incarnations[slot] + 1)
+
+    def admit(self) -> None:
+        """Replacements that said they are ready, each in a generation of its own."""
+        for slot in set(self.running) - self.members:
+            key = join_key(slot)
+            if self.store.check([key]) and int(self.store.get(key)) == self.incarnations[slot]:
+                self.members.add(slot)
+                self._publish(joined=(slot,))
+
+    def stop_unhealed(self) -> None:
+        for slot in [s for s in self.running if not self._healed(s)]:
+            process = self.running.pop(slot)
             process.kill()
             process.join()
-    return generations
+
+    def kill(self) -> None:
+        for process in self.running.values():
+            process.kill()
+            process.join()
+
+    def _spawn(self, slot: int, incarnation: int) -> None:
+        process = self.context.Process(
+            target=self.target, args=(slot, incarnation, self.endpoint, *self.args)
+        )
+        process.start()
+        self.running[slot], self.incarnations[slot] = process, incarnation
+
+    def _publish(self, joined: tuple[int, ...] = ()) -> None:
+        number = len(self.generations)
+        self.generations.append(publish(self.store, number, self.members, joined))
+
+    def _healed(self, slot: int) -> bool:
+        """Whether the replica of `slot` trains: one the job started with, or a replacement
+        that has healed."""
+        incarnation = self.incarnations[slot]
+        key = healed_key(slot)
+        return incarnation == 0 or (
+            self.store.check([key]) and int(self.store.get(key)) == incarnation
+        )

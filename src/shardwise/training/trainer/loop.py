@@ -21,6 +21,8 @@ from shardwise.training.checkpoint.disk_layout import name_of
 from shardwise.training.config.schema import JobConfig
 from shardwise.training.fault.health import RankHealth
 from shardwise.training.fault.inject import FaultPlan
+from shardwise.training.fault.live import LiveGroup
+from shardwise.training.fault.live_replica import LiveReplica, Parts, StepAgain
 from shardwise.training.fault.watchdog import Watchdog
 from shardwise.training.parallel import compilation
 from shardwise.training.trainer import display, flops
@@ -47,13 +49,15 @@ def train(
     resume: str | None,
     restarts: int = 0,
     node: int = 0,
+    live: LiveGroup | None = None,
 ) -> TrainSummary:
     """Train to `train.steps`, resuming from the checkpoint at `resume` if given; `restarts`
     counts the times the launcher restarted the workers after a failure (reported); `node` is
-    the index of the machine this rank runs on. Returns this rank's summary (rank 0's is the
-    run's: the one it writes). The loop calls `train_step` itself, so the path from the
+    the index of the machine this rank runs on; `live`: this process is a replica of live
+    recovery (fault/live_replica.py), in that group. Returns this rank's summary (rank 0's is
+    the run's: the one it writes). The loop calls `train_step` itself, so the path from the
     launcher to `loss.backward()` stays short."""
-    with _session(config, device, resume, restarts=restarts, node=node) as loop:
+    with _session(config, device, resume, restarts=restarts, node=node, live=live) as loop:
         _begin(loop)
         profiler = StepProfiler(
             config.run_dir,
@@ -70,7 +74,10 @@ def train(
                 reporting = _reporting(config, step) or step <= loop.start + 2
                 with profiler.step(step, reporting=reporting):
                     batch, fetched = _next_batch(loop.run, step)
-                    stepped = train_step(loop.run, batch, step=step)
+                    try:
+                        stepped = train_step(loop.run, batch, step=step)
+                    except StepAgain:  # live recovery: a replica died inside the step
+                        stepped, fetched = _step_again(loop.run, step)
                     _account(loop, step, (began, fetched), stepped)
                     if profiler.wants(step):  # profiled: not in the throughput
                         loop.untime(time.perf_counter() - began)
@@ -143,15 +150,30 @@ class Loop:
 
 @contextmanager
 def _session(
-    config: JobConfig, device: torch.device, resume: str | None, *, restarts: int, node: int
+    config: JobConfig,
+    device: torch.device,
+    resume: str | None,
+    *,
+    restarts: int,
+    node: int,
+    live: LiveGroup | None,
 ) -> Iterator[Loop]:
-    """Build and restore the run, start its reporting and guards; afterwards write the summary
-    and the run report (rank 0), and close everything whether the run finished or failed."""
+    """Build and restore the run (a live replacement: heal it from a replica), start its
+    reporting and guards; afterwards write the summary and the run report (rank 0), and close
+    everything whether the run finished or failed."""
     baseline = current_bytes(device)
     run = build_run(config, device, node=node, resume=resume)
+    if live is not None:
+        run.rank, restarts = live.slot, live.incarnation  # its faults fire in incarnation 0
+        run.live = replica(run, live)
     run.faults = FaultPlan.from_env(rank=run.rank, attempt=restarts)
-    start = restore(run, resume) if resume else 0
-    reporter = display.start(run, start, resumed=resume is not None)
+    healed = run.live is not None and live is not None and live.incarnation > 0
+    if healed:
+        assert run.live is not None
+        start = run.live.join()
+    else:
+        start = restore(run, resume) if resume else 0
+    reporter = display.start(run, start, resumed=resume is not None or healed)
     if restarts:
         display.restarted(reporter, restarts, start)
     watchdog = Watchdog(config.run_dir / "hangs", rank=run.rank, timeout_s=config.fault.timeout_s)
@@ -217,8 +239,38 @@ def _nothing_left(loop: Loop) -> None:
         loop.metrics.update(evaluate(loop.run))
 
 
+def replica(run: Run, group: LiveGroup) -> LiveReplica:
+    """This process's replica of live recovery, over the run's parts."""
+    parts = Parts(
+        modules=run.parts,
+        optimizers=run.optimizers,
+        schedulers=run.schedulers,
+        scaler=run.scaler,
+        loader=run.loader,
+        parameters=run.parameters,
+        traffic=run.sync.traffic,
+    )
+    return LiveReplica(group, parts, run.derived.global_batch)
+
+
+def _step_again(run: Run, step: int) -> tuple[Stepped, float]:
+    """The step done again from its start, as many times as a live replica's membership
+    changes inside it (fault/live_replica.py): what it returned, and its batch's fetch time."""
+    while True:
+        for optimizer in run.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        batch, fetched = _next_batch(run, step)
+        try:
+            return train_step(run, batch, step=step), fetched
+        except StepAgain:
+            continue
+
+
 def _next_batch(run: Run, step: int) -> tuple[Any, float]:
-    """The step's batch (after any injected fault) and the seconds it took to fetch."""
+    """The step's batch (after any injected fault) and the seconds it took to fetch; in live
+    recovery, where the step starts (its data position, what a replacement starts from)."""
+    if run.live is not None:
+        run.live.begin(step)
     began = time.perf_counter()
     run.faults.before_step(step)
     with data_range():
@@ -281,8 +333,12 @@ def _after_step(loop: Loop, step: int) -> bool:
     steps = run.config.train.steps
     if _due(step, run.config.checkpoint.every_steps, steps) or stop:
         _checkpoint(loop, step)
-    if _due(step, run.config.eval.every_steps, steps) and run.eval_data is not None:
+    evaluates = run.live is None or run.rank == 0  # live: the reporting replica evaluates
+    if _due(step, run.config.eval.every_steps, steps) and run.eval_data is not None and evaluates:
         _evaluate(loop, step)
+    if run.live is not None:
+        run.live.boundary(step)
+        _live_events(loop, step)
     loop.watchdog.finished(step)
     run.faults.after_step(step)
     if stop:
@@ -291,6 +347,15 @@ def _after_step(loop: Loop, step: int) -> bool:
             "--resume auto continues exactly"
         )
     return stop
+
+
+def _live_events(loop: Loop, step: int) -> None:
+    """What live recovery did since the last step: said, and recorded at this step."""
+    assert loop.run.live is not None
+    for line, metrics in loop.run.live.drain():
+        if line:
+            loop.reporter.say(line)
+        loop.reporter.record(metrics, step)
 
 
 def _end(loop: Loop, preempted_at: int | None) -> TrainSummary:
@@ -399,6 +464,8 @@ def _impossible_mfu(loop: Loop, step: int, stats: dict[str, float]) -> None:
 def _checkpoint(loop: Loop, step: int) -> None:
     """Save the step; a failed save stops the run only under checkpoint.fail_on_save_error."""
     run = loop.run
+    if run.live is not None and not run.live.saves:  # the lowest live replica saves
+        return
     loop.watchdog.beat()
     began = time.perf_counter()
     try:

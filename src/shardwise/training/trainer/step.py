@@ -28,6 +28,7 @@ from shardwise.training.config.derive import Derived
 from shardwise.training.config.schema import JobConfig
 from shardwise.training.data.sampling import Loader
 from shardwise.training.fault.inject import FaultPlan
+from shardwise.training.fault.live_replica import LiveReplica
 from shardwise.training.parallel.apply import Layout
 from shardwise.training.parallel.compilation import ForwardLoss, eager
 from shardwise.training.parallel.pipeline import pipeline_forward
@@ -73,6 +74,9 @@ class Run:
     """Lines for the start of the run (what `train.precision = "auto"` chose, and why)."""
     inputs: list[dict[str, Any]] = field(default_factory=list)
     """The streamed tables the run reads, as recorded in MLflow (`Tracker.log_input`)."""
+    live: LiveReplica | None = None
+    """In live recovery (`fault.mode = "live"`), this process's replica: it sums the replicas'
+    gradients (fault/live_replica.py); None otherwise."""
     _params: list[nn.Parameter] | None = field(default=None, init=False, repr=False)
     _norm_plan: NormPlan | None = field(default=None, init=False, repr=False)
 
@@ -124,13 +128,17 @@ def train_step(run: Run, micro_batches: list[Any], *, step: int = 0) -> Stepped:
         else:  # forward and backward, one micro-batch at a time
             (model,) = run.parts
             count, losses = len(micro_batches), []
+            shares = _shares(micro_batches)
             for i, (inputs, target) in enumerate(micro_batches):
                 with run.sync.micro_batch(model, last=i == count - 1, step=step):
-                    loss, seconds = _loss(run, inputs, target, count)
+                    loss, seconds = _loss(run, inputs, target, shares[i] if shares else count)
                     forward_seconds += seconds
                     run.scaler.scale(loss).backward()
                 losses.append(loss.detach())
             loss = losses[0] if count == 1 else torch.stack(losses).sum()
+    if run.live is not None:  # the replicas' gradients summed (StepAgain: a replica died)
+        with phase("live_reduce"):
+            loss = run.live.reduce(loss, sum(len(mb[1]) for mb in micro_batches))
     if run.faults.faults:
         run.faults.corrupt_gradients(step, run.parameters())
     if run.scaler.is_enabled():
@@ -152,16 +160,28 @@ def train_step(run: Run, micro_batches: list[Any], *, step: int = 0) -> Stepped:
     return Stepped(loss, grad_norm, skip, forward_seconds)
 
 
-def _loss(run: Run, inputs: Any, target: Any, count: int) -> tuple[torch.Tensor, float]:
-    """One micro-batch's forward and loss, its share of the rank's mean, and the seconds the
-    forward took (the straggler check counts them)."""
+def _loss(run: Run, inputs: Any, target: Any, count: int | float) -> tuple[torch.Tensor, float]:
+    """One micro-batch's forward and loss, its share of the rank's mean (1/`count` of it for
+    one of `count` equal micro-batches; a float `count`: the micro-batch's share of the rank's
+    samples), and the seconds the forward took (the straggler check counts them)."""
     inputs, target = to_device(inputs, run.device), to_device(target, run.device)
     began = time.perf_counter()
     with autocast(run.config.train.precision, run.device):
         loss = run.forward_loss(inputs, target)
-        if count > 1:  # the mean over the rank's batch: each micro-batch's share
+        if isinstance(count, float):
+            loss = loss * count
+        elif count > 1:  # the mean over the rank's batch: each micro-batch's share
             loss = loss / count
     return loss, time.perf_counter() - began
+
+
+def _shares(micro_batches: list[Any]) -> list[float] | None:
+    """Each micro-batch's share of the rank's samples where they differ in size (a live
+    replica's last one may be smaller); None where they are equal (each 1/count)."""
+    sizes = [len(mb[1]) for mb in micro_batches]
+    if len(set(sizes)) <= 1:
+        return None
+    return [size / sum(sizes) for size in sizes]
 
 
 def _pipeline_forward_backward(run: Run, micro_batches: list[Any]) -> torch.Tensor:

@@ -1,0 +1,295 @@
+"""A training run's replica in live recovery (`fault.mode = "live"`): what the trainer calls in
+place of DDP to sum the replicas' gradients, and at the steps' boundaries to follow the
+membership (fault/live.py) and heal replacements.
+
+Each replica is a process of its own, the whole model on it (a world of one for everything
+else: checkpoints, evaluation). A step's samples are split over the live replicas, in chunks
+that differ by at most one (data/sampling.py), and `reduce` sums the gradients weighted by
+each replica's samples, with the loss and the sample count, in one all-reduce: the update is
+the one a single process makes on the whole batch.
+
+When a replica dies inside a step, the survivors' all-reduce fails at once; they take the next
+generation and do the step again (`StepAgain`) with its membership, from the same state and
+the same data position: no sample of the step is lost and none is read twice, and the run is
+the one that membership would have made. A replacement is admitted at a step boundary, or
+inside a step being done again; a member sends it the state as of the last committed step
+(parameters, buffers, optimizer state, schedules, scaler, step, data position), tensor by
+tensor, and both then compare a hash of what they hold.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.training.fault.heal import load_param_groups, state_of
+from shardwise.training.fault.live import LiveGroup
+
+
+class StepAgain(Exception):
+    """The membership changed inside the step: do it again, from its start, with the new one."""
+
+
+class StateDiverged(RuntimeError):
+    """Replicas that must hold the same state do not (their hashes differ)."""
+
+
+@dataclass
+class Parts:
+    """What a replica holds that a replacement must receive."""
+
+    modules: list[nn.Module]
+    optimizers: list[torch.optim.Optimizer]
+    schedulers: list[Any]
+    scaler: Any
+    loader: Any
+    """The run's `StepLoader`: its position, and where in each step it reads (`place`)."""
+    parameters: Callable[[], list[nn.Parameter]]
+    traffic: Any = None
+    """The run's `comm.base.Traffic`, which counts the bytes the all-reduce sends."""
+
+
+@dataclass
+class LiveReplica:
+    group: LiveGroup
+    parts: Parts
+    global_batch: int
+    step: int = 0
+    """The last committed step."""
+    position: dict[str, Any] = field(default_factory=dict)
+    """The data position at the start of the step in progress (what a replacement starts at)."""
+    events: list[tuple[str, dict[str, float]]] = field(default_factory=list)
+    """What happened since the loop last asked (`drain`): a line to say and metrics to record."""
+    _lost_at: float | None = None
+    _buffers: list[torch.Tensor] = field(default_factory=list)
+    """The buffers' values at the start of the step (a step done again starts from them)."""
+
+    def __post_init__(self) -> None:
+        self._place()
+
+    # the trainer's calls, in the order of a step
+
+    def begin(self, step: int) -> None:
+        """Step `step` starts: its data position is what a replacement admitted inside it
+        starts from."""
+        self.step = step - 1
+        self.position = dict(self.parts.loader.state_dict())
+        buffers = self._all_buffers()
+        if len(self._buffers) != len(buffers):
+            self._buffers = [b.detach().clone() for b in buffers]
+        else:
+            for saved, b in zip(self._buffers, buffers, strict=True):
+                saved.copy_(b)
+
+    def reduce(self, loss: torch.Tensor, samples: int) -> torch.Tensor:
+        """Sum the replicas' gradients, each weighted by its `samples`, into every replica's
+        `.grad` (divided by the step's samples: the whole batch's mean), and their floating
+        buffers likewise (a batch norm's running mean becomes the one the whole batch gives);
+        the batch's mean loss (`loss`: this replica's mean). `StepAgain` where a replica died
+        meanwhile."""
+        params = [p for p in self.parts.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        buffers = [b for b in self._all_buffers() if b.is_floating_point()]
+        pieces = [t.detach().flatten().float() for t in (*grads, *buffers)]
+        flat = torch.cat([*pieces, loss.detach().float().reshape(1)])
+        buffer = torch.cat([flat * samples, torch.tensor([float(samples)])])
+        if not self.group.allreduce(buffer):
+            self._recover()
+            raise StepAgain
+        if self.parts.traffic is not None:
+            nbytes = buffer.numel() * buffer.element_size()
+            self.parts.traffic.all_reduce(nbytes, self.group.size)
+            self.parts.traffic.uncompressed += 2 * (self.group.size - 1) / self.group.size * nbytes
+        total, offset = buffer[-1], 0
+        for p, g in zip(params, grads, strict=True):
+            piece = (buffer[offset : offset + g.numel()] / total).view_as(g).to(g.dtype)
+            if p.grad is None:
+                p.grad = piece
+            else:
+                p.grad.copy_(piece)
+            offset += g.numel()
+        for b in buffers:
+            b.copy_((buffer[offset : offset + b.numel()] / total).view_as(b))
+            offset += b.numel()
+        self._stepping_again_after_loss()
+        return (buffer[-2] / total).to(loss.dtype)
+
+    def _all_buffers(self) -> list[torch.Tensor]:
+        return [b for module in self.parts.modules for b in module.buffers()]
+
+    def boundary(self, step: int) -> None:
+        """Step `step` is committed: where a member saw a newer generation, every member moves
+        to it here (healing its replacements)."""
+        self.step = step
+        self.position = dict(self.parts.loader.state_dict())
+        before = self.group.generation
+        self.group.boundary(self._state)
+        if self.group.generation != before:
+            self._moved(step)
+
+    def join(self) -> int:
+        """A replacement's start: be admitted, receive a member's state; the step it continues
+        after."""
+        began = time.perf_counter()
+        extra = self.group.join(self._state, self._allocate)
+        self._load(extra)
+        self._place()
+        self._compare_hashes()
+        generation = self.group.generation
+        assert generation is not None
+        self.events.append(
+            (
+                f"replica {self.group.slot} (replacement {self.group.incarnation}) healed from "
+                f"replica {min(s for s in generation.slots if s not in generation.joined)} in "
+                f"{time.perf_counter() - began:.2f} s and continues after step {self.step} with "
+                f"{len(generation.slots)} replicas",
+                {"live/heal_received_s": time.perf_counter() - began},
+            )
+        )
+        return self.step
+
+    @property
+    def saves(self) -> bool:
+        """Whether this replica writes the run's checkpoints: the lowest live one."""
+        return self.group.rank == 0
+
+    def drain(self) -> list[tuple[str, dict[str, float]]]:
+        events, self.events = self.events, []
+        return events
+
+    # membership
+
+    def _recover(self) -> None:
+        """A collective failed: the next generation (healing its replacements); the step is
+        done again in it."""
+        self._lost_at = time.perf_counter()
+        for saved, b in zip(self._buffers, self._all_buffers(), strict=True):
+            b.copy_(saved)  # as the step found them (a replacement receives them so, too)
+        before = self.group.generation
+        self.group.recover(self._state)
+        after = self.group.generation
+        assert before is not None
+        assert after is not None
+        lost = sorted(set(before.slots) - set(after.slots))
+        self.events.append(
+            (
+                f"step {self.step + 1}: lost replica{'s' if len(lost) > 1 else ''} "
+                f"{', '.join(map(str, lost))}; {len(after.slots)} replicas do the step again "
+                f"(generation {after.number})",
+                {
+                    "live/replicas": float(len(after.slots)),
+                    "live/detected_s": time.perf_counter() - self._lost_at,
+                },
+            )
+        )
+        self._moved(self.step + 1)
+        self.parts.loader.load_state_dict(self.position)  # the step's samples, read again
+
+    def _stepping_again_after_loss(self) -> None:
+        if self._lost_at is not None:
+            self.events.append(("", {"live/stall_s": time.perf_counter() - self._lost_at}))
+            self._lost_at = None
+
+    def _moved(self, step: int) -> None:
+        """A new generation: read this replica's share of each step from now on; where a heal
+        was sent, say so and check it."""
+        self._place()
+        heal = self.group.healed
+        if heal is not None:
+            self.group.healed = None
+            self.events.append(
+                (
+                    f"step {step}: replica {self.group.slot} healed replica"
+                    f"{'s' if len(heal.to) > 1 else ''} {', '.join(map(str, heal.to))} "
+                    f"({heal.bytes / 2**20:.1f} MiB in {heal.seconds:.2f} s)",
+                    {
+                        "live/heal_bytes": float(heal.bytes),
+                        "live/heal_s": heal.seconds,
+                        "live/replicas": float(self.group.size),
+                    },
+                )
+            )
+        generation = self.group.generation
+        if generation is not None and generation.joined:
+            self._compare_hashes()
+
+    def _place(self) -> None:
+        if self.group.generation is not None:
+            self.parts.loader.place(self.group.rank, self.group.size)
+
+    # the state a replacement receives
+
+    def _state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        tensors: dict[str, torch.Tensor] = {}
+        groups = []
+        for index, (module, optimizer) in enumerate(
+            zip(self.parts.modules, self.parts.optimizers, strict=True)
+        ):
+            mine, extra = state_of(module, optimizer)
+            tensors.update({f"{index}/{name}": t for name, t in mine.items()})
+            groups.append(extra)
+        extra = {
+            "step": self.step,
+            "position": self.position,
+            "optimizers": groups,
+            "schedulers": [s.state_dict() for s in self.parts.schedulers],
+            "scaler": self.parts.scaler.state_dict(),
+        }
+        return tensors, extra
+
+    def _allocate(self, name: str, dtype: torch.dtype, shape: list[int]) -> torch.Tensor | None:
+        """An optimizer's state tensor the sender has and this replica, which has taken no
+        step, lacks: made where the optimizer would make it."""
+        index, kind, *rest = name.split("/")
+        if kind != "optimizer":
+            return None
+        optimizer = self.parts.optimizers[int(index)]
+        number, key = int(rest[0]), rest[1]
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        param = params[number]
+        group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
+        on_device = key != "step" or group.get("fused") or group.get("capturable")
+        made = torch.zeros(shape, dtype=dtype, device=param.device if on_device else "cpu")
+        optimizer.state[param][key] = made
+        return made
+
+    def _load(self, extra: dict[str, Any]) -> None:
+        for optimizer, groups in zip(self.parts.optimizers, extra["optimizers"], strict=True):
+            load_param_groups(optimizer, groups)
+        for scheduler, state in zip(self.parts.schedulers, extra["schedulers"], strict=True):
+            scheduler.load_state_dict(state)
+        if extra["scaler"]:
+            self.parts.scaler.load_state_dict(extra["scaler"])
+        self.step = int(extra["step"])
+        self.position = dict(extra["position"])
+        self.parts.loader.load_state_dict(self.position)
+
+    def _compare_hashes(self) -> None:
+        """After a heal, every member's hash of its state against the lowest member's: the
+        same, or `StateDiverged`."""
+        digest = torch.tensor(list(state_hash(self._state()[0])), dtype=torch.float64)
+        mine = torch.cat([digest, digest.square()])
+        summed = mine.clone()
+        if not self.group.allreduce(summed):
+            self._recover()
+            return
+        # every member's digest equal: the sums of the bytes and of their squares say so
+        if not torch.equal(summed, mine * self.group.size):
+            raise StateDiverged(
+                f"replica {self.group.slot}'s state differs from its peers' after a heal"
+            )
+
+
+def state_hash(tensors: dict[str, torch.Tensor]) -> bytes:
+    """A digest of the tensors' names and bytes, in order."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name, t in tensors.items():
+        digest.update(name.encode())
+        digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.digest()

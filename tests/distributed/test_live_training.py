@@ -1,0 +1,105 @@
+"""Live recovery in real training runs (`fault.mode = "live"`: fault/live_replica.py,
+launch/live_launch.py). Three replicas split a batch of 64 as 21, 21 and 22 and train what one
+process trains on the whole batch; a replica SIGKILLed after a step is not waited for: the two
+left do the next step again without it, a replacement heals from them and joins, and the run
+ends where one process ends. With batch norms (a ResNet), whose running statistics each
+replica updates from its own samples, the replicas' buffers are averaged with the gradients and
+a replacement heals to the same bytes (checked by hash)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardwise
+from helpers import digits_job, load_params, losses
+from shardwise.common.errors import ConfigError
+from shardwise.training.tracking.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+STEPS = 12
+# float sums in another order: the three replicas' shares of a gradient added by gloo, against
+# one process's sum over the whole batch
+TOLERANCE = {"rtol": 1e-4, "atol": 1e-6}
+
+
+def _job(run_dir, **sections):
+    base = {
+        # micro-batches of 8: a replica of 21 samples runs 8, 8 and 5, weighted by their share
+        "train": {
+            "steps": STEPS,
+            "global_batch": 64,
+            "micro_batch": 8,
+            "lr": 1e-2,
+            "warmup_steps": 2,
+        },
+        "checkpoint": {"every_steps": 4},
+    }
+    for name, values in sections.items():
+        base.setdefault(name, {}).update(values)
+    return digits_job(run_dir, **base)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("one")
+    summary = shardwise.train(_job(run_dir), nproc=1)
+    assert summary is not None and summary.checkpoint is not None
+    return losses(run_dir), load_params(summary.checkpoint)
+
+
+def _same(got_losses, got_params, want):
+    want_losses, want_params = want
+    assert sorted(got_losses) == list(range(1, STEPS + 1))  # every step once
+    for step in want_losses:
+        assert got_losses[step] == pytest.approx(want_losses[step], rel=1e-4), step
+    for name, value in want_params.items():
+        torch.testing.assert_close(got_params[name], value, **TOLERANCE, msg=name)
+
+
+def test_three_live_replicas_train_what_one_process_trains(tmp_path, one_process):
+    summary = shardwise.train(_job(tmp_path, fault={"mode": "live"}), nproc=3)
+    assert summary is not None and summary.checkpoint is not None
+    _same(losses(tmp_path), load_params(summary.checkpoint), one_process)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert any(r.get("comm/bytes_per_step", 0) > 0 for r in records)
+
+
+def test_a_killed_replica_is_not_waited_for_and_its_replacement_heals(
+    tmp_path, monkeypatch, one_process
+):
+    # replica 1 dies after step 3; replica 0 is slowed so that the replacement (a new process,
+    # seconds to start) joins while the run still has steps to go
+    monkeypatch.setenv("SHARDWISE_FAULT", "kill:rank=1:step=3,slow:rank=0:step=1:seconds=0.4")
+    config = _job(tmp_path, fault={"mode": "live", "max_restarts": 1, "timeout_s": 60})
+    summary = shardwise.train(config, nproc=3)
+    assert summary is not None and summary.checkpoint is not None
+    _same(losses(tmp_path), load_params(summary.checkpoint), one_process)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    lost = [r for r in records if "live/detected_s" in r]
+    assert [(r["step"], r["live/replicas"]) for r in lost] == [(4, 2.0)]
+    assert lost[0]["live/detected_s"] < 5.0
+    assert any("live/stall_s" in r for r in records)
+    healed = [r for r in records if "live/heal_bytes" in r]
+    assert len(healed) == 1 and healed[0]["live/replicas"] == 3.0
+    assert healed[0]["live/heal_bytes"] > 0
+    assert not (tmp_path / "hangs").exists()
+
+
+def test_batch_norms_heal_to_the_same_bytes(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDWISE_FAULT", "kill:rank=2:step=2,slow:rank=0:step=1:seconds=0.5")
+    resnet = {"name": "resnet", "args": {"depth": 18, "width": 4, "channels": 1}}
+    fault = {"mode": "live", "max_restarts": 1, "timeout_s": 60}
+    summary = shardwise.train(_job(tmp_path, model=resnet, fault=fault), nproc=3)
+    assert summary is not None and summary.checkpoint is not None
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["live/replicas"] for r in records if "live/heal_bytes" in r] == [3.0]
+    params = load_params(summary.checkpoint)
+    running = [v for k, v in params.items() if k.endswith("running_var")]
+    assert running and all(torch.isfinite(v).all() and (v > 0).all() for v in running)
+
+
+def test_live_mode_refuses_what_it_cannot_run(tmp_path):
+    config = _job(tmp_path, fault={"mode": "live"}, train={"sync": "local_sgd", "sync_every": 2})
+    with pytest.raises(ConfigError, match=r"fault\.mode = 'live' reduces gradients every step"):
+        shardwise.train(config, nproc=2)
