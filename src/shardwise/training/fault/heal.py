@@ -1,6 +1,6 @@
 """A replica's state sent to another over their process group, tensor by tensor, with no pickle:
-how a replacement replica heals from a live peer's memory (issue 59, being built; no run uses it
-yet).
+how a replacement replica heals from a live peer's memory in live recovery (`fault.mode =
+"live"`: fault/live_replica.py).
 
 The sender first sends a description as JSON (each tensor's name, dtype and shape, and any
 JSON-able state beside them: counters, the data position, the optimizer's hyperparameters).

@@ -1,6 +1,7 @@
 """A replica's side of live recovery, on membership.py's generations and heal.py's transfer
-(issue 59, being built; no run uses it yet). The coordinator's side, which starts and replaces
-replicas and publishes the generations, is launch/live_supervisor.py.
+(`fault.mode = "live"`; what the trainer calls is fault/live_replica.py). The coordinator's
+side, which starts and replaces replicas and publishes the generations, is
+launch/live_supervisor.py.
 
 `LiveGroup` is a replica's process group across generations. `allreduce` sums a tensor over the
 generation's members and carries one more value: whether a member has seen a newer generation

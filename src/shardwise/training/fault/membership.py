@@ -1,5 +1,5 @@
-"""Membership of a job's data-parallel replicas by generation: the groundwork of live recovery
-(issue 59, being built; nothing in a run uses it yet).
+"""Membership of a job's data-parallel replicas by generation: the ground of live recovery
+(`fault.mode = "live"`).
 
 A coordinator (the process that supervises the replicas) owns a TCPStore. It publishes each
 generation, a number and the slots of the replicas that belong to it, with `publish`; every

@@ -1,7 +1,7 @@
-"""The coordinator of live recovery (issue 59, being built; no run uses it yet): one process per
-data-parallel replica slot, started, watched and replaced from here, and the generations
-(fault/membership.py) they train in published in a store this process owns. A replica's side is
-fault/live.py.
+"""The coordinator of live recovery (`fault.mode = "live"`; launch/live_launch.py runs a job
+on it): one process per data-parallel replica slot, started, watched and replaced from here,
+and the generations (fault/membership.py) they train in published in a store this process
+owns. A replica's side is fault/live.py.
 
 When a replica dies, the next generation leaves it out (its peers' collective failed at once;
 they take that generation and do the step again); a replacement starts for its slot and, once
