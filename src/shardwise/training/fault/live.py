@@ -12,6 +12,8 @@ them its state before the next step (`heal.send_state`), so they start from the 
 
 from __future__ import annotations
 
+import atexit
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from shardwise.training.fault.heal import Allocate, receive_state, send_state
 from shardwise.training.fault.membership import (
+    GENERATION_KEY,
     Collectives,
     Generation,
     current,
@@ -50,6 +53,37 @@ class Heal:
     seconds: float
 
 
+class _Newest:
+    """The newest generation's number as the coordinator published it, read by a thread of its
+    own every `every` seconds: a step reads this number, not the store (a round trip of 0.1 ms
+    on loopback, every step)."""
+
+    def __init__(self, host: str, port: int, timeout: timedelta, every: float = 0.02) -> None:
+        self.number = -1
+        self._every = every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._poll, args=(host, port, timeout), name="shardwise-live", daemon=True
+        )
+        self._thread.start()
+        # stopped before the interpreter ends: a thread it killed inside a store call would
+        # abort the process (torch's client threads, destroyed while joinable)
+        atexit.register(self.close)
+
+    def _poll(self, host: str, port: int, timeout: timedelta) -> None:
+        store = TCPStore(host, port, is_master=False, timeout=timeout)
+        while not self._stop.wait(self._every):
+            try:
+                if store.check([GENERATION_KEY]):
+                    self.number = published(store)
+            except RuntimeError:  # the coordinator's store is gone: the job is ending
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def healed_key(slot: int) -> str:
     """Where a replacement of `slot` says it has healed and trains: its incarnation."""
     return f"sw/healed/{slot}"
@@ -72,6 +106,7 @@ class LiveGroup:
             group(self.store, self.generation, slot, timeout_s) if self.generation else None
         )
         self._switch = False
+        self._newest = _Newest(host, int(port), timeout)
         self.healed: Heal | None = None
         """The last heal this replica sent (live_replica.py reports it, then clears it)."""
 
@@ -92,17 +127,28 @@ class LiveGroup:
     def allreduce(self, tensor: torch.Tensor) -> bool:
         """Sum `tensor` over the members, in place. False where a member died: `recover`, then
         do the step again."""
+        buffer = torch.cat([tensor.detach().flatten(), tensor.new_zeros(1)])
+        if not self.allreduce_in_place(buffer):
+            return False
+        tensor.copy_(buffer[:-1].view_as(tensor))
+        return True
+
+    def allreduce_in_place(self, buffer: torch.Tensor) -> bool:
+        """`allreduce` of a flat `buffer` whose last element is this call's own (whether a
+        member has seen a newer generation); False where a member died, the buffer's values
+        then lost."""
         assert self.generation is not None, "join first"
         assert self.pg is not None
-        seen = 1.0 if published(self.store) > self.generation.number else 0.0
-        buffer = torch.cat([tensor.detach().flatten(), torch.tensor([seen], dtype=tensor.dtype)])
+        buffer[-1] = 1.0 if self._newest.number > self.generation.number else 0.0
         try:
             self.pg.allreduce([buffer]).wait()
         except RuntimeError:
             return False
-        tensor.copy_(buffer[:-1].view_as(tensor))
         self._switch = bool(buffer[-1] > 0)
         return True
+
+    def close(self) -> None:
+        self._newest.close()
 
     def boundary(self, state: State) -> dict[str, Any] | None:
         """Between two steps: where a member saw a newer generation, every member moves to the

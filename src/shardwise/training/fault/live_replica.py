@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.common.errors import ConfigError
 from shardwise.training.fault.heal import load_param_groups, state_of
 from shardwise.training.fault.live import LiveGroup
 
@@ -69,6 +70,12 @@ class LiveReplica:
     _lost_at: float | None = None
     _buffers: list[torch.Tensor] = field(default_factory=list)
     """The buffers' values at the start of the step (a step done again starts from them)."""
+    _flat: torch.Tensor | None = None
+    """What the all-reduce sends: the gradients (each parameter's `.grad` a view of it), the
+    floating buffers, the loss, the sample count and the flag (live.py)."""
+    _params: list[nn.Parameter] = field(default_factory=list)
+    _views: list[torch.Tensor] = field(default_factory=list)
+    _floating: list[torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._place()
@@ -80,6 +87,7 @@ class LiveReplica:
         starts from."""
         self.step = step - 1
         self.position = dict(self.parts.loader.state_dict())
+        self._bind_gradients()
         buffers = self._all_buffers()
         if len(self._buffers) != len(buffers):
             self._buffers = [b.detach().clone() for b in buffers]
@@ -93,32 +101,55 @@ class LiveReplica:
         buffers likewise (a batch norm's running mean becomes the one the whole batch gives);
         the batch's mean loss (`loss`: this replica's mean). `StepAgain` where a replica died
         meanwhile."""
-        params = [p for p in self.parts.parameters() if p.requires_grad]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        buffers = [b for b in self._all_buffers() if b.is_floating_point()]
-        pieces = [t.detach().flatten().float() for t in (*grads, *buffers)]
-        flat = torch.cat([*pieces, loss.detach().float().reshape(1)])
-        buffer = torch.cat([flat * samples, torch.tensor([float(samples)])])
-        if not self.group.allreduce(buffer):
+        flat = self._flat
+        assert flat is not None, "begin() binds the gradients"
+        for p, view in zip(self._params, self._views, strict=True):
+            if p.grad is not view:  # replaced by something other than the backward: copied in
+                view.copy_(p.grad if p.grad is not None else torch.zeros_like(view))
+                p.grad = view
+        offset = sum(v.numel() for v in self._views)
+        for b in self._floating:
+            flat[offset : offset + b.numel()].copy_(b.detach().flatten())
+            offset += b.numel()
+        flat[-3], flat[-2] = loss.detach(), 1.0
+        flat[:-1].mul_(samples)
+        if not self.group.allreduce_in_place(flat):
             self._recover()
             raise StepAgain
         if self.parts.traffic is not None:
-            nbytes = buffer.numel() * buffer.element_size()
+            nbytes = flat.numel() * flat.element_size()
             self.parts.traffic.all_reduce(nbytes, self.group.size)
             self.parts.traffic.uncompressed += 2 * (self.group.size - 1) / self.group.size * nbytes
-        total, offset = buffer[-1], 0
-        for p, g in zip(params, grads, strict=True):
-            piece = (buffer[offset : offset + g.numel()] / total).view_as(g).to(g.dtype)
-            if p.grad is None:
-                p.grad = piece
-            else:
-                p.grad.copy_(piece)
-            offset += g.numel()
-        for b in buffers:
-            b.copy_((buffer[offset : offset + b.numel()] / total).view_as(b))
+        flat[:-2].div_(flat[-2].clone())
+        offset = sum(v.numel() for v in self._views)
+        for b in self._floating:
+            b.copy_(flat[offset : offset + b.numel()].view_as(b))
             offset += b.numel()
         self._stepping_again_after_loss()
-        return (buffer[-2] / total).to(loss.dtype)
+        return flat[-3].clone().to(loss.dtype)
+
+    def _bind_gradients(self) -> None:
+        """Every parameter's `.grad` a view of `_flat`, zeroed: the backward passes accumulate
+        into what the all-reduce sends, as DDP's `gradient_as_bucket_view` does."""
+        if self._flat is None:
+            self._params = [p for p in self.parts.parameters() if p.requires_grad]
+            self._floating = [b for b in self._all_buffers() if b.is_floating_point()]
+            kinds = {(p.dtype, p.device) for p in self._params}
+            if len(kinds) != 1:
+                raise ConfigError(
+                    "fault.mode = 'live' needs the model's parameters in one dtype on one device "
+                    f"(found {sorted(str(k) for k in kinds)}); set fault.mode = 'restart'"
+                )
+            dtype, device = next(iter(kinds))
+            sizes = [p.numel() for p in self._params]
+            extra = sum(b.numel() for b in self._floating) + 3  # loss, samples, flag
+            self._flat = torch.zeros(sum(sizes) + extra, dtype=dtype, device=device)
+            pieces = torch.split(self._flat[: sum(sizes)], sizes)
+            self._views = [v.view_as(p) for v, p in zip(pieces, self._params, strict=True)]
+        else:
+            self._flat.zero_()
+        for p, view in zip(self._params, self._views, strict=True):
+            p.grad = view
 
     def _all_buffers(self) -> list[torch.Tensor]:
         return [b for module in self.parts.modules for b in module.buffers()]

@@ -80,8 +80,8 @@ def run_replica(
         from shardwise.training.fault.live import LiveGroup  # the replica's, not the launcher's
         from shardwise.training.trainer import loop
 
+        group = LiveGroup(endpoint, slot, incarnation, config.fault.timeout_s)
         try:
-            group = LiveGroup(endpoint, slot, incarnation, config.fault.timeout_s)
             loop.train(
                 config,
                 device=torch.device("cpu"),
@@ -89,4 +89,5 @@ def run_replica(
                 live=group,
             )
         finally:
+            group.close()
             dist.destroy_process_group()
