@@ -19,7 +19,7 @@ from torch import nn
 from shardwise.training.fault.heal import load_param_groups, state_of
 from shardwise.training.fault.live import LiveGroup
 from shardwise.training.fault.membership import published
-from shardwise.training.launch.live_supervisor import supervise
+from shardwise.training.launch.live_supervisor import ReplicaFailed, supervise
 
 pytestmark = pytest.mark.slow
 STEPS, KILLED_AFTER, VICTIM, WAIT_AT = 30, 5, 1, 15
@@ -115,3 +115,17 @@ def test_survivors_go_on_and_a_replacement_heals_from_a_peer(tmp_path):
     finals = [torch.load(tmp_path / f"final{slot}.pt", weights_only=True) for slot in range(3)]
     for name, value in finals[0].items():
         assert torch.equal(value, finals[1][name]) and torch.equal(value, finals[2][name]), name
+
+
+def _refusing(slot: int, incarnation: int, endpoint: str) -> None:
+    live = LiveGroup(endpoint, slot, incarnation, TIMEOUT_S)
+    if slot == 1:
+        live.failed("the job is wrong: fix it", config=True)
+        raise SystemExit(1)
+    time.sleep(3600)  # the supervisor ends it
+
+
+def test_a_replica_that_finds_the_job_wrong_ends_the_job_with_its_one_line():
+    with pytest.raises(ReplicaFailed, match="the job is wrong: fix it") as failed:
+        supervise(2, _refusing, (), timeout_s=TIMEOUT_S, restarts=3)
+    assert failed.value.config and failed.value.slot == 1

@@ -14,6 +14,8 @@ import torch
 import shardwise
 from helpers import digits_job, load_params, losses
 from shardwise.common.errors import ConfigError
+from shardwise.training.checkpoint.disk_layout import problem
+from shardwise.training.launch.outcome import WorkerFailed
 from shardwise.training.tracking.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -84,6 +86,41 @@ def test_a_killed_replica_is_not_waited_for_and_its_replacement_heals(
     assert len(healed) == 1 and healed[0]["live/replicas"] == 3.0
     assert healed[0]["live/heal_bytes"] > 0
     assert not (tmp_path / "hangs").exists()
+
+
+def test_a_lone_replica_commits_nothing_until_its_peer_is_replaced(
+    tmp_path, monkeypatch, one_process
+):
+    """Two replicas, one killed: the other is below fault.min_replicas (2) and waits for the
+    replacement, heals it inside the step, and the two do the step together."""
+    monkeypatch.setenv("SHARDWISE_FAULT", "kill:rank=1:step=3")
+    config = _job(tmp_path, fault={"mode": "live", "max_restarts": 1, "timeout_s": 60})
+    summary = shardwise.train(config, nproc=2)
+    assert summary is not None and summary.checkpoint is not None
+    _same(losses(tmp_path), load_params(summary.checkpoint), one_process)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records if "live/waited_s" in r] == [4]
+    assert [(r["step"], r["live/replicas"]) for r in records if "live/detected_s" in r] == [
+        (4, 2.0)
+    ]
+
+
+def test_with_no_restart_left_the_others_go_on_while_enough_are_left(
+    tmp_path, monkeypatch, one_process
+):
+    monkeypatch.setenv("SHARDWISE_FAULT", "kill:rank=2:step=5")
+    summary = shardwise.train(_job(tmp_path, fault={"mode": "live"}), nproc=3)
+    assert summary is not None and summary.checkpoint is not None
+    _same(losses(tmp_path), load_params(summary.checkpoint), one_process)
+
+
+def test_below_the_minimum_with_no_restart_left_the_run_fails_its_checkpoints_intact(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("SHARDWISE_FAULT", "kill:rank=1:step=6")
+    with pytest.raises(WorkerFailed, match=r"replica 1 died .*fewer than fault\.min_replicas"):
+        shardwise.train(_job(tmp_path, fault={"mode": "live"}), nproc=2)
+    assert problem(tmp_path / "checkpoints" / "step_00000004") is None
 
 
 def test_batch_norms_heal_to_the_same_bytes(tmp_path, monkeypatch):

@@ -348,6 +348,10 @@ class FaultSection(Section):
     """When a worker dies (any signal or exception), restart the whole worker group up to this
     many times; every rank resumes from the newest complete checkpoint. In `mode = "live"`: the
     replacements started, in all."""
+    min_replicas: int = Field(2, ge=2)
+    """In `mode = "live"`: the fewest replicas that commit a step. Below it the replicas left
+    wait (up to timeout_s) for replacements before they go on; where none can come (no restart
+    left) the run fails, its checkpoints intact. Never one: a lone replica commits nothing."""
     check_interval_s: float = Field(2.0, ge=0)
     """How often (in seconds of training, rounded to whole steps) the ranks compare notes: a
     SIGTERM received, per-rank step times for straggler detection."""

@@ -13,6 +13,7 @@ them its state before the next step (`heal.send_state`), so they start from the 
 from __future__ import annotations
 
 import atexit
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -84,6 +85,18 @@ class _Newest:
         self._thread.join()
 
 
+def error_key(slot: int, incarnation: int) -> str:
+    """Where a replica says the error it ended on (`LiveGroup.failed`)."""
+    return f"sw/error/{slot}/{incarnation}"
+
+
+def error_of(store: Any, slot: int, incarnation: int) -> dict[str, Any] | None:
+    """The error a replica said it ended on: {"message": one line, "config": whether the job
+    itself is wrong}; None where it said none (it was killed)."""
+    key = error_key(slot, incarnation)
+    return json.loads(store.get(key)) if store.check([key]) else None
+
+
 def healed_key(slot: int) -> str:
     """Where a replacement of `slot` says it has healed and trains: its incarnation."""
     return f"sw/healed/{slot}"
@@ -146,6 +159,17 @@ class LiveGroup:
             return False
         self._switch = bool(buffer[-1] > 0)
         return True
+
+    def wait_for_more(self, state: State) -> None:
+        """The next generation (healing its replacements), waited for up to the timeout."""
+        assert self.generation is not None
+        self._move(newer(self.store, self.generation.number, self.timeout_s), state)
+
+    def failed(self, message: str, *, config: bool) -> None:
+        """Say the error this replica ends on, for the coordinator to report (`config`: the
+        job is wrong, and no replacement would fare better)."""
+        described = json.dumps({"message": message, "config": config})
+        self.store.set(error_key(self.slot, self.incarnation), described)
 
     def close(self) -> None:
         self._newest.close()

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.common.errors import ConfigError
+from shardwise.common.errors import ConfigError, first_line
 from shardwise.training.fault.heal import load_param_groups, state_of
 from shardwise.training.fault.live import LiveGroup
 
@@ -61,6 +61,8 @@ class LiveReplica:
     group: LiveGroup
     parts: Parts
     global_batch: int
+    min_replicas: int = 2
+    """The fewest replicas that commit a step (`fault.min_replicas`)."""
     step: int = 0
     """The last committed step."""
     position: dict[str, Any] = field(default_factory=dict)
@@ -208,19 +210,41 @@ class LiveReplica:
         assert before is not None
         assert after is not None
         lost = sorted(set(before.slots) - set(after.slots))
+        detected = time.perf_counter() - self._lost_at
+        self._moved(self.step + 1)
+        while self.group.size < self.min_replicas:
+            self._wait_for_more()
         self.events.append(
             (
                 f"step {self.step + 1}: lost replica{'s' if len(lost) > 1 else ''} "
-                f"{', '.join(map(str, lost))}; {len(after.slots)} replicas do the step again "
+                f"{', '.join(map(str, lost))}; {self.group.size} replicas do the step again "
                 f"(generation {after.number})",
-                {
-                    "live/replicas": float(len(after.slots)),
-                    "live/detected_s": time.perf_counter() - self._lost_at,
-                },
+                {"live/replicas": float(self.group.size), "live/detected_s": detected},
             )
         )
-        self._moved(self.step + 1)
         self.parts.loader.load_state_dict(self.position)  # the step's samples, read again
+
+    def _wait_for_more(self) -> None:
+        """Fewer replicas than `min_replicas`: nothing commits until a replacement joins."""
+        left, began = self.group.size, time.perf_counter()
+        self.events.append(
+            (
+                f"step {self.step + 1}: {left} replica{'s' if left > 1 else ''} left, fewer "
+                f"than fault.min_replicas ({self.min_replicas}): nothing commits until a "
+                "replacement joins",
+                {},
+            )
+        )
+        try:
+            self.group.wait_for_more(self._state)
+        except (TimeoutError, RuntimeError) as e:
+            raise RuntimeError(
+                f"{left} replica{'s' if left > 1 else ''} left, fewer than fault.min_replicas "
+                f"({self.min_replicas}), and no replacement joined within fault.timeout_s "
+                f"({self.group.timeout_s:g} s): {first_line(e)}"
+            ) from None
+        self.events.append(("", {"live/waited_s": time.perf_counter() - began}))
+        self._moved(self.step + 1)
 
     def _stepping_again_after_loss(self) -> None:
         if self._lost_at is not None:

@@ -18,7 +18,7 @@ from torch.distributed import HashStore  # type: ignore[attr-defined]
 
 from shardwise.common.console import one_line_warnings
 from shardwise.common.environment import visible_cpus
-from shardwise.common.errors import ConfigError
+from shardwise.common.errors import ConfigError, first_line
 from shardwise.common.redact import redacting_output
 from shardwise.training.config.derive import derive
 from shardwise.training.config.schema import JobConfig
@@ -42,6 +42,11 @@ def check_live(config: JobConfig, replicas: int, *, nodes: bool) -> None:
         why = "reduces gradients in full (parallel.grad_compression = 'none')"
     elif config.train.precision == "fp16":
         why = "does not carry fp16's loss scaling across replicas yet (train.precision = 'bf16')"
+    elif replicas < config.fault.min_replicas and replicas > 1:
+        why = (
+            f"starts {replicas} replicas, fewer than fault.min_replicas "
+            f"({config.fault.min_replicas}): use --nproc {config.fault.min_replicas}"
+        )
     if why:
         raise ConfigError(f"fault.mode = 'live' {why}, or set fault.mode = 'restart'")
 
@@ -58,8 +63,11 @@ def launch_live(config: JobConfig, replicas: int, resume: str | None) -> TrainSu
             args,
             timeout_s=config.fault.timeout_s,
             restarts=config.fault.max_restarts,
+            min_replicas=config.fault.min_replicas,
         )
     except ReplicaFailed as failure:
+        if failure.config:
+            raise ConfigError(str(failure)) from None
         raise WorkerFailed(failure.slot, failure.exitcode, str(failure), traceback="") from None
     path = config.run_dir / "summary.json"
     if not path.exists() or path.stat().st_mtime < started:
@@ -88,6 +96,9 @@ def run_replica(
                 resume=resume if incarnation == 0 else None,
                 live=group,
             )
+        except Exception as error:  # said once, by the supervisor, rather than a traceback
+            group.failed(first_line(error), config=isinstance(error, ConfigError))
+            raise SystemExit(1) from None
         finally:
             group.close()
             dist.destroy_process_group()

@@ -17,17 +17,18 @@ from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Any
 
-from shardwise.training.fault.live import healed_key, join_key
+from shardwise.training.fault.live import error_of, healed_key, join_key
 from shardwise.training.fault.membership import Generation, publish
 from shardwise.training.launch.stores import LOOPBACK, host_store
 
 
 class ReplicaFailed(RuntimeError):
-    """A replica died with no restart left (`fault.max_restarts`), or failed on its own error."""
+    """The job cannot go on: replicas died and too few are left with no restart left
+    (`fault.max_restarts`, `fault.min_replicas`), or one found the job itself wrong (`config`)."""
 
-    def __init__(self, slot: int, exitcode: int, why: str) -> None:
+    def __init__(self, slot: int, exitcode: int, why: str, *, config: bool = False) -> None:
         super().__init__(why)
-        self.slot, self.exitcode = slot, exitcode
+        self.slot, self.exitcode, self.config = slot, exitcode, config
 
 
 def supervise(
@@ -37,15 +38,17 @@ def supervise(
     *,
     timeout_s: float,
     restarts: int,
+    min_replicas: int = 1,
 ) -> list[Generation]:
     """Run `target(slot, incarnation, endpoint, *args)` (`endpoint`: this store's HOST:PORT)
     for slots 0..count-1 in spawned processes until each ends with exit code 0; a replica that
     dies is dropped from the next generation and replaced (at most `restarts` times in all), its
-    replacement admitted once it has said it is ready. The generations published, in order."""
+    replacement admitted once it has said it is ready; with no restart left the others go on
+    while `min_replicas` are left. The generations published, in order."""
     store = host_store(
         LOOPBACK, 0, world_size=None, timeout=timedelta(seconds=timeout_s), multi_tenant=False
     )
-    replicas = _Replicas(store, target, args, restarts)
+    replicas = _Replicas(store, target, args, restarts, min_replicas)
     try:
         replicas.start(count)
         while replicas.running:
@@ -64,9 +67,15 @@ class _Replicas:
     """The replica processes by slot, their incarnations, and the generations published."""
 
     def __init__(
-        self, store: Any, target: Callable[..., None], args: tuple[Any, ...], restarts: int
+        self,
+        store: Any,
+        target: Callable[..., None],
+        args: tuple[Any, ...],
+        restarts: int,
+        min_replicas: int,
     ) -> None:
-        self.store, self.target, self.args, self.restarts = store, target, args, restarts
+        self.store, self.target, self.args = store, target, args
+        self.restarts, self.min_replicas = restarts, min_replicas
         self.context = multiprocessing.get_context("spawn")
         self.endpoint = f"{LOOPBACK}:{store.port}"
         self.running: dict[int, Any] = {}
@@ -91,16 +100,32 @@ class _Replicas:
             if process.exitcode == 0:
                 self.finished = True
                 continue
-            if sum(self.incarnations.values()) >= self.restarts:
+            error = error_of(self.store, slot, self.incarnations[slot])
+            said = f"replica {slot} failed: {error['message']}" if error else (
+                f"replica {slot} died (exit code {process.exitcode})"
+            )  # fmt: skip
+            if error and error["config"]:  # every replica would: the job is wrong
+                raise ReplicaFailed(slot, process.exitcode, error["message"], config=True)
+            self.members.discard(slot)
+            if not self.members:
                 raise ReplicaFailed(
                     slot,
                     process.exitcode,
-                    f"replica {slot} exited with code {process.exitcode} and no restart is left "
-                    f"({self.restarts} in all: fault.max_restarts)",
+                    f"{said}, the last replica: none is left to heal a replacement from; "
+                    "--resume auto continues from the newest checkpoint",
                 )
-            self.members.discard(slot)
+            restart = sum(self.incarnations.values()) < self.restarts
+            if not restart and len(self.members) < self.min_replicas:
+                raise ReplicaFailed(
+                    slot,
+                    process.exitcode,
+                    f"{said}; {len(self.members)} left, fewer than fault.min_replicas "
+                    f"({self.min_replicas}), and no restart is left (fault.max_restarts = "
+                    f"{self.restarts})",
+                )
             self._publish()
-            self._spawn(slot, self.incarnations[slot] + 1)
+            if restart:
+                self._spawn(slot, self.incarnations[slot] + 1)
 
     def admit(self) -> None:
         """Replacements that said they are ready, each in a generation of its own."""

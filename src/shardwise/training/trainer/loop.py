@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 
+from shardwise.common.errors import ConfigError
 from shardwise.training.checkpoint.disk_layout import name_of
 from shardwise.training.config.schema import JobConfig
+from shardwise.training.data.sampling import StepLoader
 from shardwise.training.fault.health import RankHealth
 from shardwise.training.fault.inject import FaultPlan
 from shardwise.training.fault.live import LiveGroup
@@ -241,6 +243,11 @@ def _nothing_left(loop: Loop) -> None:
 
 def replica(run: Run, group: LiveGroup) -> LiveReplica:
     """This process's replica of live recovery, over the run's parts."""
+    if not isinstance(run.loader, StepLoader):
+        raise ConfigError(
+            "fault.mode = 'live' re-splits each step's samples over the replicas, which a "
+            "streamed table or an IterableDataset does not allow yet; set fault.mode = 'restart'"
+        )
     parts = Parts(
         modules=run.parts,
         optimizers=run.optimizers,
@@ -250,7 +257,9 @@ def replica(run: Run, group: LiveGroup) -> LiveReplica:
         parameters=run.parameters,
         traffic=run.sync.traffic,
     )
-    return LiveReplica(group, parts, run.derived.global_batch)
+    return LiveReplica(
+        group, parts, run.derived.global_batch, min_replicas=run.config.fault.min_replicas
+    )
 
 
 def _step_again(run: Run, step: int) -> tuple[Stepped, float]:
