@@ -123,6 +123,24 @@ def test_below_the_minimum_with_no_restart_left_the_run_fails_its_checkpoints_in
     assert problem(tmp_path / "checkpoints" / "step_00000004") is None
 
 
+def test_a_hung_replica_is_evicted_after_the_timeout_and_replaced(
+    tmp_path, monkeypatch, one_process
+):
+    """Replica 1 stops making progress after step 4 (alive, silent: as SIGSTOP leaves it). The
+    others' all-reduce times out after fault.timeout_s, they say they are alive, the supervisor
+    kills the silent one, and its replacement heals and joins."""
+    monkeypatch.setenv("SHARDWISE_FAULT", "stall:rank=1:step=4,slow:rank=0:step=1:seconds=0.5")
+    config = _job(tmp_path, fault={"mode": "live", "max_restarts": 1, "timeout_s": 4})
+    summary = shardwise.train(config, nproc=3)
+    assert summary is not None and summary.checkpoint is not None
+    _same(losses(tmp_path), load_params(summary.checkpoint), one_process)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    lost = [r for r in records if "live/detected_s" in r]
+    assert [(r["step"], r["live/replicas"]) for r in lost] == [(5, 2.0)]
+    assert [r["live/replicas"] for r in records if "live/heal_bytes" in r] == [3.0]
+    assert not (tmp_path / "hangs").exists()  # no survivor's watchdog fired
+
+
 def test_batch_norms_heal_to_the_same_bytes(tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDWISE_FAULT", "kill:rank=2:step=2,slow:rank=0:step=1:seconds=0.5")
     resnet = {"name": "resnet", "args": {"depth": 18, "width": 4, "channels": 1}}

@@ -85,6 +85,11 @@ class _Newest:
         self._thread.join()
 
 
+def alive_key(generation: int, slot: int) -> str:
+    """Where a member whose collective in `generation` failed says it is alive (`recover`)."""
+    return f"sw/g{generation}/alive/{slot}"
+
+
 def error_key(slot: int, incarnation: int) -> str:
     """Where a replica says the error it ended on (`LiveGroup.failed`)."""
     return f"sw/error/{slot}/{incarnation}"
@@ -188,6 +193,8 @@ class LiveGroup:
         # This replica's end of the broken group closed now: a peer still waiting on it inside
         # the same collective fails at once too, rather than at gloo's timeout.
         self.pg = None
+        # ... and said alive: the coordinator evicts the members that do not say so (hung)
+        self.store.set(alive_key(self.generation.number, self.slot), str(self.incarnation))
         self._move(newer(self.store, self.generation.number, self.timeout_s), state)
 
     @property

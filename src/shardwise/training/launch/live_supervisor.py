@@ -12,14 +12,20 @@ never restart.
 from __future__ import annotations
 
 import multiprocessing
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Any
 
-from shardwise.training.fault.live import error_of, healed_key, join_key
+from shardwise.training.fault.live import alive_key, error_of, healed_key, join_key
 from shardwise.training.fault.membership import Generation, publish
 from shardwise.training.launch.stores import LOOPBACK, host_store
+
+HUNG_GRACE_S = 1.0
+"""After a member says its collective failed, how long the others have to say so too before
+the silent ones are evicted as hung (a failed collective fails every member's within
+hundredths of a second: each closes its end of the group)."""
 
 
 class ReplicaFailed(RuntimeError):
@@ -57,6 +63,7 @@ def supervise(
             if replicas.finished:  # a replacement still healing would wait for ended members
                 replicas.stop_unhealed()
             else:
+                replicas.evict_hung()
                 replicas.admit()
     finally:
         replicas.kill()
@@ -84,6 +91,8 @@ class _Replicas:
         self.generations: list[Generation] = []
         self.finished = False
         """A replica ended its last step: its members end with it, nothing more is admitted."""
+        self._failing_since: tuple[int, float] | None = None
+        """The generation whose members first said their collective failed, and when."""
 
     def start(self, count: int) -> None:
         for slot in range(count):
@@ -134,6 +143,25 @@ class _Replicas:
             if self.store.check([key]) and int(self.store.get(key)) == self.incarnations[slot]:
                 self.members.add(slot)
                 self._publish(joined=(slot,))
+
+    def evict_hung(self) -> None:
+        """Members silent while the others say their collective failed (it timed out on them:
+        stopped, hung) are killed `HUNG_GRACE_S` after the first says so; their deaths are
+        then reaped as any other (replaced, dropped)."""
+        number = len(self.generations) - 1
+        alive = {s for s in self.members if self.store.check([alive_key(number, s)])}
+        if not alive:
+            self._failing_since = None
+            return
+        now = time.monotonic()
+        if self._failing_since is None or self._failing_since[0] != number:
+            self._failing_since = (number, now)
+        if now - self._failing_since[1] < HUNG_GRACE_S:
+            return
+        for slot in sorted(self.members - alive):
+            process = self.running.get(slot)
+            if process is not None and process.exitcode is None:
+                process.kill()  # reaped as a death on the next pass
 
     def stop_unhealed(self) -> None:
         for slot in [s for s in self.running if not self._healed(s)]:

@@ -178,7 +178,10 @@ def _session(
     reporter = display.start(run, start, resumed=resume is not None or healed)
     if restarts:
         display.restarted(reporter, restarts, start)
-    watchdog = Watchdog(config.run_dir / "hangs", rank=run.rank, timeout_s=config.fault.timeout_s)
+    # A live replica's collectives time out on a hung peer after fault.timeout_s, and it goes
+    # on without it: its own watchdog waits longer (a replica hung itself is still caught).
+    patience = config.fault.timeout_s * (1 if live is None else 2) + (0 if live is None else 10)
+    watchdog = Watchdog(config.run_dir / "hangs", rank=run.rank, timeout_s=patience)
     health = RankHealth(
         straggler_factor=config.fault.straggler_factor,
         straggler_windows=config.fault.straggler_windows,
