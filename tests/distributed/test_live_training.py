@@ -88,6 +88,34 @@ def test_a_killed_replica_is_not_waited_for_and_its_replacement_heals(
     assert not (tmp_path / "hangs").exists()
 
 
+POINTS = {
+    # replica 1 dies at a point of step 5 (its peers: before, inside or after their all-reduce)
+    "before_forward": "kill:rank=1:step=5:at=before_forward",
+    "inside the all-reduce": "kill:rank=1:step=5:at=reduce",
+    "after the all-reduce, before the optimizer": "kill:rank=1:step=5:at=after_reduce",
+    # replica 2 dies after step 3; then replica 1 dies forming the generation without it
+    "re-forming": "kill:rank=2:step=3,kill:rank=1:step=4:at=reform",
+    # replica 2 dies; replica 0, healing its replacement, dies sending
+    "healing, the sender": "kill:rank=2:step=3,kill:rank=0:step=4:at=heal_send",
+    # replica 2 dies; its replacement dies receiving
+    "healing, the receiver": "kill:rank=2:step=3,kill:rank=2:step=1:at=heal_receive",
+}
+
+
+@pytest.mark.parametrize("point", list(POINTS))
+def test_a_replica_killed_anywhere_in_a_step_or_a_heal_costs_nothing(
+    tmp_path, monkeypatch, one_process, point
+):
+    """Whatever the point a replica dies at, the others go on, replacements heal, and the run
+    ends where one process ends: no step lost or done twice, no sample lost or read twice."""
+    monkeypatch.setenv("SHARDWISE_FAULT", f"{POINTS[point]},slow:rank=0:step=1:seconds=0.4")
+    config = _job(tmp_path, fault={"mode": "live", "max_restarts": 3, "timeout_s": 60})
+    summary = shardwise.train(config, nproc=3)
+    assert summary is not None and summary.checkpoint is not None
+    _same(losses(tmp_path), load_params(summary.checkpoint), one_process)
+    assert not (tmp_path / "hangs").exists()
+
+
 def test_a_lone_replica_commits_nothing_until_its_peer_is_replaced(
     tmp_path, monkeypatch, one_process
 ):

@@ -2,7 +2,12 @@
 
 `SHARDWISE_FAULT` lists faults separated by commas, each `kind:key=value:…`:
 
-    kill:rank=1:step=7         the rank SIGKILLs itself after step 7 (an OOM kill, a lost node)
+    kill:rank=1:step=7         the rank SIGKILLs itself after step 7 (an OOM kill, a lost node);
+                               in live recovery `at=` names another point of step 7 (or of
+                               the membership change in it): before_forward, reduce (inside
+                               the all-reduce: the others are in it), after_reduce (before
+                               the optimizer); reform, heal_send: the first such at step 7 or
+                               later; heal_receive: the rank's first replacement, as it heals
     nan:step=5                 step 5's gradients become NaN on every rank (or `rank=`)
     stall:rank=1:step=4        the rank stops making progress after step 4 (`seconds=`, default
                                forever) — a hung collective, a dead NIC
@@ -42,6 +47,12 @@ class Fault:
     rank: int | None = None
     """None: every rank (rank 0 alone for `sigterm`)."""
     seconds: float = float("inf")
+    at: str = "after_step"
+    """Where in the step a `kill` fires (POINTS)."""
+
+
+POINTS = ("after_step", "before_forward", "reduce", "after_reduce", "reform", "heal_send",
+          "heal_receive")  # fmt: skip
 
 
 def parse(text: str) -> list[Fault]:
@@ -55,7 +66,8 @@ def parse(text: str) -> list[Fault]:
             if not sep:
                 raise ConfigError(f"{ENV}: '{pair}' in '{entry}' is not key=value")
             values[key] = value
-        if kind not in KINDS or "step" not in values or set(values) - {"step", "rank", "seconds"}:
+        keys = {"step", "rank", "seconds"} | ({"at"} if kind == "kill" else set())
+        if kind not in KINDS or "step" not in values or set(values) - keys:
             raise ConfigError(
                 f"{ENV}: cannot read '{entry}'; expected kind:step=N[:rank=R][:seconds=S] with "
                 f"kind one of {', '.join(KINDS)}"
@@ -66,8 +78,11 @@ def parse(text: str) -> list[Fault]:
                 step=int(values["step"]),
                 rank=int(values["rank"]) if "rank" in values else None,
                 seconds=float(values.get("seconds", "inf")),
+                at=values.get("at", "after_step"),
             )
         )
+        if faults[-1].at not in POINTS:
+            raise ConfigError(f"{ENV}: at={faults[-1].at} in '{entry}': one of {', '.join(POINTS)}")
     return faults
 
 
@@ -76,7 +91,10 @@ class FaultPlan:
 
     def __init__(self, faults: Iterable[Fault], *, rank: int, attempt: int) -> None:
         self.rank = rank
-        self.faults = [f for f in faults if attempt == 0 and self._mine(f)]
+        # a replacement's heal happens in the rank's second attempt only
+        self.faults = [
+            f for f in faults if attempt == int(f.at == "heal_receive") and self._mine(f)
+        ]
 
     @classmethod
     def from_env(
@@ -99,6 +117,20 @@ class FaultPlan:
         for fault in self.faults:
             if fault.kind == "slow" and step >= fault.step:
                 time.sleep(fault.seconds)
+        self.kill_at("before_forward", step)
+
+    def kill_at(self, point: str, step: int) -> None:
+        """SIGKILL this process where a `kill` fault names `point` of `step` (see the module
+        docstring for the points of a membership change)."""
+        for f in self.faults:
+            if f.kind != "kill" or f.at != point:
+                continue
+            if (
+                point == "heal_receive"
+                or f.step == step
+                or (point in ("reform", "heal_send") and step >= f.step)
+            ):
+                os.kill(os.getpid(), signal.SIGKILL)
 
     def corrupt_gradients(self, step: int, params: Iterable[torch.nn.Parameter]) -> None:
         if self._due("nan", step):
@@ -115,7 +147,7 @@ class FaultPlan:
         for fault in self.faults:
             if fault.step != step:
                 continue
-            if fault.kind == "kill":
+            if fault.kind == "kill" and fault.at == "after_step":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif fault.kind == "stall":
                 time.sleep(fault.seconds if fault.seconds != float("inf") else 10**9)

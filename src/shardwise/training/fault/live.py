@@ -24,10 +24,11 @@ from typing import Any
 import torch
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-from shardwise.training.fault.heal import Allocate, receive_state, send_state
+from shardwise.training.fault.heal import Allocate, HealError, receive_state, send_state
 from shardwise.training.fault.membership import (
     GENERATION_KEY,
     Collectives,
+    Fenced,
     Generation,
     current,
     group,
@@ -119,14 +120,17 @@ class LiveGroup:
         self.slot = slot
         self.incarnation = incarnation
         self.timeout_s = timeout_s
-        self.generation = current(self.store, timeout_s) if incarnation == 0 else None
-        self.pg: Collectives | None = (
-            group(self.store, self.generation, slot, timeout_s) if self.generation else None
-        )
+        self.generation: Generation | None = None
+        self.pg: Collectives | None = None
         self._switch = False
-        self._newest = _Newest(host, int(port), timeout)
         self.healed: Heal | None = None
         """The last heal this replica sent (live_replica.py reports it, then clears it)."""
+        self.hook: Callable[[str], None] = lambda point: None
+        """Called at points of a membership change (`reform`, `heal_send`, `heal_receive`):
+        where fault injection kills a replica (fault/inject.py)."""
+        if incarnation == 0:  # the job's first generation (none of it is new: no state moves)
+            self._move(current(self.store, timeout_s), lambda: ({}, {}))
+        self._newest = _Newest(host, int(port), timeout)
 
     def join(self, state: State, allocate: Allocate | None = None) -> dict[str, Any]:
         """A replacement's start: say it is ready, wait for the generation that admits it, and
@@ -211,10 +215,42 @@ class LiveGroup:
     def _move(
         self, generation: Generation, state: State, allocate: Allocate | None = None
     ) -> dict[str, Any]:
-        self.generation = generation
-        self.pg = group(self.store, generation, self.slot, self.timeout_s)
+        """Into `generation`, healing its replacements (a replacement's: the JSON it was
+        sent); where its group does not form or a heal breaks (a member died or hangs
+        meanwhile), on into the next one."""
+        while True:
+            self.generation, self.pg = generation, None
+            try:
+                self.hook("reform")
+                self.pg = group(self.store, generation, self.slot, self.timeout_s)
+                return self._heal(generation, state, allocate)
+            except (Fenced, HealError):
+                raise
+            except RuntimeError:
+                self.pg = None  # closed: the members still in it fail at once too
+                self.store.set(alive_key(generation.number, self.slot), str(self.incarnation))
+                generation = newer(self.store, generation.number, self.timeout_s)
+
+    def _heal(
+        self, generation: Generation, state: State, allocate: Allocate | None
+    ) -> dict[str, Any]:
+        """The lowest member that is not new sends its state to each that is."""
         if not generation.joined:
             return {}
+        assert self.pg is not None
+        source = min(s for s in generation.slots if s not in generation.joined)
+        if self.slot == source:
+            began = time.perf_counter()
+            tensors, extra = state()
+            sent = 0
+            for slot in generation.joined:
+                self.hook("heal_send")
+                sent += send_state(self.pg, generation.rank_of(slot), tensors, extra)
+            self.healed = Heal(generation.joined, source, sent, time.perf_counter() - began)
+        elif self.slot in generation.joined:
+            self.hook("heal_receive")
+            return receive_state(self.pg, generation.rank_of(source), state()[0], allocate)
+        return {}
         source = min(s for s in generation.slots if s not in generation.joined)
         if self.slot == source:
             began = time.perf_counter()

@@ -63,6 +63,8 @@ class LiveReplica:
     global_batch: int
     min_replicas: int = 2
     """The fewest replicas that commit a step (`fault.min_replicas`)."""
+    faults: Any = None
+    """The run's `FaultPlan`: kills at points of a step and of a membership change."""
     step: int = 0
     """The last committed step."""
     position: dict[str, Any] = field(default_factory=dict)
@@ -81,6 +83,12 @@ class LiveReplica:
 
     def __post_init__(self) -> None:
         self._place()
+        if self.faults is not None and self.faults.faults:
+            self.group.hook = lambda point: self._kill_at(point)
+
+    def _kill_at(self, point: str) -> None:
+        if self.faults is not None:
+            self.faults.kill_at(point, self.step + 1)
 
     # the trainer's calls, in the order of a step
 
@@ -115,6 +123,7 @@ class LiveReplica:
             offset += b.numel()
         flat[-3], flat[-2] = loss.detach(), 1.0
         flat[:-1].mul_(samples)
+        self._kill_at("reduce")
         if not self.group.allreduce_in_place(flat):
             self._recover()
             raise StepAgain
@@ -122,6 +131,7 @@ class LiveReplica:
             nbytes = flat.numel() * flat.element_size()
             self.parts.traffic.all_reduce(nbytes, self.group.size)
             self.parts.traffic.uncompressed += 2 * (self.group.size - 1) / self.group.size * nbytes
+        self._kill_at("after_reduce")
         flat[:-2].div_(flat[-2].clone())
         offset = sum(v.numel() for v in self._views)
         for b in self._floating:
@@ -186,6 +196,12 @@ class LiveReplica:
             )
         )
         return self.step
+
+    @property
+    def reports(self) -> bool:
+        """Whether this replica reports the run (membership.Generation.reporter)."""
+        generation = self.group.generation
+        return generation is not None and generation.reporter == self.group.slot
 
     @property
     def saves(self) -> bool:

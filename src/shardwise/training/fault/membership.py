@@ -46,6 +46,9 @@ class Generation:
     """The live replicas' slots, in rank order."""
     joined: tuple[int, ...] = ()
     """Slots new in this generation: replacements that heal from a member before its first step."""
+    reporter: int = 0
+    """The slot that reports the run (metrics, MLflow, the summary): the job's first replica
+    until it dies, then the lowest of those left; never a replacement."""
 
     def rank_of(self, slot: int) -> int:
         if slot not in self.slots:
@@ -58,11 +61,17 @@ def publish(
     number: int,
     slots: list[int] | tuple[int, ...] | set[int],
     joined: tuple[int, ...] = (),
+    reporter: int = 0,
 ) -> Generation:
     """The coordinator's: generation `number` with the replicas `slots`, of which `joined` are
-    new (its slots first, then its number, so that a replica that sees the number finds them)."""
-    generation = Generation(number, tuple(sorted(slots)), tuple(sorted(joined)))
-    described = {"slots": list(generation.slots), "joined": list(generation.joined)}
+    new, `reporter` reporting (its slots first, then its number, so that a replica that sees
+    the number finds them)."""
+    generation = Generation(number, tuple(sorted(slots)), tuple(sorted(joined)), reporter)
+    described = {
+        "slots": list(generation.slots),
+        "joined": list(generation.joined),
+        "reporter": reporter,
+    }
     store.set(_slots_key(number), json.dumps(described))
     store.set(GENERATION_KEY, str(number))
     return generation
@@ -73,7 +82,9 @@ def current(store: Store, timeout_s: float) -> Generation:
     store.wait([GENERATION_KEY], timedelta(seconds=timeout_s))
     number = int(store.get(GENERATION_KEY))
     described = json.loads(store.get(_slots_key(number)))
-    return Generation(number, tuple(described["slots"]), tuple(described["joined"]))
+    return Generation(
+        number, tuple(described["slots"]), tuple(described["joined"]), described["reporter"]
+    )
 
 
 def newer(store: Store, than: int, timeout_s: float) -> Generation:
@@ -87,13 +98,31 @@ def newer(store: Store, than: int, timeout_s: float) -> Generation:
     return found
 
 
+FORM_S = 10.0
+"""How long a generation's members wait for each other to form its group. They come to it
+together (a collective that failed on all of them, or the same step boundary), so a member
+missing after this died or hangs meanwhile: `FormationFailed`, and the next generation."""
+
+
+class FormationFailed(RuntimeError):
+    """A member of the generation never came to form its group."""
+
+
 def group(store: Store, generation: Generation, slot: int, timeout_s: float) -> Collectives:
-    """This replica's gloo group in `generation` (`Fenced` where its slot is not in it);
-    collectives on it fail after `timeout_s` where a peer neither answers nor dies."""
+    """This replica's gloo group in `generation` (`Fenced` where its slot is not in it;
+    `FormationFailed` where a member does not come within `FORM_S`); collectives on it fail
+    after `timeout_s` where a peer neither answers nor dies."""
+    rank = generation.rank_of(slot)
     prefix = PrefixStore(f"sw/g{generation.number}/group/", store)
-    made = ProcessGroupGloo(
-        prefix, generation.rank_of(slot), len(generation.slots), timedelta(seconds=timeout_s)
-    )
+    forming = timedelta(seconds=min(FORM_S, timeout_s))
+    prefix.set_timeout(forming)
+    try:
+        made = ProcessGroupGloo(prefix, rank, len(generation.slots), forming)
+    except RuntimeError as e:
+        raise FormationFailed(
+            f"generation {generation.number}'s group did not form: {str(e).splitlines()[0]}"
+        ) from None
+    made._set_default_timeout(timedelta(seconds=timeout_s))
     return cast(Collectives, made)
 
 

@@ -91,6 +91,7 @@ class _Replicas:
         self.generations: list[Generation] = []
         self.finished = False
         """A replica ended its last step: its members end with it, nothing more is admitted."""
+        self.reporter = 0
         self._failing_since: tuple[int, float] | None = None
         """The generation whose members first said their collective failed, and when."""
 
@@ -116,7 +117,7 @@ class _Replicas:
             if error and error["config"]:  # every replica would: the job is wrong
                 raise ReplicaFailed(slot, process.exitcode, error["message"], config=True)
             self.members.discard(slot)
-            if not self.members:
+            if not any(self._healed(s) for s in self.members):
                 raise ReplicaFailed(
                     slot,
                     process.exitcode,
@@ -182,8 +183,14 @@ class _Replicas:
         self.running[slot], self.incarnations[slot] = process, incarnation
 
     def _publish(self, joined: tuple[int, ...] = ()) -> None:
+        """The next generation: the members, of which `joined` and the replacements admitted
+        before that have not healed yet (a member died while healing them) are new."""
         number = len(self.generations)
-        self.generations.append(publish(self.store, number, self.members, joined))
+        unhealed = {s for s in self.members if not self._healed(s)}
+        new = tuple(sorted(set(joined) | unhealed))
+        if self.reporter not in self.members:  # it died: the lowest of the others that train
+            self.reporter = min(self.members - unhealed)
+        self.generations.append(publish(self.store, number, self.members, new, self.reporter))
 
     def _healed(self, slot: int) -> bool:
         """Whether the replica of `slot` trains: one the job started with, or a replacement

@@ -184,16 +184,21 @@ class Reporter:
             self.tracker.close(status)
 
 
-def start(run: Run, start: int, *, resumed: bool) -> Reporter:
-    """On rank 0: print the resolved config and derived numbers, save them, open the trackers.
-    Elsewhere: a reporter that does nothing."""
-    if run.rank != 0:
+def start(
+    run: Run, start: int, *, resumed: bool, reporting: bool | None = None, announce: bool = True
+) -> Reporter:
+    """On rank 0 (or where `reporting`: a live replica that reports): print the resolved config
+    and derived numbers (unless not `announce`: a replica taking the reporting over), save
+    them, open the trackers. Elsewhere: a reporter that does nothing."""
+    if not (run.rank == 0 if reporting is None else reporting):
         return Reporter()
     cfg, derived = run.config, run.derived
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     config_toml = tomli_w.dumps(redacted_dump(cfg, exclude_none=True))
     (cfg.run_dir / "config.toml").write_text(config_toml)
     console = terminal()
+    if not announce:
+        return _open_trackers(run, start, config_toml, console, resumed=resumed)
     console.print(f"resolved config (saved to {cfg.run_dir / 'config.toml'}):", highlight=False)
     console.print(config_toml, highlight=False, markup=False, soft_wrap=True)
     console.print(derived_line(derived, run.tokens_per_sample), highlight=False, soft_wrap=True)
@@ -211,6 +216,13 @@ def start(run: Run, start: int, *, resumed: bool) -> Reporter:
         console.print(f"pipeline {pipe.schedule_name}: {stages}", highlight=False, soft_wrap=True)
     if resumed:
         console.print(f"resuming after step {start}", highlight=False)
+    return _open_trackers(run, start, config_toml, console, resumed=resumed)
+
+
+def _open_trackers(
+    run: Run, start: int, config_toml: str, console: Any, *, resumed: bool
+) -> Reporter:
+    cfg, derived = run.config, run.derived
     trackers: list[Tracker] = [
         JsonlTracker(cfg.run_dir / "metrics.jsonl", resumed_from=start if resumed else None)
     ]

@@ -135,6 +135,8 @@ class Loop:
     """What torch.compile compiled in this run (train.compile)."""
     mfu_flagged: bool = False
     summary: TrainSummary | None = None
+    reporting: bool = True
+    """Whether this process reports the run (rank 0; in live recovery, the replica chosen)."""
 
     @property
     def config(self) -> JobConfig:
@@ -167,15 +169,17 @@ def _session(
     run = build_run(config, device, node=node, resume=resume)
     if live is not None:
         run.rank, restarts = live.slot, live.incarnation  # its faults fire in incarnation 0
-        run.live = replica(run, live)
     run.faults = FaultPlan.from_env(rank=run.rank, attempt=restarts)
+    if live is not None:
+        run.live = replica(run, live)
     healed = run.live is not None and live is not None and live.incarnation > 0
     if healed:
         assert run.live is not None
         start = run.live.join()
     else:
         start = restore(run, resume) if resume else 0
-    reporter = display.start(run, start, resumed=resume is not None or healed)
+    reporting = run.rank == 0 if run.live is None else run.live.reports
+    reporter = display.start(run, start, resumed=resume is not None or healed, reporting=reporting)
     if restarts:
         display.restarted(reporter, restarts, start)
     # A live replica's collectives time out on a hung peer after fault.timeout_s, and it goes
@@ -199,6 +203,7 @@ def _session(
         checkpoint=resume,
         window_start=start,
         baseline_bytes=baseline,
+        reporting=reporting,
     )
     loop.compiled.start()
     status = "FAILED"
@@ -208,7 +213,7 @@ def _session(
         assert summary is not None, "train() sets the summary before the session closes"
         status = "KILLED" if summary.preempted else "FINISHED"
         summary.resumed_from = start if resume else None
-        if run.rank == 0 and config.tracking.report:
+        if loop.reporting and config.tracking.report:
             # the report reads the run's files, summary.json among them; it is written again
             # below once MLflow (closed with the report logged) has said its run id
             (config.run_dir / "summary.json").write_text(to_json(asdict(summary)))
@@ -221,7 +226,7 @@ def _session(
         health.close()
         run.loader.close()
         reporter.close(status)
-    if loop.summary is not None and run.rank == 0:
+    if loop.summary is not None and loop.reporting:
         loop.summary.mlflow_run_id = reporter.mlflow_run_id()
         (config.run_dir / "summary.json").write_text(to_json(asdict(loop.summary)))
 
@@ -261,7 +266,11 @@ def replica(run: Run, group: LiveGroup) -> LiveReplica:
         traffic=run.sync.traffic,
     )
     return LiveReplica(
-        group, parts, run.derived.global_batch, min_replicas=run.config.fault.min_replicas
+        group,
+        parts,
+        run.derived.global_batch,
+        min_replicas=run.config.fault.min_replicas,
+        faults=run.faults,
     )
 
 
@@ -334,8 +343,12 @@ def _memory(loop: Loop, step: int, *, final: bool = False) -> list[dict[str, Any
 
 def _after_step(loop: Loop, step: int) -> bool:
     """Health, logging, checkpoint (then evaluation: a failing evaluation loses nothing that was
-    trained); whether the run stops here (SIGTERM: saved, --resume auto continues)."""
+    trained); whether the run stops here (SIGTERM: saved, --resume auto continues). Live
+    replicas first follow their membership, together, before any of them saves or evaluates."""
     run = loop.run
+    if run.live is not None:
+        run.live.boundary(step)
+        _live_events(loop, step)
     with phase("health"):
         stop = _health(loop, step)
     if stop or _reporting(run.config, step):
@@ -345,12 +358,9 @@ def _after_step(loop: Loop, step: int) -> bool:
     steps = run.config.train.steps
     if _due(step, run.config.checkpoint.every_steps, steps) or stop:
         _checkpoint(loop, step)
-    evaluates = run.live is None or run.rank == 0  # live: the reporting replica evaluates
+    evaluates = run.live is None or loop.reporting  # live: the reporting replica evaluates
     if _due(step, run.config.eval.every_steps, steps) and run.eval_data is not None and evaluates:
         _evaluate(loop, step)
-    if run.live is not None:
-        run.live.boundary(step)
-        _live_events(loop, step)
     loop.watchdog.finished(step)
     run.faults.after_step(step)
     if stop:
@@ -363,8 +373,13 @@ def _after_step(loop: Loop, step: int) -> bool:
 
 def _live_events(loop: Loop, step: int) -> None:
     """What live recovery did since the last step: said, and recorded at this step."""
-    assert loop.run.live is not None
-    for line, metrics in loop.run.live.drain():
+    live = loop.run.live
+    assert live is not None
+    if live.reports and not loop.reporting:  # the replica that reported is gone: this one does
+        loop.reporter = display.start(loop.run, step, resumed=True, reporting=True, announce=False)
+        loop.reporting = True
+        loop.reporter.say(f"replica {live.group.slot} reports the run from step {step} on")
+    for line, metrics in live.drain():
         if line:
             loop.reporter.say(line)
         loop.reporter.record(metrics, step)
