@@ -79,7 +79,10 @@ def test_a_killed_replica_is_not_waited_for_and_its_replacement_heals(
     _same(losses(tmp_path), load_params(summary.checkpoint), one_process)
     records = read_metrics(tmp_path / "metrics.jsonl")
     lost = [r for r in records if "live/detected_s" in r]
-    assert [(r["step"], r["live/replicas"]) for r in lost] == [(4, 2.0)]
+    assert [r["step"] for r in lost] == [4]
+    # 2 replicas redo the step, or 3 where the replacement (forked: a fraction of a second)
+    # was ready by then and healed inside it
+    assert lost[0]["live/replicas"] in (2.0, 3.0)
     assert lost[0]["live/detected_s"] < 5.0
     assert any("live/stall_s" in r for r in records)
     healed = [r for r in records if "live/heal_bytes" in r]
@@ -127,10 +130,11 @@ def test_a_lone_replica_commits_nothing_until_its_peer_is_replaced(
     assert summary is not None and summary.checkpoint is not None
     _same(losses(tmp_path), load_params(summary.checkpoint), one_process)
     records = read_metrics(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in records if "live/waited_s" in r] == [4]
+    assert [r["step"] for r in records if "live/waited_s" in r] in ([4], [])  # [] if it was ready
     assert [(r["step"], r["live/replicas"]) for r in records if "live/detected_s" in r] == [
         (4, 2.0)
     ]
+    assert all(r.get("live/replicas", 2.0) == 2.0 for r in records)  # never one alone
 
 
 def test_with_no_restart_left_the_others_go_on_while_enough_are_left(
@@ -164,7 +168,7 @@ def test_a_hung_replica_is_evicted_after_the_timeout_and_replaced(
     _same(losses(tmp_path), load_params(summary.checkpoint), one_process)
     records = read_metrics(tmp_path / "metrics.jsonl")
     lost = [r for r in records if "live/detected_s" in r]
-    assert [(r["step"], r["live/replicas"]) for r in lost] == [(5, 2.0)]
+    assert [r["step"] for r in lost] == [5]
     assert [r["live/replicas"] for r in records if "live/heal_bytes" in r] == [3.0]
     assert not (tmp_path / "hangs").exists()  # no survivor's watchdog fired
 

@@ -22,6 +22,7 @@ from shardwise.common.errors import ConfigError, first_line
 from shardwise.common.redact import redacting_output
 from shardwise.training.config.derive import derive
 from shardwise.training.config.schema import JobConfig
+from shardwise.training.launch.forkserver import restore_sigterm
 from shardwise.training.launch.live_supervisor import ReplicaFailed, supervise
 from shardwise.training.launch.outcome import WorkerFailed
 from shardwise.training.trainer.train_summary import TrainSummary
@@ -64,6 +65,7 @@ def launch_live(config: JobConfig, replicas: int, resume: str | None) -> TrainSu
             timeout_s=config.fault.timeout_s,
             restarts=config.fault.max_restarts,
             min_replicas=config.fault.min_replicas,
+            forked=True,
         )
     except ReplicaFailed as failure:
         if failure.config:
@@ -81,6 +83,7 @@ def run_replica(
 ) -> None:  # fmt: skip
     """One replica: a world of its own (gloo, one rank), a `LiveGroup` with the others, and the
     training loop; a replacement (`incarnation` > 0) heals from a replica instead of resuming."""
+    restore_sigterm()
     with redacting_output(), one_line_warnings():
         config = JobConfig.model_validate(config_data)
         torch.set_num_threads(config.job.threads_per_rank or max(1, visible_cpus() // replicas))

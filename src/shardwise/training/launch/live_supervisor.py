@@ -20,6 +20,7 @@ from typing import Any
 
 from shardwise.training.fault.live import alive_key, error_of, healed_key, join_key
 from shardwise.training.fault.membership import Generation, publish
+from shardwise.training.launch.forkserver import fork_target, start_method
 from shardwise.training.launch.stores import LOOPBACK, host_store
 
 HUNG_GRACE_S = 1.0
@@ -45,16 +46,18 @@ def supervise(
     timeout_s: float,
     restarts: int,
     min_replicas: int = 1,
+    forked: bool = False,
 ) -> list[Generation]:
     """Run `target(slot, incarnation, endpoint, *args)` (`endpoint`: this store's HOST:PORT)
     for slots 0..count-1 in spawned processes until each ends with exit code 0; a replica that
     dies is dropped from the next generation and replaced (at most `restarts` times in all), its
     replacement admitted once it has said it is ready; with no restart left the others go on
-    while `min_replicas` are left. The generations published, in order."""
+    while `min_replicas` are left; `forked`: from the ranks' fork server (launch/forkserver/,
+    a replacement in about a second), else spawned. The generations published, in order."""
     store = host_store(
         LOOPBACK, 0, world_size=None, timeout=timedelta(seconds=timeout_s), multi_tenant=False
     )
-    replicas = _Replicas(store, target, args, restarts, min_replicas)
+    replicas = _Replicas(store, target, args, restarts, min_replicas, forked=forked)
     try:
         replicas.start(count)
         while replicas.running:
@@ -80,10 +83,18 @@ class _Replicas:
         args: tuple[Any, ...],
         restarts: int,
         min_replicas: int,
+        *,
+        forked: bool,
     ) -> None:
-        self.store, self.target, self.args = store, target, args
+        self.store, self.args = store, args
         self.restarts, self.min_replicas = restarts, min_replicas
-        self.context = multiprocessing.get_context("spawn")
+        method = start_method() if forked else "spawn"
+        self.context: Any = multiprocessing.get_context(method)
+        # forked: through the server, in this process's environment as it is now
+        self.target: Callable[..., Any] = target
+        self.before: tuple[Any, ...] = ()
+        if method != "spawn":
+            self.target, self.before = fork_target(target, ())
         self.endpoint = f"{LOOPBACK}:{store.port}"
         self.running: dict[int, Any] = {}
         self.incarnations: dict[int, int] = {}
@@ -177,7 +188,7 @@ class _Replicas:
 
     def _spawn(self, slot: int, incarnation: int) -> None:
         process = self.context.Process(
-            target=self.target, args=(slot, incarnation, self.endpoint, *self.args)
+            target=self.target, args=(*self.before, slot, incarnation, self.endpoint, *self.args)
         )
         process.start()
         self.running[slot], self.incarnations[slot] = process, incarnation
