@@ -186,6 +186,20 @@ def test_batch_norms_heal_to_the_same_bytes(tmp_path, monkeypatch):
     assert running and all(torch.isfinite(v).all() and (v > 0).all() for v in running)
 
 
+def test_a_live_runs_checkpoint_resumes_on_another_number_of_replicas(
+    tmp_path, monkeypatch, one_process
+):
+    """The whole job dies after step 9 on 3 live replicas (every one killed); it resumes from
+    the checkpoint of step 8 on 2, and ends where one process ends."""
+    monkeypatch.setenv("SHARDWISE_FAULT", "kill:step=9")
+    with pytest.raises(WorkerFailed):
+        shardwise.train(_job(tmp_path, fault={"mode": "live"}), nproc=3)
+    monkeypatch.delenv("SHARDWISE_FAULT")
+    summary = shardwise.train(_job(tmp_path, fault={"mode": "live"}), nproc=2, resume="auto")
+    assert summary is not None and summary.checkpoint is not None
+    _same(losses(tmp_path), load_params(summary.checkpoint), one_process)
+
+
 def test_live_mode_refuses_what_it_cannot_run(tmp_path):
     config = _job(tmp_path, fault={"mode": "live"}, train={"sync": "local_sgd", "sync_every": 2})
     with pytest.raises(ConfigError, match=r"fault\.mode = 'live' reduces gradients every step"):

@@ -76,3 +76,30 @@ def test_a_training_run_listens_on_loopback_only(tmp_path):
     )
     assert len(found) >= 3, found
     assert not_on_loopback((a, p) for a, p, _ in found) == [], found
+
+
+def test_live_replicas_listen_on_loopback_only(tmp_path):
+    """fault.mode = "live": the supervisor's store and each generation's gloo groups."""
+    found = sockets_while_running(
+        [
+            str(BIN / "shardwise"),
+            "train",
+            "examples/digits.toml",
+            "--nproc",
+            "2",
+            "--set",
+            f"job.run_dir={tmp_path}",
+            "--set",
+            "train.steps=1000000",
+            "--set",
+            "tracking.log_every=10",
+            "--set",
+            "tracking.mlflow=false",
+            "--set",
+            "fault.mode=live",
+        ],
+        ready="step ",
+        expect=2,  # at least the supervisor's store and a gloo group's
+    )
+    assert len(found) >= 2, found
+    assert not_on_loopback((a, p) for a, p, _ in found) == [], found

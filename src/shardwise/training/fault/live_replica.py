@@ -60,7 +60,6 @@ class Parts:
 class LiveReplica:
     group: LiveGroup
     parts: Parts
-    global_batch: int
     min_replicas: int = 2
     """The fewest replicas that commit a step (`fault.min_replicas`)."""
     faults: Any = None

@@ -25,6 +25,7 @@ from shardwise.training.config.schema import JobConfig
 from shardwise.training.launch.forkserver import restore_sigterm
 from shardwise.training.launch.live_supervisor import ReplicaFailed, supervise
 from shardwise.training.launch.outcome import WorkerFailed
+from shardwise.training.launch.stores import loopback_collectives
 from shardwise.training.trainer.train_summary import TrainSummary
 
 
@@ -58,15 +59,16 @@ def launch_live(config: JobConfig, replicas: int, resume: str | None) -> TrainSu
     started = time.time()
     args = (config.model_dump(mode="json"), resume, replicas)
     try:
-        supervise(
-            replicas,
-            run_replica,
-            args,
-            timeout_s=config.fault.timeout_s,
-            restarts=config.fault.max_restarts,
-            min_replicas=config.fault.min_replicas,
-            forked=True,
-        )
+        with loopback_collectives():  # the replicas' gloo groups, as the agent's ranks'
+            supervise(
+                replicas,
+                run_replica,
+                args,
+                timeout_s=config.fault.timeout_s,
+                restarts=config.fault.max_restarts,
+                min_replicas=config.fault.min_replicas,
+                forked=True,
+            )
     except ReplicaFailed as failure:
         if failure.config:
             raise ConfigError(str(failure)) from None

@@ -268,7 +268,6 @@ def replica(run: Run, group: LiveGroup) -> LiveReplica:
     return LiveReplica(
         group,
         parts,
-        run.derived.global_batch,
         min_replicas=run.config.fault.min_replicas,
         faults=run.faults,
     )
