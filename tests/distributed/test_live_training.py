@@ -73,10 +73,14 @@ def test_a_killed_replica_is_not_waited_for_and_its_replacement_heals(
     # replica 1 dies after step 3; replica 0 is slowed so that the replacement (a new process,
     # seconds to start) joins while the run still has steps to go
     monkeypatch.setenv("SHARDWISE_FAULT", "kill:rank=1:step=3,slow:rank=0:step=1:seconds=0.4")
-    config = _job(tmp_path, fault={"mode": "live", "max_restarts": 1, "timeout_s": 60})
+    fault = {"mode": "live", "max_restarts": 1, "timeout_s": 60}
+    config = _job(tmp_path, fault=fault, tracking={"report": True})
     summary = shardwise.train(config, nproc=3)
     assert summary is not None and summary.checkpoint is not None
     _same(losses(tmp_path), load_params(summary.checkpoint), one_process)
+    report = (tmp_path / "report" / "report.html").read_text()
+    assert "live: 1 replica lost, detected in" in report
+    assert "live: replica 0 healed 1 replacement" in report
     records = read_metrics(tmp_path / "metrics.jsonl")
     lost = [r for r in records if "live/detected_s" in r]
     assert [r["step"] for r in lost] == [4]
@@ -131,10 +135,13 @@ def test_a_lone_replica_commits_nothing_until_its_peer_is_replaced(
     _same(losses(tmp_path), load_params(summary.checkpoint), one_process)
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records if "live/waited_s" in r] in ([4], [])  # [] if it was ready
+    # one left, which commits step 4 only with the replacement healed inside it
     assert [(r["step"], r["live/replicas"]) for r in records if "live/detected_s" in r] == [
+        (4, 1.0)
+    ]
+    assert [(r["step"], r["live/replicas"]) for r in records if "live/heal_bytes" in r] == [
         (4, 2.0)
     ]
-    assert all(r.get("live/replicas", 2.0) == 2.0 for r in records)  # never one alone
 
 
 def test_with_no_restart_left_the_others_go_on_while_enough_are_left(

@@ -48,3 +48,12 @@ def one_line_warnings() -> Iterator[None]:
 def warn(message: str, *, stacklevel: int = 2) -> None:
     """Issue a `ShardwiseWarning` (`stacklevel` as `warnings.warn`'s, counted from the caller)."""
     warnings.warn(message, ShardwiseWarning, stacklevel=stacklevel + 1)
+
+
+def human_bytes(value: float) -> str:
+    """A byte count as a person reads it: B, KiB, MiB or GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"

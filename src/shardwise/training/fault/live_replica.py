@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.common.console import human_bytes
 from shardwise.common.errors import ConfigError, first_line
 from shardwise.training.fault.heal import load_param_groups, state_of
 from shardwise.training.fault.live import LiveGroup
@@ -224,19 +225,24 @@ class LiveReplica:
         after = self.group.generation
         assert before is not None
         assert after is not None
-        lost = sorted(set(before.slots) - set(after.slots))
-        detected = time.perf_counter() - self._lost_at
-        self._moved(self.step + 1)
-        while self.group.size < self.min_replicas:
-            self._wait_for_more()
+        # a replacement already admitted (new in `after`) is not a survivor
+        lost = sorted(set(before.slots) - (set(after.slots) - set(after.joined)))
+        left = len(after.slots) - len(after.joined)
         self.events.append(
             (
                 f"step {self.step + 1}: lost replica{'s' if len(lost) > 1 else ''} "
-                f"{', '.join(map(str, lost))}; {self.group.size} replicas do the step again "
+                f"{', '.join(map(str, lost))}; {left} left do the step again "
                 f"(generation {after.number})",
-                {"live/replicas": float(self.group.size), "live/detected_s": detected},
+                {
+                    "live/replicas": float(left),
+                    "live/lost_replicas": float(len(lost)),
+                    "live/detected_s": time.perf_counter() - self._lost_at,
+                },
             )
         )
+        self._moved(self.step + 1)
+        while self.group.size < self.min_replicas:
+            self._wait_for_more()
         self.parts.loader.load_state_dict(self.position)  # the step's samples, read again
 
     def _wait_for_more(self) -> None:
@@ -277,10 +283,12 @@ class LiveReplica:
                 (
                     f"step {step}: replica {self.group.slot} healed replica"
                     f"{'s' if len(heal.to) > 1 else ''} {', '.join(map(str, heal.to))} "
-                    f"({heal.bytes / 2**20:.1f} MiB in {heal.seconds:.2f} s)",
+                    f"({human_bytes(heal.bytes)} in {heal.seconds:.2f} s)",
                     {
                         "live/heal_bytes": float(heal.bytes),
                         "live/heal_s": heal.seconds,
+                        "live/heal_source": float(heal.source),
+                        "live/healed_replicas": float(len(heal.to)),
                         "live/replicas": float(self.group.size),
                     },
                 )

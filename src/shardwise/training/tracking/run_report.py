@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardwise.common.console import human_bytes
 from shardwise.common.errors import ConfigError
 from shardwise.training.tracking.metrics import read_metrics
 
@@ -235,10 +236,36 @@ def _events(records: list[dict[str, Any]]) -> list[tuple[int, str]]:
             found.append((step, f"{int(r['checkpoint/failed_saves'])} failed checkpoint saves"))
         if "compile/seconds" in r:
             found.append((step, f"torch.compile took {r['compile/seconds']:.1f} s"))
+        found += [(step, line) for line in _live_events(r)]
         for key, value in r.items():
             if key.startswith("straggler/") and value:
                 found.append((step, f"{key.removeprefix('straggler/')} was a straggler"))
     return found
+
+
+def _live_events(r: dict[str, Any]) -> list[str]:
+    """Live recovery's timeline (fault/live_replica.py): replicas lost, the step committed
+    again, replacements healed, waits for one."""
+    lines = []
+    replicas = int(r.get("live/replicas", 0))
+    if "live/detected_s" in r:
+        lost = int(r.get("live/lost_replicas", 1))
+        lines.append(
+            f"live: {lost} replica{'s' if lost > 1 else ''} lost, detected in "
+            f"{r['live/detected_s']:.3f} s; the {replicas} left do the step again"
+        )
+    if "live/waited_s" in r:
+        lines.append(f"live: waited {r['live/waited_s']:.2f} s for a replacement (min_replicas)")
+    if "live/stall_s" in r:
+        lines.append(f"live: the step committed {r['live/stall_s']:.3f} s after the loss")
+    if "live/heal_bytes" in r:
+        healed = int(r.get("live/healed_replicas", 1))
+        lines.append(
+            f"live: replica {int(r.get('live/heal_source', 0))} healed {healed} "
+            f"replacement{'s' if healed > 1 else ''} ({human_bytes(r['live/heal_bytes'])} in "
+            f"{r['live/heal_s']:.3f} s); {replicas} replicas"
+        )
+    return lines
 
 
 def _page(
@@ -269,7 +296,11 @@ def _page(
     )
     missing = "".join(f"<li>{e(n)}</li>" for n in notes)
     rows = "".join(f"<tr><td>{s}</td><td>{e(t)}</td></tr>" for s, t in events)
-    table = f"<table>{rows}</table>" if rows else "<p>No restarts, skipped steps or stragglers.</p>"
+    table = (
+        f"<table>{rows}</table>"
+        if rows
+        else "<p>No restarts, replicas lost, skipped steps or stragglers.</p>"
+    )
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>shardwise report: {e(run_dir.name)}</title>
 <style>body{{font-family:sans-serif;max-width:60em;margin:2em auto;color:#222}}

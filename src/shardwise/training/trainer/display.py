@@ -15,6 +15,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
+from shardwise.common.console import human_bytes
 from shardwise.common.job_files import flatten, redacted_dump
 from shardwise.common.mlflow import MlflowTracker
 from shardwise.training.config.derive import Derived
@@ -119,14 +120,6 @@ def _format_value(key: str, value: Any) -> str:
     if isinstance(value, int | float):
         return human_bytes(float(value))
     return str(value)
-
-
-def human_bytes(value: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} GiB"
 
 
 class Reporter:
