@@ -56,7 +56,9 @@ def _same(got_losses, got_params, want):
     for step in want_losses:
         assert got_losses[step] == pytest.approx(want_losses[step], rel=1e-4), step
     for name, value in want_params.items():
-        torch.testing.assert_close(got_params[name], value, **TOLERANCE, msg=name)
+        torch.testing.assert_close(
+            got_params[name], value, **TOLERANCE, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 def test_three_live_replicas_train_what_one_process_trains(tmp_path, one_process):
@@ -121,6 +123,22 @@ def test_a_replica_killed_anywhere_in_a_step_or_a_heal_costs_nothing(
     assert summary is not None and summary.checkpoint is not None
     _same(losses(tmp_path), load_params(summary.checkpoint), one_process)
     assert not (tmp_path / "hangs").exists()
+
+
+def test_when_the_reporting_replica_dies_the_one_that_reports_on_saves(
+    tmp_path, monkeypatch, one_process
+):
+    """Replica 0 reports and saves; it dies after step 2, replica 1 reports from then on, and
+    the summary names the final checkpoint, which it saves, even once replica 0's replacement
+    (the lowest slot again) has joined."""
+    monkeypatch.setenv("SHARDWISE_FAULT", "kill:rank=0:step=2,slow:rank=1:step=1:seconds=0.4")
+    config = _job(tmp_path, fault={"mode": "live", "max_restarts": 1, "timeout_s": 60})
+    summary = shardwise.train(config, nproc=3)
+    assert summary is not None and summary.checkpoint is not None
+    assert summary.checkpoint.endswith(f"step_{STEPS:08d}")
+    _same(losses(tmp_path), load_params(summary.checkpoint), one_process)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["live/heal_source"] for r in records if "live/heal_bytes" in r] == [1.0]
 
 
 def test_a_lone_replica_commits_nothing_until_its_peer_is_replaced(

@@ -251,14 +251,3 @@ class LiveGroup:
             self.hook("heal_receive")
             return receive_state(self.pg, generation.rank_of(source), state()[0], allocate)
         return {}
-        source = min(s for s in generation.slots if s not in generation.joined)
-        if self.slot == source:
-            began = time.perf_counter()
-            tensors, extra = state()
-            sent = 0
-            for slot in generation.joined:
-                sent += send_state(self.pg, generation.rank_of(slot), tensors, extra)
-            self.healed = Heal(generation.joined, source, sent, time.perf_counter() - began)
-        elif self.slot in generation.joined:
-            return receive_state(self.pg, generation.rank_of(source), state()[0], allocate)
-        return {}

@@ -205,8 +205,9 @@ class LiveReplica:
 
     @property
     def saves(self) -> bool:
-        """Whether this replica writes the run's checkpoints: the lowest live one."""
-        return self.group.rank == 0
+        """Whether this replica writes the run's checkpoints: the one that reports, so that
+        the summary it writes names the newest."""
+        return self.reports
 
     def drain(self) -> list[tuple[str, dict[str, float]]]:
         events, self.events = self.events, []

@@ -490,7 +490,7 @@ def _impossible_mfu(loop: Loop, step: int, stats: dict[str, float]) -> None:
 def _checkpoint(loop: Loop, step: int) -> None:
     """Save the step; a failed save stops the run only under checkpoint.fail_on_save_error."""
     run = loop.run
-    if run.live is not None and not run.live.saves:  # the lowest live replica saves
+    if run.live is not None and not run.live.saves:  # the reporting replica saves
         return
     loop.watchdog.beat()
     began = time.perf_counter()
