@@ -54,23 +54,17 @@ def sockets_while_running(command: list[str], ready: str, expect: int) -> list:
             proc.wait()
 
 
+def _digits(run_dir: Path, *more: str) -> list[str]:
+    """`shardwise train examples/digits.toml` on 2 processes, long enough to be looked at."""
+    sets = [f"job.run_dir={run_dir}", "train.steps=1000000", "tracking.log_every=10"]
+    sets += ["tracking.mlflow=false", *more]
+    command = [str(BIN / "shardwise"), "train", "examples/digits.toml", "--nproc", "2"]
+    return command + [part for pair in sets for part in ("--set", pair)]
+
+
 def test_a_training_run_listens_on_loopback_only(tmp_path):
     found = sockets_while_running(
-        [
-            str(BIN / "shardwise"),
-            "train",
-            "examples/digits.toml",
-            "--nproc",
-            "2",
-            "--set",
-            f"job.run_dir={tmp_path}",
-            "--set",
-            "train.steps=1000000",
-            "--set",
-            "tracking.log_every=10",
-            "--set",
-            "tracking.mlflow=false",
-        ],
+        _digits(tmp_path),
         ready="step ",
         expect=3,  # at least the rendezvous store, rank 0's store and gloo
     )
@@ -81,23 +75,7 @@ def test_a_training_run_listens_on_loopback_only(tmp_path):
 def test_live_replicas_listen_on_loopback_only(tmp_path):
     """fault.mode = "live": the supervisor's store and each generation's gloo groups."""
     found = sockets_while_running(
-        [
-            str(BIN / "shardwise"),
-            "train",
-            "examples/digits.toml",
-            "--nproc",
-            "2",
-            "--set",
-            f"job.run_dir={tmp_path}",
-            "--set",
-            "train.steps=1000000",
-            "--set",
-            "tracking.log_every=10",
-            "--set",
-            "tracking.mlflow=false",
-            "--set",
-            "fault.mode=live",
-        ],
+        _digits(tmp_path, "fault.mode=live"),
         ready="step ",
         expect=2,  # at least the supervisor's store and a gloo group's
     )
