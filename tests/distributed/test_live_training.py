@@ -198,6 +198,16 @@ def test_a_hung_replica_is_evicted_after_the_timeout_and_replaced(
     assert not (tmp_path / "hangs").exists()  # no survivor's watchdog fired
 
 
+def test_a_replica_whose_state_silently_changed_is_caught_at_the_next_checkpoint_step(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("SHARDWISE_FAULT", "corrupt:rank=1:step=5")
+    with pytest.raises(WorkerFailed, match="the replicas' states differ after step 8"):
+        shardwise.train(_job(tmp_path, fault={"mode": "live"}), nproc=3)
+    assert problem(tmp_path / "checkpoints" / "step_00000004") is None
+    assert not (tmp_path / "checkpoints" / "step_00000008").exists()
+
+
 def test_batch_norms_heal_to_the_same_bytes(tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDWISE_FAULT", "kill:rank=2:step=2,slow:rank=0:step=1:seconds=0.5")
     resnet = {"name": "resnet", "args": {"depth": 18, "width": 4, "channels": 1}}

@@ -16,6 +16,8 @@
                                from step 1 on, the rank spends 50 ms more on every step before
                                its forward pass (a straggler)
     save_error:step=10         saving the checkpoint of step 10 fails as a full disk does
+    corrupt:rank=1:step=5      after step 5 the rank's first parameter silently changes (a bit
+                               flip in memory): live replicas' state hashes catch it
 
 Faults fire on the first attempt only: after the launcher restarts the workers, or Slurm requeues
 the job (`SLURM_RESTART_COUNT`), they run clean, so a test can check that the restarted run
@@ -37,7 +39,7 @@ from shardwise.common.environment import launcher_pid
 from shardwise.common.errors import ConfigError
 
 ENV = "SHARDWISE_FAULT"
-KINDS = ("kill", "nan", "stall", "sigterm", "save_error", "slow")
+KINDS = ("kill", "nan", "stall", "sigterm", "save_error", "slow", "corrupt")
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,11 @@ class FaultPlan:
                 if p.grad is not None:
                     p.grad.fill_(float("nan"))
                     return
+
+    def corrupt_parameters(self, step: int, params: Iterable[torch.nn.Parameter]) -> None:
+        if self._due("corrupt", step):
+            with torch.no_grad():
+                next(iter(params)).add_(1.0)
 
     def before_save(self, step: int) -> None:
         if self._due("save_error", step):

@@ -65,6 +65,8 @@ class LiveReplica:
     """The fewest replicas that commit a step (`fault.min_replicas`)."""
     faults: Any = None
     """The run's `FaultPlan`: kills at points of a step and of a membership change."""
+    check_every: int = 0
+    """Compare the members' state hashes every this many steps too (0: after heals only)."""
     step: int = 0
     """The last committed step."""
     position: dict[str, Any] = field(default_factory=dict)
@@ -175,6 +177,8 @@ class LiveReplica:
         self.group.boundary(self._state)
         if self.group.generation != before:
             self._moved(step)
+        elif self.check_every and step % self.check_every == 0:
+            self._compare_hashes()
 
     def join(self) -> int:
         """A replacement's start: be admitted, receive a member's state; the step it continues
@@ -350,8 +354,8 @@ class LiveReplica:
         self.parts.loader.load_state_dict(self.position)
 
     def _compare_hashes(self) -> None:
-        """After a heal, every member's hash of its state against the lowest member's: the
-        same, or `StateDiverged`."""
+        """Every member's hash of its state (after a heal, and every `check_every` steps)
+        against the others': the same, or `StateDiverged`."""
         digest = torch.tensor(list(state_hash(self._state()[0])), dtype=torch.float64)
         mine = torch.cat([digest, digest.square()])
         summed = mine.clone()
@@ -361,7 +365,9 @@ class LiveReplica:
         # every member's digest equal: the sums of the bytes and of their squares say so
         if not torch.equal(summed, mine * self.group.size):
             raise StateDiverged(
-                f"replica {self.group.slot}'s state differs from its peers' after a heal"
+                f"the replicas' states differ after step {self.step} (replica "
+                f"{self.group.slot}'s hash against its peers'): a silent corruption, in memory "
+                "or in a heal; the checkpoints saved before it are intact"
             )
 
 

@@ -270,6 +270,7 @@ def replica(run: Run, group: LiveGroup) -> LiveReplica:
         parts,
         min_replicas=run.config.fault.min_replicas,
         faults=run.faults,
+        check_every=run.config.checkpoint.every_steps,
     )
 
 
@@ -362,6 +363,8 @@ def _after_step(loop: Loop, step: int) -> bool:
         _evaluate(loop, step)
     loop.watchdog.finished(step)
     run.faults.after_step(step)
+    if run.faults.faults:
+        run.faults.corrupt_parameters(step, run.parameters())
     if stop:
         loop.reporter.say(
             f"SIGTERM: saved {loop.checkpoint} at step {step} and stopping; "
