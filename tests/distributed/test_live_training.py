@@ -132,10 +132,18 @@ def test_when_the_reporting_replica_dies_the_one_that_reports_on_saves(
     the summary names the final checkpoint, which it saves, even once replica 0's replacement
     (the lowest slot again) has joined."""
     monkeypatch.setenv("SHARDWISE_FAULT", "kill:rank=0:step=2,slow:rank=1:step=1:seconds=0.4")
-    config = _job(tmp_path, fault={"mode": "live", "max_restarts": 1, "timeout_s": 60})
+    fault = {"mode": "live", "max_restarts": 1, "timeout_s": 60}
+    config = _job(tmp_path, fault=fault, tracking={"mlflow": True})
     summary = shardwise.train(config, nproc=3)
     assert summary is not None and summary.checkpoint is not None
     assert summary.checkpoint.endswith(f"step_{STEPS:08d}")
+    # the MLflow run the first replica opened, reopened by the one that took over, and closed
+    from mlflow.tracking import MlflowClient
+
+    assert summary.mlflow_run_id is not None
+    tracked = MlflowClient(config.tracking_uri).get_run(summary.mlflow_run_id)
+    assert tracked.info.status == "FINISHED"
+    assert tracked.data.metrics["loss"] == pytest.approx(losses(tmp_path)[STEPS])
     _same(losses(tmp_path), load_params(summary.checkpoint), one_process)
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["live/heal_source"] for r in records if "live/heal_bytes" in r] == [1.0]

@@ -217,7 +217,7 @@ def _session(
             # the report reads the run's files, summary.json among them; it is written again
             # below once MLflow (closed with the report logged) has said its run id
             (config.run_dir / "summary.json").write_text(to_json(asdict(summary)))
-            display.run_report(reporter, config.run_dir)
+            display.run_report(loop.reporter, config.run_dir)
     except BaseException as error:
         watchdog.peer_gone(error)  # after SIGTERM: ends the rank, saying why
         raise
@@ -225,9 +225,9 @@ def _session(
         watchdog.close()
         health.close()
         run.loader.close()
-        reporter.close(status)
+        loop.reporter.close(status)  # a live replica may have taken the reporting over
     if loop.summary is not None and loop.reporting:
-        loop.summary.mlflow_run_id = reporter.mlflow_run_id()
+        loop.summary.mlflow_run_id = loop.reporter.mlflow_run_id()
         (config.run_dir / "summary.json").write_text(to_json(asdict(loop.summary)))
 
 
