@@ -82,6 +82,8 @@ class LiveReplica:
     _params: list[nn.Parameter] = field(default_factory=list)
     _views: list[torch.Tensor] = field(default_factory=list)
     _floating: list[torch.Tensor] = field(default_factory=list)
+    _grad_numel: int = 0
+    """Where the gradients end in `_flat` (the floating buffers follow)."""
 
     def __post_init__(self) -> None:
         self._place()
@@ -119,7 +121,7 @@ class LiveReplica:
             if p.grad is not view:  # replaced by something other than the backward: copied in
                 view.copy_(p.grad if p.grad is not None else torch.zeros_like(view))
                 p.grad = view
-        offset = sum(v.numel() for v in self._views)
+        offset = self._grad_numel
         for b in self._floating:
             flat[offset : offset + b.numel()].copy_(b.detach().flatten())
             offset += b.numel()
@@ -135,7 +137,7 @@ class LiveReplica:
             self.parts.traffic.uncompressed += 2 * (self.group.size - 1) / self.group.size * nbytes
         self._kill_at("after_reduce")
         flat[:-2].div_(flat[-2].clone())
-        offset = sum(v.numel() for v in self._views)
+        offset = self._grad_numel
         for b in self._floating:
             b.copy_(flat[offset : offset + b.numel()].view_as(b))
             offset += b.numel()
@@ -156,6 +158,7 @@ class LiveReplica:
                 )
             dtype, device = next(iter(kinds))
             sizes = [p.numel() for p in self._params]
+            self._grad_numel = sum(sizes)
             extra = sum(b.numel() for b in self._floating) + 3  # loss, samples, flag
             self._flat = torch.zeros(sum(sizes) + extra, dtype=dtype, device=device)
             pieces = torch.split(self._flat[: sum(sizes)], sizes)

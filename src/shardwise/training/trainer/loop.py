@@ -172,9 +172,8 @@ def _session(
     run.faults = FaultPlan.from_env(rank=run.rank, attempt=restarts)
     if live is not None:
         run.live = replica(run, live)
-    healed = run.live is not None and live is not None and live.incarnation > 0
-    if healed:
-        assert run.live is not None
+    healed = run.live is not None and run.live.group.incarnation > 0
+    if run.live is not None and healed:
         start = run.live.join()
     else:
         start = restore(run, resume) if resume else 0
