@@ -71,6 +71,7 @@ def _trainer(slot: int, incarnation: int, endpoint: str, out: str) -> None:
             offset += g.numel()
         optimizer.step()
         step += 1
+        live.committed = step  # a generation's members heal to the highest step committed
         log.write(json.dumps({"step": step, "pid": os.getpid(), "members": members.item()}) + "\n")
         live.boundary(state)
     final = {k: v.detach().clone() for k, v in state_of(model, optimizer)[0].items()}

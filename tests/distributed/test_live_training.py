@@ -127,6 +127,26 @@ def test_a_replica_killed_anywhere_in_a_step_or_a_heal_costs_nothing(
     assert not (tmp_path / "hangs").exists()
 
 
+def test_a_replica_whose_all_reduce_failed_where_its_peers_completed_takes_their_step(
+    tmp_path, monkeypatch, one_process
+):
+    """Replica 2 dies as its all-reduce of step 5 ends: replica 1's completes, replica 0's
+    (which reports) fails, as gloo's ring leaves them (`lose`). Replica 1 commits step 5 and
+    replica 0 does not: in the next generation replica 0 is behind, receives replica 1's state
+    and goes on from step 6 with it (the rule is the highest committed step), never doing step
+    5 again on top of replica 1's step 6."""
+    faults = "lose:rank=0:step=5,kill:rank=2:step=5:at=after_reduce,slow:rank=0:step=1:seconds=0.4"
+    monkeypatch.setenv("SHARDWISE_FAULT", faults)
+    config = _job(tmp_path, fault={"mode": "live", "max_restarts": 1, "timeout_s": 60})
+    summary = shardwise.train(config, nproc=3)
+    assert summary is not None and summary.checkpoint is not None
+    _same(losses(tmp_path), load_params(summary.checkpoint), one_process)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    behind = [r for r in records if "live/behind_steps" in r]
+    assert [(r["step"], r["live/behind_steps"]) for r in behind] == [(5, 1.0)]
+    assert not (tmp_path / "hangs").exists()
+
+
 def test_when_the_reporting_replica_dies_the_one_that_reports_on_saves(
     tmp_path, monkeypatch, one_process
 ):

@@ -18,6 +18,9 @@
     save_error:step=10         saving the checkpoint of step 10 fails as a full disk does
     corrupt:rank=1:step=5      after step 5 the rank's first parameter silently changes (a bit
                                flip in memory): live replicas' state hashes catch it
+    lose:rank=0:step=5         in live recovery, the rank's all-reduce of step 5 completes but
+                               the rank takes it as failed, as gloo's ring can leave one member
+                               when a peer dies inside it: its peers commit the step, it does not
 
 Faults fire on the first attempt only: after the launcher restarts the workers, or Slurm requeues
 the job (`SLURM_RESTART_COUNT`), they run clean, so a test can check that the restarted run
@@ -39,7 +42,7 @@ from shardwise.common.environment import launcher_pid
 from shardwise.common.errors import ConfigError
 
 ENV = "SHARDWISE_FAULT"
-KINDS = ("kill", "nan", "stall", "sigterm", "save_error", "slow", "corrupt")
+KINDS = ("kill", "nan", "stall", "sigterm", "save_error", "slow", "corrupt", "lose")
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,10 @@ class FaultPlan:
                 or (point in ("reform", "heal_send") and step >= f.step)
             ):
                 os.kill(os.getpid(), signal.SIGKILL)
+
+    def loses(self, step: int) -> bool:
+        """Whether this rank takes its completed all-reduce of `step` as failed (`lose`)."""
+        return self._due("lose", step)
 
     def corrupt_gradients(self, step: int, params: Iterable[torch.nn.Parameter]) -> None:
         if self._due("nan", step):

@@ -125,6 +125,15 @@ class LiveGroup:
         self._switch = False
         self.healed: Heal | None = None
         """The last heal this replica sent (live_replica.py reports it, then clears it)."""
+        self.committed = -1
+        """The last step this member committed (-1: none, as a replacement that has not healed):
+        the trainer's replica keeps it; a generation's members heal to the highest."""
+        self.behind: tuple[int, ...] = ()
+        """The members the last generation moved into healed (every member knows them: each
+        compares its state's hash with theirs then)."""
+        self.received_from: int | None = None
+        """The slot this member last received its state from (a heal: the trainer's replica
+        reports it, then clears it)."""
         self.hook: Callable[[str], None] = lambda point: None
         """Called at points of a membership change (`reform`, `heal_send`, `heal_receive`):
         where fault injection kills a replica (fault/inject.py)."""
@@ -169,10 +178,12 @@ class LiveGroup:
         self._switch = bool(buffer[-1] > 0)
         return True
 
-    def wait_for_more(self, state: State) -> None:
-        """The next generation (healing its replacements), waited for up to the timeout."""
+    def wait_for_more(self, state: State, allocate: Allocate | None = None) -> dict[str, Any]:
+        """The next generation (healing the members behind), waited for up to the timeout; the
+        JSON this member received where it was behind, else {}."""
         assert self.generation is not None
-        self._move(newer(self.store, self.generation.number, self.timeout_s), state)
+        following = newer(self.store, self.generation.number, self.timeout_s)
+        return self._move(following, state, allocate)
 
     def failed(self, message: str, *, config: bool) -> None:
         """Say the error this replica ends on, for the coordinator to report (`config`: the
@@ -183,23 +194,27 @@ class LiveGroup:
     def close(self) -> None:
         self._newest.close()
 
-    def boundary(self, state: State) -> dict[str, Any] | None:
+    def boundary(self, state: State, allocate: Allocate | None = None) -> dict[str, Any]:
         """Between two steps: where a member saw a newer generation, every member moves to the
-        newest now (healing its replacements); the JSON a replacement was sent, else None."""
+        newest now (healing the members behind); the JSON this member received where it was
+        behind, else {}."""
         if not self._switch:
-            return None
+            return {}
         self._switch = False
-        return self._move(current(self.store, self.timeout_s), state)
+        return self._move(current(self.store, self.timeout_s), state, allocate)
 
-    def recover(self, state: State) -> None:
-        """After a failed collective: the next generation (healing its replacements)."""
+    def recover(self, state: State, allocate: Allocate | None = None) -> dict[str, Any]:
+        """After a failed collective: the next generation (healing the members behind); the
+        JSON this member received where it was behind (its peers had committed a step its own
+        collective failed in), else {}."""
         assert self.generation is not None
         # This replica's end of the broken group closed now: a peer still waiting on it inside
         # the same collective fails at once too, rather than at gloo's timeout.
         self.pg = None
         # ... and said alive: the coordinator evicts the members that do not say so (hung)
         self.store.set(alive_key(self.generation.number, self.slot), str(self.incarnation))
-        self._move(newer(self.store, self.generation.number, self.timeout_s), state)
+        following = newer(self.store, self.generation.number, self.timeout_s)
+        return self._move(following, state, allocate)
 
     @property
     def size(self) -> int:
@@ -234,20 +249,39 @@ class LiveGroup:
     def _heal(
         self, generation: Generation, state: State, allocate: Allocate | None
     ) -> dict[str, Any]:
-        """The lowest member that is not new sends its state to each that is."""
-        if not generation.joined:
-            return {}
+        """The members behind the highest step committed receive the state of the lowest
+        member at it: the replacements, and a member whose collective failed where its peers'
+        completed (gloo's ring can leave one so when a peer dies inside it), which would
+        otherwise do again a step they had committed."""
         assert self.pg is not None
-        source = min(s for s in generation.slots if s not in generation.joined)
+        steps = self._committed_steps(generation)
+        top = max(steps.values())
+        behind = self.behind = tuple(slot for slot in generation.slots if steps[slot] < top)
+        if not behind:
+            return {}
+        source = min(slot for slot in generation.slots if steps[slot] == top)
         if self.slot == source:
             began = time.perf_counter()
             tensors, extra = state()
             sent = 0
-            for slot in generation.joined:
+            for slot in behind:
                 self.hook("heal_send")
                 sent += send_state(self.pg, generation.rank_of(slot), tensors, extra)
-            self.healed = Heal(generation.joined, source, sent, time.perf_counter() - began)
-        elif self.slot in generation.joined:
-            self.hook("heal_receive")
-            return receive_state(self.pg, generation.rank_of(source), state()[0], allocate)
+            self.healed = Heal(behind, source, sent, time.perf_counter() - began)
+        elif self.slot in behind:
+            if self.slot in generation.joined:
+                self.hook("heal_receive")
+            extra = receive_state(self.pg, generation.rank_of(source), state()[0], allocate)
+            self.received_from, self.committed = source, top
+            return extra
         return {}
+
+    def _committed_steps(self, generation: Generation) -> dict[int, int]:
+        """Each member's last committed step, by slot (one all-reduce: each adds its own at its
+        rank); a replacement admitted now counts as none."""
+        assert self.pg is not None
+        steps = torch.zeros(len(generation.slots), dtype=torch.float64)
+        mine = -1 if self.slot in generation.joined else self.committed
+        steps[generation.rank_of(self.slot)] = mine + 1  # float64: exact to 2**53
+        self.pg.allreduce([steps]).wait()
+        return {slot: int(steps[generation.rank_of(slot)].item()) - 1 for slot in generation.slots}

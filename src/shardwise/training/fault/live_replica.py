@@ -11,7 +11,11 @@ the one a single process makes on the whole batch.
 When a replica dies inside a step, the survivors' all-reduce fails at once; they take the next
 generation and do the step again (`StepAgain`) with its membership, from the same state and
 the same data position: no sample of the step is lost and none is read twice, and the run is
-the one that membership would have made. A replacement is admitted at a step boundary, or
+the one that membership would have made. Where a survivor's all-reduce failed and another's
+completed (gloo's ring can end so when a member dies inside it), the one that completed has
+committed the step: in the next generation every member below the highest step committed
+receives the state of one at it (`StepTaken`), so that no step is done twice or on top of
+another. A replacement is admitted at a step boundary, or
 inside a step being done again; a member sends it the state as of the last committed step
 (parameters, buffers, optimizer state, schedules, scaler, step, data position), tensor by
 tensor, and both then compare a hash of what they hold.
@@ -36,6 +40,16 @@ from shardwise.training.fault.live import LiveGroup
 
 class StepAgain(Exception):
     """The membership changed inside the step: do it again, from its start, with the new one."""
+
+
+class StepTaken(Exception):
+    """This replica's all-reduce failed where its peers' completed (gloo's ring can end so when
+    a member dies inside it): they committed the step, and this replica now holds their state
+    after it. The step is done; `loss` is the step's, as they reduced it."""
+
+    def __init__(self, step: int, loss: float) -> None:
+        super().__init__(f"step {step} taken from the replica's peers")
+        self.step, self.loss = step, loss
 
 
 class StateDiverged(RuntimeError):
@@ -67,12 +81,14 @@ class LiveReplica:
     """The run's `FaultPlan`: kills at points of a step and of a membership change."""
     check_every: int = 0
     """Compare the members' state hashes every this many steps too (0: after heals only)."""
-    step: int = 0
-    """The last committed step."""
     position: dict[str, Any] = field(default_factory=dict)
     """The data position at the start of the step in progress (what a replacement starts at)."""
     events: list[tuple[str, dict[str, float]]] = field(default_factory=list)
     """What happened since the loop last asked (`drain`): a line to say and metrics to record."""
+    _loss: torch.Tensor | None = None
+    """The last committed step's loss, as reduced (what a member behind is sent with it)."""
+    _received_loss: float = float("nan")
+    """The loss of the step received last (a member behind reports it as its own)."""
     _lost_at: float | None = None
     _buffers: list[torch.Tensor] = field(default_factory=list)
     """The buffers' values at the start of the step (a step done again starts from them)."""
@@ -84,6 +100,15 @@ class LiveReplica:
     _floating: list[torch.Tensor] = field(default_factory=list)
     _grad_numel: int = 0
     """Where the gradients end in `_flat` (the floating buffers follow)."""
+
+    @property
+    def step(self) -> int:
+        """The last step this replica committed (its group's heal rule reads it too)."""
+        return self.group.committed
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.group.committed = value
 
     def __post_init__(self) -> None:
         self._place()
@@ -128,8 +153,11 @@ class LiveReplica:
         flat[-3], flat[-2] = loss.detach(), 1.0
         flat[:-1].mul_(samples)
         self._kill_at("reduce")
-        if not self.group.allreduce_in_place(flat):
+        if not self.group.allreduce_in_place(flat) or self._lost_reply():
+            doing = self.step + 1
             self._recover()
+            if self.step >= doing:  # the peers committed it: this replica holds their state
+                raise StepTaken(doing, self._received_loss)
             raise StepAgain
         if self.parts.traffic is not None:
             nbytes = flat.numel() * flat.element_size()
@@ -142,7 +170,12 @@ class LiveReplica:
             b.copy_(flat[offset : offset + b.numel()].view_as(b))
             offset += b.numel()
         self._stepping_again_after_loss()
-        return flat[-3].clone().to(loss.dtype)
+        self._loss = flat[-3].clone()
+        return self._loss.to(loss.dtype)
+
+    def _lost_reply(self) -> bool:
+        """Whether fault injection takes this completed all-reduce as failed (`lose`)."""
+        return self.faults is not None and self.faults.loses(self.step + 1)
 
     def _bind_gradients(self) -> None:
         """Every parameter's `.grad` a view of `_flat`, zeroed: the backward passes accumulate
@@ -177,7 +210,9 @@ class LiveReplica:
         self.step = step
         self.position = dict(self.parts.loader.state_dict())
         before = self.group.generation
-        self.group.boundary(self._state)
+        received = self.group.boundary(self._state, self._allocate)
+        if received:
+            self._load(received)
         if self.group.generation != before:
             self._moved(step)
         elif self.check_every and step % self.check_every == 0:
@@ -196,7 +231,7 @@ class LiveReplica:
         self.events.append(
             (
                 f"replica {self.group.slot} (replacement {self.group.incarnation}) healed from "
-                f"replica {min(s for s in generation.slots if s not in generation.joined)} in "
+                f"replica {self.group.received_from} in "
                 f"{time.perf_counter() - began:.2f} s and continues after step {self.step} with "
                 f"{len(generation.slots)} replicas",
                 {"live/heal_received_s": time.perf_counter() - began},
@@ -223,24 +258,31 @@ class LiveReplica:
     # membership
 
     def _recover(self) -> None:
-        """A collective failed: the next generation (healing its replacements); the step is
-        done again in it."""
+        """A collective failed: the next generation, in which the members behind the highest
+        step committed are healed (the replacements; this replica, where its collective failed
+        and its peers' completed); the step is done again in it, or taken from the peers."""
         self._lost_at = time.perf_counter()
         for saved, b in zip(self._buffers, self._all_buffers(), strict=True):
             b.copy_(saved)  # as the step found them (a replacement receives them so, too)
-        before = self.group.generation
-        self.group.recover(self._state)
+        before, committed = self.group.generation, self.step
+        received = self.group.recover(self._state, self._allocate)
         after = self.group.generation
         assert before is not None
         assert after is not None
         # a replacement already admitted (new in `after`) is not a survivor
         lost = sorted(set(before.slots) - (set(after.slots) - set(after.joined)))
         left = len(after.slots) - len(after.joined)
+        said = f"{left} left do the step again"
+        if received:  # the others committed the step: this replica now holds it
+            said = (
+                f"{left} left; replica {self.group.slot}'s all-reduce failed where its peers' "
+                f"completed, and it takes the step they committed from replica "
+                f"{self.group.received_from}"
+            )
         self.events.append(
             (
-                f"step {self.step + 1}: lost replica{'s' if len(lost) > 1 else ''} "
-                f"{', '.join(map(str, lost))}; {left} left do the step again "
-                f"(generation {after.number})",
+                f"step {committed + 1}: lost replica{'s' if len(lost) > 1 else ''} "
+                f"{', '.join(map(str, lost))}; {said} (generation {after.number})",
                 {
                     "live/replicas": float(left),
                     "live/lost_replicas": float(len(lost)),
@@ -248,10 +290,17 @@ class LiveReplica:
                 },
             )
         )
+        if received:
+            self._behind(committed, received)
         self._moved(self.step + 1)
         while self.group.size < self.min_replicas:
             self._wait_for_more()
         self.parts.loader.load_state_dict(self.position)  # the step's samples, read again
+
+    def _behind(self, committed: int, received: dict[str, Any]) -> None:
+        """This replica received its peers' state after steps it had not committed."""
+        self._load(received)
+        self.events.append(("", {"live/behind_steps": float(self.step - committed)}))
 
     def _wait_for_more(self) -> None:
         """Fewer replicas than `min_replicas`: nothing commits until a replacement joins."""
@@ -264,8 +313,9 @@ class LiveReplica:
                 {},
             )
         )
+        committed = self.step
         try:
-            self.group.wait_for_more(self._state)
+            received = self.group.wait_for_more(self._state, self._allocate)
         except (TimeoutError, RuntimeError) as e:
             raise RuntimeError(
                 f"{left} replica{'s' if left > 1 else ''} left, fewer than fault.min_replicas "
@@ -273,6 +323,8 @@ class LiveReplica:
                 f"({self.group.timeout_s:g} s): {first_line(e)}"
             ) from None
         self.events.append(("", {"live/waited_s": time.perf_counter() - began}))
+        if received:
+            self._behind(committed, received)
         self._moved(self.step + 1)
 
     def _stepping_again_after_loss(self) -> None:
@@ -301,8 +353,7 @@ class LiveReplica:
                     },
                 )
             )
-        generation = self.group.generation
-        if generation is not None and generation.joined:
+        if self.group.behind:
             self._compare_hashes()
 
     def _place(self) -> None:
@@ -322,6 +373,7 @@ class LiveReplica:
             groups.append(extra)
         extra = {
             "step": self.step,
+            "loss": None if self._loss is None else float(self._loss),
             "position": self.position,
             "optimizers": groups,
             "schedulers": [s.state_dict() for s in self.parts.schedulers],
@@ -353,6 +405,7 @@ class LiveReplica:
         if extra["scaler"]:
             self.parts.scaler.load_state_dict(extra["scaler"])
         self.step = int(extra["step"])
+        self._received_loss = float("nan") if extra["loss"] is None else float(extra["loss"])
         self.position = dict(extra["position"])
         self.parts.loader.load_state_dict(self.position)
 

@@ -24,7 +24,7 @@ from shardwise.training.data.sampling import StepLoader
 from shardwise.training.fault.health import RankHealth
 from shardwise.training.fault.inject import FaultPlan
 from shardwise.training.fault.live import LiveGroup
-from shardwise.training.fault.live_replica import LiveReplica, Parts, StepAgain
+from shardwise.training.fault.live_replica import LiveReplica, Parts, StepAgain, StepTaken
 from shardwise.training.fault.watchdog import Watchdog
 from shardwise.training.parallel import compilation
 from shardwise.training.trainer import display, flops
@@ -78,8 +78,8 @@ def train(
                     batch, fetched = _next_batch(loop.run, step)
                     try:
                         stepped = train_step(loop.run, batch, step=step)
-                    except StepAgain:  # live recovery: a replica died inside the step
-                        stepped, fetched = _step_again(loop.run, step)
+                    except (StepAgain, StepTaken) as changed:  # live: a replica died inside it
+                        stepped, fetched = _step_again(loop.run, step, changed, fetched)
                     _account(loop, step, (began, fetched), stepped)
                     if profiler.wants(step):  # profiled: not in the throughput
                         loop.untime(time.perf_counter() - began)
@@ -273,17 +273,24 @@ def replica(run: Run, group: LiveGroup) -> LiveReplica:
     )
 
 
-def _step_again(run: Run, step: int) -> tuple[Stepped, float]:
+def _step_again(
+    run: Run, step: int, changed: StepAgain | StepTaken, fetched: float
+) -> tuple[Stepped, float]:
     """The step done again from its start, as many times as a live replica's membership
-    changes inside it (fault/live_replica.py): what it returned, and its batch's fetch time."""
-    while True:
+    changes inside it (fault/live_replica.py), or taken from the replica's peers where they
+    committed it: what it returned, and its batch's fetch time."""
+    while not isinstance(changed, StepTaken):
         for optimizer in run.optimizers:
             optimizer.zero_grad(set_to_none=True)
         batch, fetched = _next_batch(run, step)
         try:
             return train_step(run, batch, step=step), fetched
-        except StepAgain:
-            continue
+        except (StepAgain, StepTaken) as again:
+            changed = again
+    assert changed.step == step, (changed.step, step)
+    for optimizer in run.optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    return Stepped(torch.tensor(changed.loss), None, None, 0.0, taken=True), fetched
 
 
 def _next_batch(run: Run, step: int) -> tuple[Any, float]:
@@ -306,8 +313,9 @@ def _account(loop: Loop, step: int, timing: tuple[float, float], stepped: Steppe
     began, fetched = timing
     with phase("accounting"):
         loop.health.add(fetched + stepped.forward_seconds, time.perf_counter() - began)
-        for scheduler in run.schedulers:
-            scheduler.step()
+        if not stepped.taken:  # taken from live peers: its schedule moved with it
+            for scheduler in run.schedulers:
+                scheduler.step()
         loop.losses.append(stepped.loss)
         if stepped.skipped is not None:
             loop.skipped_flags.append(stepped.skipped)

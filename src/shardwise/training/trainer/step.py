@@ -115,6 +115,9 @@ class Stepped(NamedTuple):
     global). With fp16 the gradient scaler makes that call itself, and this is None."""
     forward_seconds: float
     """Time in forward passes outside a pipeline (this rank's own work, for stragglers)."""
+    taken: bool = False
+    """Live recovery: the step's outcome was received from the replica's peers, its schedules
+    already moved (fault/live_replica.StepTaken)."""
 
 
 def train_step(run: Run, micro_batches: list[Any], *, step: int = 0) -> Stepped:
