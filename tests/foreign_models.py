@@ -189,6 +189,19 @@ def residual_mlp(*, hidden: int = 32, layers: int = 4) -> nn.Module:
     return ResidualMLP(hidden, layers)
 
 
+class BiasFreeBlocks(ResidualMLP):
+    """ResidualMLP whose repeated layers are bias-free linears alone (no norm): as FSDP units
+    under float8's all-gather, all float8 weights, which gloo cannot all-gather."""
+
+    def __init__(self, hidden: int, layers: int) -> None:
+        super().__init__(hidden, layers)
+        self.layers = nn.ModuleList(nn.Linear(hidden, hidden, bias=False) for _ in range(layers))
+
+
+def bias_free_blocks(*, hidden: int = 32, layers: int = 2) -> nn.Module:
+    return BiasFreeBlocks(hidden, layers)
+
+
 class HalfContract(nn.Module):
     """Names its blocks for pipelines but its forward does not skip the ones a stage lacks."""
 

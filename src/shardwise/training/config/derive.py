@@ -106,6 +106,7 @@ def _check_combinations(config: JobConfig, degrees: dict[str, int]) -> None:
             "FSDP2 (dp_shard > 1, or tensor/pipeline parallelism) reduces in its own "
             "reduce-scatter, whose precision is the one lever: use 'bf16' or 'fp16'"
         )
+    _check_float8(config, degrees)
     if par.hierarchical is True and (layered or train.sync != "every_step"):
         raise ConfigError(
             "parallel.hierarchical = true reduces DDP's gradients node by node; with FSDP use "
@@ -131,6 +132,26 @@ def _check_combinations(config: JobConfig, degrees: dict[str, int]) -> None:
         )
     if train.sync == "async" and train.precision == "fp16":
         raise ConfigError("train.sync = 'async' cannot use fp16's gradient scaler; use 'bf16'")
+
+
+def _check_float8(config: JobConfig, degrees: dict[str, int]) -> None:
+    train = config.train
+    if train.float8 == "off":
+        if train.float8_all_gather:
+            raise ConfigError("train.float8_all_gather needs train.float8 = 'tensorwise'")
+        return
+    why = None
+    if train.precision == "fp16":
+        why = "works with bf16 (or fp32) for now, not fp16's gradient scaler: use 'bf16'"
+    elif degrees["tp"] > 1:
+        why = "does not compose with tensor parallelism yet (parallel.tp = 1)"
+    elif train.float8_all_gather and train.float8 != "tensorwise":
+        why = "all-gathers float8 weights with 'tensorwise' scales only (float8_all_gather)"
+    elif train.float8_all_gather and degrees["dp_shard"] == 1:
+        why = "all-gathers float8 weights under FSDP only: set parallel.dp_shard > 1, or drop "
+        why += "train.float8_all_gather"
+    if why:
+        raise ConfigError(f"train.float8 = '{train.float8}' {why}, or set train.float8 = 'off'")
 
 
 def _check_tracking(config: JobConfig) -> None:

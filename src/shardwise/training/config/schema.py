@@ -143,6 +143,23 @@ class TrainSection(Section):
     kernels; `aot_eager` captures the same graphs (forward and backward) and runs them with
     torch's own kernels, which is torch's first step when a compiled run fails or differs, and
     checks graph breaks and recompilation without inductor's code generation."""
+    float8: Literal["off", "tensorwise", "rowwise", "rowwise_with_gw_hp"] = "off"
+    """Float8 matrix multiplies in the linear layers (torchao, parallel/float8.py), weights kept
+    in their precision: `tensorwise` (one scale per tensor: the fastest), `rowwise` (a scale per
+    row: robust to outliers), `rowwise_with_gw_hp` (rowwise, the weight gradient in high
+    precision: the most accurate). Pays on large matrix multiplies, compiled, on GPUs of compute
+    capability 8.9 or above (H100, H200, L4, RTX 4090); `off` by default."""
+    float8_layers: Literal["auto"] | list[str] = "auto"
+    """`train.float8`'s layers: `auto`, the linears large enough to gain under the recipe
+    (torchao's H100 thresholds), or a list of globs on the layers' qualified names
+    (`["*.mlp.up", "*.mlp.down"]`). A layer whose dimensions do not divide by 16 is never
+    converted; the start line lists those that are."""
+    float8_all_gather: bool = False
+    """`train.float8 = "tensorwise"` under FSDP: all-gather the weights in float8 (half of
+    bf16's bytes), their scales computed in one all-reduce after each optimizer step."""
+    float8_emulate: bool = False
+    """Compute float8's matrix multiplies in fp32 from the float8 values (torchao's emulation):
+    the same numerics on any device, without the speed; for CPUs and older GPUs."""
     loss: str = "cross_entropy"
     """A built-in loss (`cross_entropy`, `mse`) or `package.module:function`."""
     sync: Literal["every_step", "local_sgd", "diloco", "async"] = "every_step"

@@ -40,6 +40,7 @@ from shardwise.models import hf
 from shardwise.training.config.derive import Derived
 from shardwise.training.config.schema import ParallelSection
 from shardwise.training.parallel.compilation import apply_compile, whole_model
+from shardwise.training.parallel.float8 import Float8, convert
 from shardwise.training.parallel.norms import statistics_apart
 from shardwise.training.parallel.pipeline import (
     Pipeline,
@@ -108,14 +109,17 @@ def parallelize(
     example: Any = None,
     every_step: bool = True,
     compile: str | None = None,
+    float8: Float8 | None = None,
 ) -> Layout:
     """`example` is one micro-batch of inputs, which a pipeline traces models that are not a
     sequence of blocks with; `every_step` false leaves replicas unwrapped (train.sync);
     `compile`: the torch.compile backend to compile the blocks with (train.compile), None not
-    to compile them."""
+    to compile them; `float8`: the linears to swap for float8 ones (train.float8), before
+    anything else (a pipeline's stages, FSDP's all-gather, compile) sees them."""
     degrees = derived.degrees
     ties = tied_groups(model)
     all_blocks = model_blocks(model)
+    converted = convert(model, float8, compiled=bool(compile)) if float8 is not None else []
     # 1. Pipeline split.
     pipe = (
         split_pipeline(model, mesh, derived, parallel, block_costs, example, device)
@@ -130,6 +134,7 @@ def parallelize(
         whole = whole_model(degrees, parallel.activation_checkpoint, wrapper)
         compiled = "whole" if whole else "blocks"
     applied = describe(model, held, degrees, parallel, wrapper, compiled=compiled, backend=backend)
+    applied += converted
     if pipe is not None:  # before compiling: the graphs trace the forward it gets
         applied += _statistics_apart(parts)
     for part in parts:

@@ -34,7 +34,7 @@ from shardwise.training.data.stream.source import (
     data_problem,
 )
 from shardwise.training.data.stream.table import Stream, TableSource
-from shardwise.training.parallel import compilation
+from shardwise.training.parallel import compilation, float8
 from shardwise.training.parallel.apply import Layout, parallelize, unwrap
 from shardwise.training.parallel.mesh import build_mesh, dp_group, dp_position, pp_group
 from shardwise.training.parallel.meta_init import initializer, materialize, supports_meta_init
@@ -54,6 +54,8 @@ def build_run(
     """Every part of the run, built on this rank (`resume`: the checkpoint it will continue
     from, whose precision `train.precision = "auto"` keeps)."""
     derived = derive(config, dist.get_world_size())
+    if config.train.float8 != "off":
+        float8.check_device(device, emulate=config.train.float8_emulate)
     chosen = _precision(config.train.precision, device, resume)
     config = with_precision(config_as_saved(config, derived), chosen.name)
     mesh = build_mesh(derived.degrees, device.type)
@@ -64,6 +66,8 @@ def build_run(
     layout = build_layout(
         config, derived, mesh, device, sample=train_set[0], loading=resume is not None
     )
+    if config.train.float8_all_gather and device.type == "cpu":
+        float8.check_gloo_units(layout.parts)
     builtin = config.train.loss in job_names.LOSSES
     if layout.compiled:
         one_graph = layout.wrapper == "none"
@@ -410,6 +414,7 @@ def build_layout(
         example=example,
         every_step=config.train.sync == "every_step",
         compile=config.train.compile_backend if config.train.compile else None,
+        float8=float8.Float8.of(config.train),
     )
 
 

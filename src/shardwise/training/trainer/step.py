@@ -29,6 +29,7 @@ from shardwise.training.config.schema import JobConfig
 from shardwise.training.data.sampling import Loader
 from shardwise.training.fault.inject import FaultPlan
 from shardwise.training.fault.live_replica import LiveReplica
+from shardwise.training.parallel import float8
 from shardwise.training.parallel.apply import Layout
 from shardwise.training.parallel.compilation import ForwardLoss, eager
 from shardwise.training.parallel.pipeline import pipeline_forward
@@ -157,10 +158,17 @@ def train_step(run: Run, micro_batches: list[Any], *, step: int = 0) -> Stepped:
         with phase("nonfinite"):
             skip = run.nonfinite.verdict(grad_norm, loss, step)
     with phase("optimizer"):
-        run.sync.apply(run.optimizers, run.scaler, step, skip=skip)
-        for optimizer in run.optimizers:
-            optimizer.zero_grad(set_to_none=True)
+        _update(run, step, skip)
     return Stepped(loss, grad_norm, skip, forward_seconds)
+
+
+def _update(run: Run, step: int, skip: torch.Tensor | None) -> None:
+    """The optimizer step (unless `skip` says so, on the device), and what follows it."""
+    run.sync.apply(run.optimizers, run.scaler, step, skip=skip)
+    for optimizer in run.optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    if run.config.train.float8_all_gather:  # the float8 weights' scales, in one all-reduce
+        float8.after_optimizer_step(run.parts)
 
 
 def _loss(run: Run, inputs: Any, target: Any, count: int | float) -> tuple[torch.Tensor, float]:
