@@ -32,7 +32,7 @@ def _batch(step: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(8, 1, generator=generator)
 
 
-def _trainer(slot: int, incarnation: int, endpoint: str, out: str) -> None:
+def _trainer(slot: int, local: int, incarnation: int, endpoint: str, out: str) -> None:
     torch.manual_seed(1234 if incarnation else 0)  # a replacement starts elsewhere: it heals
     model = nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -118,7 +118,7 @@ def test_survivors_go_on_and_a_replacement_heals_from_a_peer(tmp_path):
         assert torch.equal(value, finals[1][name]) and torch.equal(value, finals[2][name]), name
 
 
-def _refusing(slot: int, incarnation: int, endpoint: str) -> None:
+def _refusing(slot: int, local: int, incarnation: int, endpoint: str) -> None:
     live = LiveGroup(endpoint, slot, incarnation, TIMEOUT_S)
     if slot == 1:
         live.failed("the job is wrong: fix it", config=True)

@@ -104,6 +104,8 @@ POINTS = {
     "before_forward": "kill:rank=1:step=5:at=before_forward",
     "inside the all-reduce": "kill:rank=1:step=5:at=reduce",
     "after the all-reduce, before the optimizer": "kill:rank=1:step=5:at=after_reduce",
+    # the reporting replica, before it logs a step the others commit: replica 1 logs it
+    "reporting, after the all-reduce": "kill:rank=0:step=5:at=after_reduce",
     # replica 2 dies after step 3; then replica 1 dies forming the generation without it
     "re-forming": "kill:rank=2:step=3,kill:rank=1:step=4:at=reform",
     # replica 2 dies; replica 0, healing its replacement, dies sending
@@ -265,7 +267,57 @@ def test_a_live_runs_checkpoint_resumes_on_another_number_of_replicas(
     _same(losses(tmp_path), load_params(summary.checkpoint), one_process)
 
 
-def test_live_mode_refuses_what_it_cannot_run(tmp_path):
-    config = _job(tmp_path, fault={"mode": "live"}, train={"sync": "local_sgd", "sync_every": 2})
-    with pytest.raises(ConfigError, match=r"fault\.mode = 'live' reduces gradients every step"):
-        shardwise.train(config, nproc=2)
+def test_hsdp_replicas_of_two_fsdp_ranks_train_what_one_process_trains(tmp_path, one_process):
+    """Two replicas of two processes each (FSDP inside a replica, live recovery across): each
+    process reads 16 of the 64 samples, each replica's gradients are its FSDP ranks' mean, and
+    the replicas' shards are summed rank by rank."""
+    config = _job(tmp_path, fault={"mode": "live"}, parallel={"dp_shard": 2})
+    summary = shardwise.train(config, nproc=4)
+    assert summary is not None and summary.checkpoint is not None
+    _same(losses(tmp_path), load_params(summary.checkpoint), one_process)
+
+
+HSDP_KILLS = {
+    # rank = replica × 2 + its process
+    "replica 1's second process, after step 3": ("kill:rank=3:step=3", 4),
+    "replica 1's first process, inside the all-reduce": ("kill:rank=2:step=5:at=reduce", 5),
+    # the reporting replica: replica 1 reports (and saves) from then on
+    "replica 0's second process, after the all-reduce": ("kill:rank=1:step=5:at=after_reduce", 6),
+}
+
+
+@pytest.mark.parametrize("kill", list(HSDP_KILLS))
+def test_hsdp_a_killed_rank_takes_its_replica_down_and_the_replacement_heals_rank_by_rank(
+    tmp_path, monkeypatch, one_process, kill
+):
+    """A process of a replica of two dies: its sibling is killed with it, the other replica
+    (alone, below fault.min_replicas) waits, a replacement replica of two processes heals from
+    it, each process from its counterpart, and the run ends where one process ends."""
+    fault, detected = HSDP_KILLS[kill]
+    monkeypatch.setenv("SHARDWISE_FAULT", fault)
+    config = _job(
+        tmp_path, fault={"mode": "live", "max_restarts": 1, "timeout_s": 60},
+        parallel={"dp_shard": 2},
+    )  # fmt: skip
+    summary = shardwise.train(config, nproc=4)
+    assert summary is not None and summary.checkpoint is not None
+    _same(losses(tmp_path), load_params(summary.checkpoint), one_process)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records if "live/detected_s" in r] == [detected]
+    healed = [r for r in records if "live/heal_bytes" in r]
+    assert len(healed) == 1 and healed[0]["live/replicas"] == 2.0
+    assert not (tmp_path / "hangs").exists()
+
+
+@pytest.mark.parametrize(
+    ("nproc", "sections", "why"),
+    [
+        (2, {"train": {"sync": "local_sgd", "sync_every": 2}}, "reduces gradients every step"),
+        (3, {"parallel": {"dp_shard": 2}}, "use a multiple of it"),
+        (4, {"parallel": {"tp": 2}}, "not yet tensor or pipeline parallelism"),
+    ],
+)
+def test_live_mode_refuses_what_it_cannot_run(tmp_path, nproc, sections, why):
+    config = _job(tmp_path, fault={"mode": "live"}, **sections)
+    with pytest.raises(ConfigError, match=rf"fault\.mode = 'live' .*{why}"):
+        shardwise.train(config, nproc=nproc)

@@ -29,7 +29,7 @@ from shardwise.training.config.schema import JobConfig
 from shardwise.training.launch.agent import Nodes, launch
 from shardwise.training.launch.env import WorkerEnv, detect
 from shardwise.training.launch.forkserver import discard_unused_server, start_method
-from shardwise.training.launch.live_launch import check_live, launch_live
+from shardwise.training.launch.live_launch import check_live, launch_live, one_replica, width_of
 from shardwise.training.launch.outcome import Interrupted, WorkerFailed, outcome
 from shardwise.training.launch.stores import LOOPBACK
 from shardwise.training.launch.worker import check_devices, run_worker
@@ -86,16 +86,17 @@ def train(
     live = config.fault.mode == "live" and not dry_run
     if live:
         check_live(config, per_node, nodes=nodes is not None)
-        if per_node == 1:
+        if per_node == width_of(config):
             warn(
-                "fault.mode = 'live' needs two replicas or more (--nproc): one process restarts "
-                "as fault.mode = 'restart' does",
+                "fault.mode = 'live' needs two replicas or more (--nproc, a multiple of "
+                "parallel.dp_shard): one replica restarts as fault.mode = 'restart' does",
                 stacklevel=2,
             )
             live = False
     # a live replica is a world of its own; its share of each step is not a fixed divisor
-    checked = 1 if live else per_node
-    checkpoint = _checked_here(config, checked, nodes, None if dry_run else resume)
+    checked = width_of(config) if live else per_node
+    job = one_replica(config) if live else config
+    checkpoint = _checked_here(job, checked, nodes, None if dry_run else resume)
     if live:
         return publish(config, launch_live(config, per_node, checkpoint))
     store_host = LOOPBACK if nodes is None else ""

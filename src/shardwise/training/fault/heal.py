@@ -43,6 +43,8 @@ def send_state(
                         "the same job")  # fmt: skip
     sent = 0
     for tag, t in enumerate(tensors.values(), start=3):
+        if t.numel() == 0:  # an FSDP shard can be empty: nothing to send (nor to receive)
+            continue
         pg.send([t.detach().contiguous()], to_rank, tag).wait()
         sent += t.numel() * t.element_size()
     return sent
@@ -79,6 +81,8 @@ def receive_state(
         raise HealError(f"rank {from_rank}'s state does not match this one's (first: "
                         f"{different[0]!r}): it was not built from the same job")  # fmt: skip
     for tag, target in enumerate(into.values(), start=3):
+        if target.numel() == 0:
+            continue
         if target.is_contiguous():
             pg.recv([target.data], from_rank, tag).wait()
         else:

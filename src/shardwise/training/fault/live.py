@@ -30,6 +30,7 @@ from shardwise.training.fault.membership import (
     Collectives,
     Fenced,
     Generation,
+    at,
     current,
     group,
     newer,
@@ -53,6 +54,33 @@ class Heal:
     source: int
     bytes: int
     seconds: float
+
+
+class Siblings:
+    """The other processes of this replica (under HSDP, its FSDP ranks: the world they train
+    in), which move between generations together: each has a `LiveGroup` of its own, with the
+    same process of the other replicas, and these agree within the replica on every step's
+    outcome and every move, so that its processes never train in different generations."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.size = dist.get_world_size()
+
+    def sum(self, values: list[float]) -> list[float]:
+        summed = torch.tensor(values, dtype=torch.float64)
+        self._dist.all_reduce(summed)
+        return summed.tolist()
+
+    def max(self, value: int) -> int:
+        highest = torch.tensor([value], dtype=torch.int64)
+        self._dist.all_reduce(highest, op=self._dist.ReduceOp.MAX)
+        return int(highest.item())
+
+    def all(self, ok: bool) -> bool:
+        """Whether every sibling's `ok` is true (and a barrier: all have come here)."""
+        return self.sum([0.0 if ok else 1.0])[0] == 0
 
 
 class _Newest:
@@ -111,14 +139,27 @@ def healed_key(slot: int) -> str:
 class LiveGroup:
     """A replica's process group across generations (module docstring)."""
 
-    def __init__(self, endpoint: str, slot: int, incarnation: int, timeout_s: float) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        slot: int,
+        incarnation: int,
+        timeout_s: float,
+        *,
+        local: int = 0,
+        siblings: Siblings | None = None,
+    ) -> None:
         """`endpoint`: the coordinator's store, HOST:PORT; `incarnation` 0 for the replicas a
-        job starts with, then 1, 2, … for each replacement of the slot (it must `join`)."""
+        job starts with, then 1, 2, … for each replacement of the slot (it must `join`);
+        `local`: which of the replica's processes this is, its `siblings` the others (none:
+        a replica of one process)."""
         host, _, port = endpoint.rpartition(":")
         timeout = timedelta(seconds=timeout_s)
         self.store = TCPStore(host, int(port), is_master=False, timeout=timeout)
         self.slot = slot
         self.incarnation = incarnation
+        self.local = local
+        self.siblings = siblings
         self.timeout_s = timeout_s
         self.generation: Generation | None = None
         self.pg: Collectives | None = None
@@ -145,6 +186,8 @@ class LiveGroup:
         """A replacement's start: say it is ready, wait for the generation that admits it, and
         receive a member's state into `state`'s tensors (and those `allocate` makes:
         heal.receive_state); that state's JSON."""
+        if self.siblings is not None:
+            self.siblings.all(True)  # every process of the replica built: it is ready
         self.store.set(join_key(self.slot), str(self.incarnation))
         seen = -1
         while True:
@@ -177,6 +220,16 @@ class LiveGroup:
             return False
         self._switch = bool(buffer[-1] > 0)
         return True
+
+    def settle(self, ok: bool, values: tuple[float, ...] = ()) -> tuple[bool, list[float]]:
+        """After a collective: whether it succeeded on every sibling (where one failed, this
+        one's group is closed too and all `recover` together), every sibling then moving at
+        the boundary where any saw a newer generation; and `values` summed over the siblings."""
+        if self.siblings is None:
+            return ok, list(values)
+        failed, switch, *summed = self.siblings.sum([float(not ok), float(self._switch), *values])
+        self._switch = switch > 0
+        return failed == 0, summed
 
     def wait_for_more(self, state: State, allocate: Allocate | None = None) -> dict[str, Any]:
         """The next generation (healing the members behind), waited for up to the timeout; the
@@ -230,21 +283,30 @@ class LiveGroup:
     def _move(
         self, generation: Generation, state: State, allocate: Allocate | None = None
     ) -> dict[str, Any]:
-        """Into `generation`, healing its replacements (a replacement's: the JSON it was
-        sent); where its group does not form or a heal breaks (a member died or hangs
-        meanwhile), on into the next one."""
+        """Into `generation` (with siblings: the newest any of them came to), healing the
+        members behind (this one's: the JSON it was sent); where its group does not form or a
+        heal breaks (a member died or hangs meanwhile), here or at a sibling, on into the
+        next one."""
         while True:
+            if self.siblings is not None:
+                highest = self.siblings.max(generation.number)
+                generation = generation if highest == generation.number else at(self.store, highest)
             self.generation, self.pg = generation, None
+            extra: dict[str, Any] = {}
             try:
                 self.hook("reform")
-                self.pg = group(self.store, generation, self.slot, self.timeout_s)
-                return self._heal(generation, state, allocate)
+                self.pg = group(self.store, generation, self.slot, self.timeout_s, self.local)
+                extra, ok = self._heal(generation, state, allocate), True
             except (Fenced, HealError):
                 raise
             except RuntimeError:
-                self.pg = None  # closed: the members still in it fail at once too
-                self.store.set(alive_key(generation.number, self.slot), str(self.incarnation))
-                generation = newer(self.store, generation.number, self.timeout_s)
+                ok = False
+            ok, _ = self.settle(ok)
+            if ok:
+                return extra
+            self.pg = None  # closed: the members still in it fail at once too
+            self.store.set(alive_key(generation.number, self.slot), str(self.incarnation))
+            generation = newer(self.store, generation.number, self.timeout_s)
 
     def _heal(
         self, generation: Generation, state: State, allocate: Allocate | None

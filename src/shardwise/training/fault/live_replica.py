@@ -31,9 +31,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardwise.common.console import human_bytes
 from shardwise.common.errors import ConfigError, first_line
+from shardwise.training.data.sampling import chunk
 from shardwise.training.fault.heal import load_param_groups, state_of
 from shardwise.training.fault.live import LiveGroup
 
@@ -100,6 +102,14 @@ class LiveReplica:
     _floating: list[torch.Tensor] = field(default_factory=list)
     _grad_numel: int = 0
     """Where the gradients end in `_flat` (the floating buffers follow)."""
+    _replica_samples: int = 0
+    """The samples this replica reads each step (all its processes')."""
+
+    @property
+    def width(self) -> int:
+        """The replica's processes (under HSDP its FSDP ranks; 1: the whole model in one)."""
+        siblings = self.group.siblings
+        return 1 if siblings is None else siblings.size
 
     @property
     def step(self) -> int:
@@ -140,20 +150,11 @@ class LiveReplica:
         buffers likewise (a batch norm's running mean becomes the one the whole batch gives);
         the batch's mean loss (`loss`: this replica's mean). `StepAgain` where a replica died
         meanwhile."""
-        flat = self._flat
-        assert flat is not None, "begin() binds the gradients"
-        for p, view in zip(self._params, self._views, strict=True):
-            if p.grad is not view:  # replaced by something other than the backward: copied in
-                view.copy_(p.grad if p.grad is not None else torch.zeros_like(view))
-                p.grad = view
-        offset = self._grad_numel
-        for b in self._floating:
-            flat[offset : offset + b.numel()].copy_(b.detach().flatten())
-            offset += b.numel()
-        flat[-3], flat[-2] = loss.detach(), 1.0
-        flat[:-1].mul_(samples)
+        flat = self._pack(loss, samples)
         self._kill_at("reduce")
-        if not self.group.allreduce_in_place(flat) or self._lost_reply():
+        ok = self.group.allreduce_in_place(flat) and not self._lost_reply()
+        ok, summed = self.group.settle(ok, (float(flat[-3]),) if self.width > 1 else ())
+        if not ok:
             doing = self.step + 1
             self._recover()
             if self.step >= doing:  # the peers committed it: this replica holds their state
@@ -164,14 +165,53 @@ class LiveReplica:
             self.parts.traffic.all_reduce(nbytes, self.group.size)
             self.parts.traffic.uncompressed += 2 * (self.group.size - 1) / self.group.size * nbytes
         self._kill_at("after_reduce")
+        if self.width > 1:  # the siblings' parts of the loss, each summed over the replicas
+            flat[-3] = summed[0]
+        self._unpack(flat)
+        self._stepping_again_after_loss()
+        self._loss = flat[-3].clone()
+        return self._loss.to(loss.dtype)
+
+    def _pack(self, loss: torch.Tensor, samples: int) -> torch.Tensor:
+        """`_flat` as the all-reduce sends it: the gradients (FSDP's shards copied in), the
+        floating buffers, the loss and the count, each weighted by the replica's samples: a
+        replica of one process has reduced nothing yet; FSDP's shards hold the replica's mean
+        already (`shares`), and the loss is this process's part of it."""
+        flat = self._flat
+        assert flat is not None, "begin() binds the gradients"
+        for p, view in zip(self._params, self._views, strict=True):
+            if isinstance(p, DTensor):  # FSDP's shard of the replica's gradient
+                view.copy_(_local(p.grad)) if p.grad is not None else view.zero_()
+            elif p.grad is not view:  # replaced by something other than the backward: copied in
+                view.copy_(p.grad if p.grad is not None else torch.zeros_like(view))
+                p.grad = view
+        offset = self._grad_numel
+        for b in self._floating:
+            flat[offset : offset + b.numel()].copy_(b.detach().flatten())
+            offset += b.numel()
+        flat[-3], flat[-2] = loss.detach() / self.width, 1.0
+        flat[:-1].mul_(samples if self.width == 1 else self._replica_samples)
+        return flat
+
+    def _unpack(self, flat: torch.Tensor) -> None:
+        """The summed `flat` divided by the step's samples, into the gradients (FSDP's shards
+        copied back) and the floating buffers."""
         flat[:-2].div_(flat[-2].clone())
+        for p, view in zip(self._params, self._views, strict=True):
+            if isinstance(p, DTensor) and p.grad is not None:
+                _local(p.grad).copy_(view)
         offset = self._grad_numel
         for b in self._floating:
             b.copy_(flat[offset : offset + b.numel()].view_as(b))
             offset += b.numel()
-        self._stepping_again_after_loss()
-        self._loss = flat[-3].clone()
-        return self._loss.to(loss.dtype)
+
+    def shares(self, sizes: list[int]) -> list[float] | None:
+        """Each micro-batch's share of what this process's loss stands for: of its samples
+        (None where they are equal: 1/count each); under HSDP, of the replica's mean (times its
+        processes: FSDP averages them), so that its processes may read a sample more or less."""
+        if self.width == 1:
+            return None if len(set(sizes)) <= 1 else [size / sum(sizes) for size in sizes]
+        return [size * self.width / self._replica_samples for size in sizes]
 
     def _lost_reply(self) -> bool:
         """Whether fault injection takes this completed all-reduce as failed (`lose`)."""
@@ -183,23 +223,25 @@ class LiveReplica:
         if self._flat is None:
             self._params = [p for p in self.parts.parameters() if p.requires_grad]
             self._floating = [b for b in self._all_buffers() if b.is_floating_point()]
-            kinds = {(p.dtype, p.device) for p in self._params}
+            mine = [_local(p) for p in self._params]  # under FSDP, this process's shards
+            kinds = {(p.dtype, p.device) for p in mine}
             if len(kinds) != 1:
                 raise ConfigError(
                     "fault.mode = 'live' needs the model's parameters in one dtype on one device "
                     f"(found {sorted(str(k) for k in kinds)}); set fault.mode = 'restart'"
                 )
             dtype, device = next(iter(kinds))
-            sizes = [p.numel() for p in self._params]
+            sizes = [p.numel() for p in mine]
             self._grad_numel = sum(sizes)
             extra = sum(b.numel() for b in self._floating) + 3  # loss, samples, flag
             self._flat = torch.zeros(sum(sizes) + extra, dtype=dtype, device=device)
             pieces = torch.split(self._flat[: sum(sizes)], sizes)
-            self._views = [v.view_as(p) for v, p in zip(pieces, self._params, strict=True)]
+            self._views = [v.view_as(p) for v, p in zip(pieces, mine, strict=True)]
         else:
             self._flat.zero_()
         for p, view in zip(self._params, self._views, strict=True):
-            p.grad = view
+            # FSDP's reduce-scatter makes its own sharded gradient (copied in by `reduce`)
+            p.grad = None if isinstance(p, DTensor) else view
 
     def _all_buffers(self) -> list[torch.Tensor]:
         return [b for module in self.parts.modules for b in module.buffers()]
@@ -241,15 +283,17 @@ class LiveReplica:
 
     @property
     def reports(self) -> bool:
-        """Whether this replica reports the run (membership.Generation.reporter)."""
-        generation = self.group.generation
-        return generation is not None and generation.reporter == self.group.slot
+        """Whether this process reports the run (membership.Generation.reporter; under HSDP
+        the replica's first process)."""
+        return self.saves and self.group.local == 0
 
     @property
     def saves(self) -> bool:
-        """Whether this replica writes the run's checkpoints: the one that reports, so that
-        the summary it writes names the newest."""
-        return self.reports
+        """Whether this replica writes the run's checkpoints (and evaluates): the one that
+        reports, so that the summary it writes names the newest; under HSDP all its
+        processes, each its shards."""
+        generation = self.group.generation
+        return generation is not None and generation.reporter == self.group.slot
 
     def drain(self) -> list[tuple[str, dict[str, float]]]:
         events, self.events = self.events, []
@@ -339,14 +383,19 @@ class LiveReplica:
         heal = self.group.healed
         if heal is not None:
             self.group.healed = None
+            sent, seconds = float(heal.bytes), heal.seconds
+            siblings = self.group.siblings
+            if siblings is not None:  # each of the replica's processes sent its shards
+                sent = siblings.sum([sent])[0]
+                seconds = siblings.max(round(seconds * 1e6)) / 1e6  # the slowest's
             self.events.append(
                 (
                     f"step {step}: replica {self.group.slot} healed replica"
                     f"{'s' if len(heal.to) > 1 else ''} {', '.join(map(str, heal.to))} "
-                    f"({human_bytes(heal.bytes)} in {heal.seconds:.2f} s)",
+                    f"({human_bytes(int(sent))} in {seconds:.2f} s)",
                     {
-                        "live/heal_bytes": float(heal.bytes),
-                        "live/heal_s": heal.seconds,
+                        "live/heal_bytes": sent,
+                        "live/heal_s": seconds,
                         "live/heal_source": float(heal.source),
                         "live/healed_replicas": float(len(heal.to)),
                         "live/replicas": float(self.group.size),
@@ -357,8 +406,17 @@ class LiveReplica:
             self._compare_hashes()
 
     def _place(self) -> None:
-        if self.group.generation is not None:
-            self.parts.loader.place(self.group.rank, self.group.size)
+        """This process's share of each step in the current generation: a replica's chunk of
+        the batch, split over its processes (contiguous: `sampling.chunk` of them all)."""
+        if self.group.generation is None:
+            return
+        width, total = self.width, self.group.size * self.width
+        first = self.group.rank * width
+        self.parts.loader.place(first + self.group.local, total)
+        batch = self.parts.loader.sampler.global_batch
+        self._replica_samples = (
+            chunk(batch, first + width, total)[0] - chunk(batch, first, total)[0]
+        )
 
     # the state a replacement receives
 
@@ -369,7 +427,7 @@ class LiveReplica:
             zip(self.parts.modules, self.parts.optimizers, strict=True)
         ):
             mine, extra = state_of(module, optimizer)
-            tensors.update({f"{index}/{name}": t for name, t in mine.items()})
+            tensors.update({f"{index}/{name}": _local(t) for name, t in mine.items()})
             groups.append(extra)
         extra = {
             "step": self.step,
@@ -394,7 +452,13 @@ class LiveReplica:
         group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
         on_device = key != "step" or group.get("fused") or group.get("capturable")
         made = torch.zeros(shape, dtype=dtype, device=param.device if on_device else "cpu")
-        optimizer.state[param][key] = made
+        if isinstance(param, DTensor) and key != "step":  # FSDP's: a shard, as the parameter
+            optimizer.state[param][key] = DTensor.from_local(
+                made, param.device_mesh, param.placements, shape=param.shape,
+                stride=param.stride(),
+            )  # fmt: skip
+        else:
+            optimizer.state[param][key] = made
         return made
 
     def _load(self, extra: dict[str, Any]) -> None:
@@ -415,7 +479,8 @@ class LiveReplica:
         digest = torch.tensor(list(state_hash(self._state()[0])), dtype=torch.float64)
         mine = torch.cat([digest, digest.square()])
         summed = mine.clone()
-        if not self.group.allreduce(summed):
+        ok, _ = self.group.settle(self.group.allreduce(summed))
+        if not ok:
             self._recover()
             return
         # every member's digest equal: the sums of the bytes and of their squares say so
@@ -434,3 +499,12 @@ def state_hash(tensors: dict[str, torch.Tensor]) -> bytes:
         digest.update(name.encode())
         digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.digest()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of `t`: its local shard where FSDP sharded it (the storage itself:
+    receiving into it changes the parameter)."""
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t

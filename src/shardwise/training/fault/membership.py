@@ -80,7 +80,11 @@ def publish(
 def current(store: Store, timeout_s: float) -> Generation:
     """The newest generation, waiting up to `timeout_s` for the first."""
     store.wait([GENERATION_KEY], timedelta(seconds=timeout_s))
-    number = int(store.get(GENERATION_KEY))
+    return at(store, int(store.get(GENERATION_KEY)))
+
+
+def at(store: Store, number: int) -> Generation:
+    """Generation `number`, published (a sibling process of the replica has seen it)."""
     described = json.loads(store.get(_slots_key(number)))
     return Generation(
         number, tuple(described["slots"]), tuple(described["joined"]), described["reporter"]
@@ -108,12 +112,15 @@ class FormationFailed(RuntimeError):
     """A member of the generation never came to form its group."""
 
 
-def group(store: Store, generation: Generation, slot: int, timeout_s: float) -> Collectives:
+def group(
+    store: Store, generation: Generation, slot: int, timeout_s: float, local: int = 0
+) -> Collectives:
     """This replica's gloo group in `generation` (`Fenced` where its slot is not in it;
     `FormationFailed` where a member does not come within `FORM_S`); collectives on it fail
-    after `timeout_s` where a peer neither answers nor dies."""
+    after `timeout_s` where a peer neither answers nor dies. `local`: which of the replica's
+    processes (under HSDP, its FSDP rank: the group joins that rank of every replica)."""
     rank = generation.rank_of(slot)
-    prefix = PrefixStore(f"sw/g{generation.number}/group/", store)
+    prefix = PrefixStore(f"sw/g{generation.number}/group/{local}/", store)
     forming = timedelta(seconds=min(FORM_S, timeout_s))
     prefix.set_timeout(forming)
     try:

@@ -1,6 +1,8 @@
-"""`fault.mode = "live"` on this machine: one process per data-parallel replica, supervised by
+"""`fault.mode = "live"` on this machine: the data-parallel replicas, supervised by
 launch/live_supervisor.py (a dead one is replaced, the others never stop), each training in a
-world of its own with its replica of live recovery (fault/live_replica.py).
+world of its own with its replica of live recovery (fault/live_replica.py): one process holding
+the whole model, or under HSDP (`parallel.dp_shard` > 1) a replica group of that many processes
+sharding it with FSDP.
 
 `launch_live` runs the job and returns the summary the reporting replica (slot 0) wrote;
 `run_replica` is what each replica process runs.
@@ -10,11 +12,12 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import HashStore  # type: ignore[attr-defined]
+from torch.distributed import HashStore, PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from shardwise.common.console import one_line_warnings
 from shardwise.common.environment import visible_cpus
@@ -29,15 +32,31 @@ from shardwise.training.launch.stores import loopback_collectives
 from shardwise.training.trainer.train_summary import TrainSummary
 
 
-def check_live(config: JobConfig, replicas: int, *, nodes: bool) -> None:
-    """Refuse, in one line, a job live recovery cannot run (yet): one replica per process of
-    this machine, the whole model on each, its gradients summed every step uncompressed."""
-    degrees = derive(config, 1).degrees  # each replica is a world of its own
+def width_of(config: JobConfig) -> int:
+    """The processes of one replica: its FSDP ranks (`parallel.dp_shard`), 1 without FSDP."""
+    return config.parallel.dp_shard
+
+
+def check_live(config: JobConfig, processes: int, *, nodes: bool) -> None:
+    """Refuse, in one line, a job live recovery cannot run (yet): replicas on this machine of
+    one process or of an FSDP group each, their gradients summed every step uncompressed."""
+    width = width_of(config)
+    replicas = processes // width
     why = None
     if nodes:
         why = "runs on one machine for now (drop --nnodes)"
-    elif degrees["tp"] > 1 or degrees["pp"] > 1 or degrees["dp_shard"] > 1:
-        why = "applies to data parallelism alone for now (parallel.tp, pp and dp_shard = 1)"
+    elif config.parallel.tp > 1 or config.parallel.pp > 1:
+        why = "keeps FSDP inside a replica, not yet tensor or pipeline parallelism (tp, pp = 1)"
+    elif processes % width:
+        why = (
+            f"splits --nproc {processes} into replicas of parallel.dp_shard = {width} "
+            "processes: use a multiple of it"
+        )
+    elif config.parallel.dp_replicate not in (-1, 1, replicas):  # -1: what is left
+        why = (
+            f"makes each replica of parallel.dp_shard = {width} processes: --nproc {processes} "
+            f"gives {replicas}, not parallel.dp_replicate = {config.parallel.dp_replicate}"
+        )
     elif config.train.sync != "every_step":
         why = "reduces gradients every step (train.sync = 'every_step')"
     elif config.parallel.grad_compression != "none":
@@ -51,23 +70,33 @@ def check_live(config: JobConfig, replicas: int, *, nodes: bool) -> None:
         )
     if why:
         raise ConfigError(f"fault.mode = 'live' {why}, or set fault.mode = 'restart'")
+    derive(one_replica(config), width)  # what one replica's world can run
 
 
-def launch_live(config: JobConfig, replicas: int, resume: str | None) -> TrainSummary | None:
-    """Train `config` on `replicas` live replicas of this machine, from the checkpoint `resume`
-    (or the start); the summary slot 0 wrote."""
+def one_replica(config: JobConfig) -> JobConfig:
+    """The job as one replica's world runs it: FSDP over its processes, no replicate axis."""
+    return config.model_copy(update={"parallel": config.parallel.model_copy(
+        update={"dp_replicate": 1})})  # fmt: skip
+
+
+def launch_live(config: JobConfig, processes: int, resume: str | None) -> TrainSummary | None:
+    """Train `config` on the live replicas `processes` make on this machine (of
+    `parallel.dp_shard` processes each), from the checkpoint `resume` (or the start); the
+    summary the reporting replica wrote."""
     started = time.time()
-    args = (config.model_dump(mode="json"), resume, replicas)
+    width = width_of(config)
+    args = (one_replica(config).model_dump(mode="json"), resume, processes)
     try:
         with loopback_collectives():  # the replicas' gloo groups, as the agent's ranks'
             supervise(
-                replicas,
+                processes // width,
                 run_replica,
                 args,
                 timeout_s=config.fault.timeout_s,
                 restarts=config.fault.max_restarts,
                 min_replicas=config.fault.min_replicas,
                 forked=True,
+                width=width,
             )
     except ReplicaFailed as failure:
         if failure.config:
@@ -80,20 +109,30 @@ def launch_live(config: JobConfig, replicas: int, resume: str | None) -> TrainSu
 
 
 def run_replica(
-    slot: int, incarnation: int, endpoint: str, config_data: dict[str, Any], resume: str | None,
-    replicas: int,
+    slot: int, local: int, incarnation: int, endpoint: str, config_data: dict[str, Any],
+    resume: str | None, processes: int,
 ) -> None:  # fmt: skip
-    """One replica: a world of its own (gloo, one rank), a `LiveGroup` with the others, and the
-    training loop; a replacement (`incarnation` > 0) heals from a replica instead of resuming."""
+    """Process `local` of a replica: a world of its own (gloo: one rank, or the replica's FSDP
+    ranks), a `LiveGroup` with the same process of the other replicas, and the training loop;
+    a replacement (`incarnation` > 0) heals from a replica instead of resuming."""
     restore_sigterm()
     with redacting_output(), one_line_warnings():
         config = JobConfig.model_validate(config_data)
-        torch.set_num_threads(config.job.threads_per_rank or max(1, visible_cpus() // replicas))
-        dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
-        from shardwise.training.fault.live import LiveGroup  # the replica's, not the launcher's
+        threads = config.job.threads_per_rank or max(1, visible_cpus() // processes)
+        torch.set_num_threads(threads)
+        width = width_of(config)
+        dist.init_process_group(
+            "gloo", store=_world_store(endpoint, slot, incarnation, width, config),
+            rank=local, world_size=width,
+        )  # fmt: skip
+        # the replica's, not the launcher's
+        from shardwise.training.fault.live import LiveGroup, Siblings
         from shardwise.training.trainer import loop
 
-        group = LiveGroup(endpoint, slot, incarnation, config.fault.timeout_s)
+        siblings = Siblings() if width > 1 else None
+        group = LiveGroup(
+            endpoint, slot, incarnation, config.fault.timeout_s, local=local, siblings=siblings
+        )
         try:
             loop.train(
                 config,
@@ -107,3 +146,14 @@ def run_replica(
         finally:
             group.close()
             dist.destroy_process_group()
+
+
+def _world_store(endpoint: str, slot: int, incarnation: int, width: int, config: JobConfig) -> Any:
+    """Where a replica's processes meet to form its world: in-process for one, else the
+    coordinator's store under a prefix of this incarnation of the slot."""
+    if width == 1:
+        return HashStore()
+    host, _, port = endpoint.rpartition(":")
+    timeout = timedelta(seconds=config.fault.timeout_s)
+    store = TCPStore(host, int(port), is_master=False, timeout=timeout)
+    return PrefixStore(f"sw/world/{slot}/{incarnation}/", store)

@@ -1,5 +1,6 @@
 """The coordinator of live recovery (`fault.mode = "live"`; launch/live_launch.py runs a job
-on it): one process per data-parallel replica slot, started, watched and replaced from here,
+on it): the processes of each data-parallel replica slot (one, or under HSDP the replica's
+FSDP ranks, which live and die together), started, watched and replaced from here,
 and the generations (fault/membership.py) they train in published in a store this process
 owns. A replica's side is fault/live.py.
 
@@ -47,21 +48,23 @@ def supervise(
     restarts: int,
     min_replicas: int = 1,
     forked: bool = False,
+    width: int = 1,
 ) -> list[Generation]:
-    """Run `target(slot, incarnation, endpoint, *args)` (`endpoint`: this store's HOST:PORT)
-    for slots 0..count-1 in spawned processes until each ends with exit code 0; a replica that
-    dies is dropped from the next generation and replaced (at most `restarts` times in all), its
+    """Run `target(slot, local, incarnation, endpoint, *args)` (`endpoint`: this store's
+    HOST:PORT) for slots 0..count-1, `width` processes each (`local` 0..width-1), until each
+    ends with exit code 0; a replica one of whose processes dies (the others are killed with it)
+    is dropped from the next generation and replaced (at most `restarts` times in all), its
     replacement admitted once it has said it is ready; with no restart left the others go on
     while `min_replicas` are left; `forked`: from the ranks' fork server (launch/forkserver/,
     a replacement in about a second), else spawned. The generations published, in order."""
     store = host_store(
         LOOPBACK, 0, world_size=None, timeout=timedelta(seconds=timeout_s), multi_tenant=False
     )
-    replicas = _Replicas(store, target, args, restarts, min_replicas, forked=forked)
+    replicas = _Replicas(store, target, args, restarts, min_replicas, forked=forked, width=width)
     try:
         replicas.start(count)
         while replicas.running:
-            wait([p.sentinel for p in replicas.running.values()], timeout=0.02)
+            wait([p.sentinel for ps in replicas.running.values() for p in ps], timeout=0.02)
             replicas.reap()
             if replicas.finished:  # a replacement still healing would wait for ended members
                 replicas.stop_unhealed()
@@ -74,7 +77,7 @@ def supervise(
 
 
 class _Replicas:
-    """The replica processes by slot, their incarnations, and the generations published."""
+    """The replicas' processes by slot, their incarnations, and the generations published."""
 
     def __init__(
         self,
@@ -85,8 +88,9 @@ class _Replicas:
         min_replicas: int,
         *,
         forked: bool,
+        width: int = 1,
     ) -> None:
-        self.store, self.args = store, args
+        self.store, self.args, self.width = store, args, width
         self.restarts, self.min_replicas = restarts, min_replicas
         method = start_method() if forked else "spawn"
         self.context: Any = multiprocessing.get_context(method)
@@ -96,7 +100,7 @@ class _Replicas:
         if method != "spawn":
             self.target, self.before = fork_target(target, ())
         self.endpoint = f"{LOOPBACK}:{store.port}"
-        self.running: dict[int, Any] = {}
+        self.running: dict[int, list[Any]] = {}
         self.incarnations: dict[int, int] = {}
         self.members: set[int] = set()
         self.generations: list[Generation] = []
@@ -114,24 +118,25 @@ class _Replicas:
 
     def reap(self) -> None:
         """Replicas that ended: done, or dead and replaced (dropped from a new generation)."""
-        for slot, process in list(self.running.items()):
-            if process.exitcode is None:
+        for slot, processes in list(self.running.items()):
+            exitcode = _ended(processes)
+            if exitcode is None:
                 continue
             del self.running[slot]
-            if process.exitcode == 0:
+            if exitcode == 0:
                 self.finished = True
                 continue
             error = error_of(self.store, slot, self.incarnations[slot])
             said = f"replica {slot} failed: {error['message']}" if error else (
-                f"replica {slot} died (exit code {process.exitcode})"
+                f"replica {slot} died (exit code {exitcode})"
             )  # fmt: skip
             if error and error["config"]:  # every replica would: the job is wrong
-                raise ReplicaFailed(slot, process.exitcode, error["message"], config=True)
+                raise ReplicaFailed(slot, exitcode, error["message"], config=True)
             self.members.discard(slot)
             if not any(self._healed(s) for s in self.members):
                 raise ReplicaFailed(
                     slot,
-                    process.exitcode,
+                    exitcode,
                     f"{said}, the last replica: none is left to heal a replacement from; "
                     "--resume auto continues from the newest checkpoint",
                 )
@@ -139,7 +144,7 @@ class _Replicas:
             if not restart and len(self.members) < self.min_replicas:
                 raise ReplicaFailed(
                     slot,
-                    process.exitcode,
+                    exitcode,
                     f"{said}; {len(self.members)} left, fewer than fault.min_replicas "
                     f"({self.min_replicas}), and no restart is left (fault.max_restarts = "
                     f"{self.restarts})",
@@ -171,27 +176,25 @@ class _Replicas:
         if now - self._failing_since[1] < HUNG_GRACE_S:
             return
         for slot in sorted(self.members - alive):
-            process = self.running.get(slot)
-            if process is not None and process.exitcode is None:
-                process.kill()  # reaped as a death on the next pass
+            for process in self.running.get(slot, []):
+                if process.exitcode is None:
+                    process.kill()  # reaped as a death on the next pass
 
     def stop_unhealed(self) -> None:
         for slot in [s for s in self.running if not self._healed(s)]:
-            process = self.running.pop(slot)
-            process.kill()
-            process.join()
+            _kill(self.running.pop(slot))
 
     def kill(self) -> None:
-        for process in self.running.values():
-            process.kill()
-            process.join()
+        for processes in self.running.values():
+            _kill(processes)
 
     def _spawn(self, slot: int, incarnation: int) -> None:
-        process = self.context.Process(
-            target=self.target, args=(*self.before, slot, incarnation, self.endpoint, *self.args)
-        )
-        process.start()
-        self.running[slot], self.incarnations[slot] = process, incarnation
+        processes = []
+        for local in range(self.width):
+            arguments = (*self.before, slot, local, incarnation, self.endpoint, *self.args)
+            processes.append(self.context.Process(target=self.target, args=arguments))
+            processes[-1].start()
+        self.running[slot], self.incarnations[slot] = processes, incarnation
 
     def _publish(self, joined: tuple[int, ...] = ()) -> None:
         """The next generation: the members, of which `joined` and the replacements admitted
@@ -211,3 +214,20 @@ class _Replicas:
         return incarnation == 0 or (
             self.store.check([key]) and int(self.store.get(key)) == incarnation
         )
+
+
+def _ended(processes: list[Any]) -> int | None:
+    """A replica's exit code once it has ended: 0 when all its processes ended so; that of the
+    first to fail, the others then killed (they cannot go on without it); None while it runs."""
+    failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+    if failed:
+        _kill(processes)
+        return int(failed[0])
+    return 0 if all(p.exitcode == 0 for p in processes) else None
+
+
+def _kill(processes: list[Any]) -> None:
+    for process in processes:
+        if process.exitcode is None:
+            process.kill()
+        process.join()

@@ -63,6 +63,24 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def last_logged_step(path: Path, tail: int = 1 << 16) -> int | None:
+    """The step of a metrics.jsonl file's last record with a loss (None: none), read from its
+    last `tail` bytes (a line cut by a writer that was killed is skipped)."""
+    if not path.exists():
+        return None
+    with path.open("rb") as file:
+        file.seek(max(0, file.seek(0, 2) - tail))
+        lines = file.read().decode(errors="replace").splitlines()
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "loss" in record and "step" in record:
+            return int(record["step"])
+    return None
+
+
 class Trackers:
     """Fan out to several trackers."""
 

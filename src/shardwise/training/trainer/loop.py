@@ -27,6 +27,7 @@ from shardwise.training.fault.live import LiveGroup
 from shardwise.training.fault.live_replica import LiveReplica, Parts, StepAgain, StepTaken
 from shardwise.training.fault.watchdog import Watchdog
 from shardwise.training.parallel import compilation
+from shardwise.training.tracking.metrics import last_logged_step
 from shardwise.training.trainer import display, flops
 from shardwise.training.trainer.build import build_run
 from shardwise.training.trainer.memory import current_bytes
@@ -134,6 +135,9 @@ class Loop:
     compiled: compilation.CompileWatch = field(default_factory=compilation.CompileWatch)
     """What torch.compile compiled in this run (train.compile)."""
     mfu_flagged: bool = False
+    last_progress: tuple[int, dict[str, float]] | None = None
+    """The step and metrics of the last window's end (a live replica that takes the reporting
+    over logs it where the replica that reported died before it could)."""
     summary: TrainSummary | None = None
     reporting: bool = True
     """Whether this process reports the run (rank 0; in live recovery, the replica chosen)."""
@@ -167,8 +171,9 @@ def _session(
     everything whether the run finished or failed."""
     baseline = current_bytes(device)
     run = build_run(config, device, node=node, resume=resume)
-    if live is not None:
-        run.rank, restarts = live.slot, live.incarnation  # its faults fire in incarnation 0
+    if live is not None:  # its faults fire in incarnation 0, by slot (and process under HSDP)
+        width = 1 if live.siblings is None else live.siblings.size
+        run.rank, restarts = live.slot * width + live.local, live.incarnation
     run.faults = FaultPlan.from_env(rank=run.rank, attempt=restarts)
     if live is not None:
         run.live = replica(run, live)
@@ -365,7 +370,7 @@ def _after_step(loop: Loop, step: int) -> bool:
     steps = run.config.train.steps
     if _due(step, run.config.checkpoint.every_steps, steps) or stop:
         _checkpoint(loop, step)
-    evaluates = run.live is None or loop.reporting  # live: the reporting replica evaluates
+    evaluates = run.live is None or run.live.saves  # live: the reporting replica evaluates
     if _due(step, run.config.eval.every_steps, steps) and run.eval_data is not None and evaluates:
         _evaluate(loop, step)
     loop.watchdog.finished(step)
@@ -388,6 +393,9 @@ def _live_events(loop: Loop, step: int) -> None:
         loop.reporter = display.start(loop.run, step, resumed=True, reporting=True, announce=False)
         loop.reporting = True
         loop.reporter.say(f"replica {live.group.slot} reports the run from step {step} on")
+        logged = last_logged_step(loop.config.run_dir / "metrics.jsonl")
+        if loop.last_progress is not None and (logged or 0) < loop.last_progress[0]:
+            loop.reporter.progress(loop.last_progress[1], loop.last_progress[0])  # died first
     for line, metrics in live.drain():
         if line:
             loop.reporter.say(line)
@@ -475,6 +483,7 @@ def _log(loop: Loop, step: int) -> None:
     loop.metrics.update(stats)
     loop.losses, loop.skipped_flags, loop.untimed = [], [], 0
     loop.clock, loop.window_start = time.perf_counter(), step
+    loop.last_progress = (step, stats)
     loop.reporter.progress(stats, step)
 
 

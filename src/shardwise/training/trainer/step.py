@@ -132,7 +132,8 @@ def train_step(run: Run, micro_batches: list[Any], *, step: int = 0) -> Stepped:
         else:  # forward and backward, one micro-batch at a time
             (model,) = run.parts
             count, losses = len(micro_batches), []
-            shares = _shares(micro_batches)
+            sizes = [len(mb[1]) for mb in micro_batches]
+            shares = run.live.shares(sizes) if run.live is not None else _shares(sizes)
             for i, (inputs, target) in enumerate(micro_batches):
                 with run.sync.micro_batch(model, last=i == count - 1, step=step):
                     loss, seconds = _loss(run, inputs, target, shares[i] if shares else count)
@@ -186,10 +187,9 @@ def _loss(run: Run, inputs: Any, target: Any, count: int | float) -> tuple[torch
     return loss, time.perf_counter() - began
 
 
-def _shares(micro_batches: list[Any]) -> list[float] | None:
-    """Each micro-batch's share of the rank's samples where they differ in size (a live
-    replica's last one may be smaller); None where they are equal (each 1/count)."""
-    sizes = [len(mb[1]) for mb in micro_batches]
+def _shares(sizes: list[int]) -> list[float] | None:
+    """Each micro-batch's share of the rank's samples where they differ in size (the last
+    may be smaller); None where they are equal (each 1/count)."""
     if len(set(sizes)) <= 1:
         return None
     return [size / sum(sizes) for size in sizes]
