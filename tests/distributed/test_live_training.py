@@ -71,6 +71,25 @@ def test_three_live_replicas_train_what_one_process_trains(tmp_path, one_process
     assert any(r.get("comm/bytes_per_step", 0) > 0 for r in records)
 
 
+def test_live_replicas_draw_dropout_as_ddps_ranks_do(tmp_path):
+    """Each replica its own dropout stream, seeded as DDP seeds the rank of its number: with
+    nothing failing, a live run with dropout is DDP's run (the streams repeat nothing across
+    replicas)."""
+    from helpers import gpt_job
+
+    train = {"steps": 6, "global_batch": 16, "micro_batch": 4}
+    ddp, live = tmp_path / "ddp", tmp_path / "live"
+    shardwise.train(gpt_job(ddp, train=train, checkpoint={"every_steps": 6}), nproc=2)
+    config = gpt_job(live, train=train, checkpoint={"every_steps": 6}, fault={"mode": "live"})
+    shardwise.train(config, nproc=2)
+    want, got = losses(ddp), losses(live)
+    assert [got[s] for s in range(1, 7)] == pytest.approx([want[s] for s in range(1, 7)], rel=1e-4)
+    final = "checkpoints/step_00000006"
+    want_params, got_params = load_params(ddp / final), load_params(live / final)
+    for name, value in want_params.items():
+        torch.testing.assert_close(got_params[name], value, **TOLERANCE, msg=name)
+
+
 def test_a_killed_replica_is_not_waited_for_and_its_replacement_heals(
     tmp_path, monkeypatch, one_process
 ):

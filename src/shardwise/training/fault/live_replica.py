@@ -71,6 +71,10 @@ class Parts:
     parameters: Callable[[], list[nn.Parameter]]
     traffic: Any = None
     """The run's `comm.base.Traffic`, which counts the bytes the all-reduce sends."""
+    reseed: Callable[[int, int], None] | None = None
+    """Seeds this process's generators (dropout) from (step, rank), as a data-parallel rank's
+    are seeded (trainer/state.reseed): each replica its own stream, drawn again from the step a
+    membership change takes effect at."""
 
 
 @dataclass
@@ -104,6 +108,9 @@ class LiveReplica:
     """Where the gradients end in `_flat` (the floating buffers follow)."""
     _replica_samples: int = 0
     """The samples this replica reads each step (all its processes')."""
+    _rank: int | None = None
+    """This process's rank among all the replicas' in the current generation, until `begin`
+    seeds its generators from it (None: seeded)."""
 
     @property
     def width(self) -> int:
@@ -136,6 +143,11 @@ class LiveReplica:
         starts from."""
         self.step = step - 1
         self.position = dict(self.parts.loader.state_dict())
+        if self._rank is not None and self.parts.reseed is not None:
+            # the first step, or the first in a new generation: as DDP's rank of this number is
+            # seeded at the start (step 0), so that a run without failures draws what it draws
+            self.parts.reseed(step - 1, self._rank)
+            self._rank = None
         self._bind_gradients()
         buffers = self._all_buffers()
         if len(self._buffers) != len(buffers):
@@ -413,6 +425,7 @@ class LiveReplica:
         width, total = self.width, self.group.size * self.width
         first = self.group.rank * width
         self.parts.loader.place(first + self.group.local, total)
+        self._rank = first + self.group.local
         batch = self.parts.loader.sampler.global_batch
         self._replica_samples = (
             chunk(batch, first + width, total)[0] - chunk(batch, first, total)[0]

@@ -29,6 +29,7 @@ from shardwise.training.fault.watchdog import Watchdog
 from shardwise.training.parallel import compilation
 from shardwise.training.tracking.metrics import last_logged_step
 from shardwise.training.trainer import display, flops
+from shardwise.training.trainer import state as train_state
 from shardwise.training.trainer.build import build_run
 from shardwise.training.trainer.memory import current_bytes
 from shardwise.training.trainer.persist import (
@@ -268,6 +269,7 @@ def replica(run: Run, group: LiveGroup) -> LiveReplica:
         loader=run.loader,
         parameters=run.parameters,
         traffic=run.sync.traffic,
+        reseed=lambda step, rank: train_state.reseed(run.config.job.seed, step, rank),
     )
     return LiveReplica(
         group,
