@@ -90,6 +90,17 @@ def test_live_replicas_draw_dropout_as_ddps_ranks_do(tmp_path):
         torch.testing.assert_close(got_params[name], value, **TOLERANCE, msg=name)
 
 
+def test_a_slow_replica_is_named_a_straggler(tmp_path, monkeypatch):
+    """Each replica is a world of its own: their batch fetch + forward times meet in the
+    coordinator's store, and the reporting replica names the one that is slow."""
+    monkeypatch.setenv("SHARDWISE_FAULT", "slow:rank=2:step=1:seconds=0.05")
+    fault = {"mode": "live", "check_interval_s": 0.1, "straggler_windows": 2}
+    shardwise.train(_job(tmp_path, fault=fault), nproc=3)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    named = {k for r in records for k in r if k.startswith("straggler/")}
+    assert named == {"straggler/replica2"}
+
+
 def test_a_killed_replica_is_not_waited_for_and_its_replacement_heals(
     tmp_path, monkeypatch, one_process
 ):

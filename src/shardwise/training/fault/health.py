@@ -8,7 +8,9 @@
   before the first collective that would make it wait for the others (under data parallelism the
   gradient all-reduce happens in backward, where fast ranks wait for slow ones, so whole step
   times are equal by construction). A rank above `factor` × the median for `windows` reporting
-  windows in a row is flagged once; its ratio is recorded while it stays slow.
+  windows in a row is flagged once; its ratio is recorded while it stays slow. In live recovery
+  each replica is a world of its own: the replicas' numbers meet in the coordinator's store
+  instead (`replicas`), and a slow replica is named the same way.
 
 How often: every `every` steps, first the reporting interval (`tracking.log_every`), then, from
 the step times all ranks just exchanged (so every rank computes the same number), as many steps
@@ -59,9 +61,12 @@ class RankHealth:
         interval_s: float,
         adaptive: bool = True,
         on_signal: Callable[[float], None] | None = None,
+        replicas: Callable[[float], dict[int, float]] | None = None,
     ) -> None:
         """`on_signal(patience_s)` is called on SIGTERM, once a step's time is known: a rank that
-        waits this long without finishing a step cannot reach the ranks' next check."""
+        waits this long without finishing a step cannot reach the ranks' next check.
+        `replicas(own)`: in live recovery, says this replica's own work per step and returns
+        every live replica's, by slot (fault/live.LiveGroup.work)."""
         self.factor, self.windows, self.every = straggler_factor, straggler_windows, every
         self.interval_s, self.adaptive = interval_s, adaptive
         self._on_stop = on_signal
@@ -69,7 +74,8 @@ class RankHealth:
         self._signalled = False
         self._seconds: list[float] = []
         self._steps: list[float] = []
-        self._streaks: dict[int, int] = {}
+        self._streaks: dict[tuple[str, int], int] = {}
+        self.replicas = replicas
         self._group = dist.new_group(backend="gloo")
         self._previous: Any = None
         if threading.current_thread() is threading.main_thread():
@@ -107,21 +113,27 @@ class RankHealth:
         if slowest > 0 and self.adaptive:  # the same numbers everywhere: the same cadence
             self.every = max(1, round(self.interval_s / slowest))
         if self.factor > 0 and world > 1:
-            self._stragglers(seconds, health)
+            self._stragglers(dict(enumerate(seconds)), health, "rank")
+        if self.replicas is not None:
+            everyone = self.replicas(statistics.fmean(seconds))
+            if self.factor > 0 and len(everyone) > 1:
+                self._stragglers(everyone, health, "replica")
         return health
 
-    def _stragglers(self, everyone: list[float], health: Health) -> None:
-        median = statistics.median(everyone)
-        for rank, seconds in enumerate(everyone):
+    def _stragglers(self, everyone: dict[int, float], health: Health, what: str) -> None:
+        """`everyone`: each rank's (or replica's) own work per step, by its number."""
+        median = statistics.median(everyone.values())
+        for number, seconds in everyone.items():
             ratio = seconds / median if median > 0 else 1.0
-            self._streaks[rank] = self._streaks.get(rank, 0) + 1 if ratio > self.factor else 0
-            if self._streaks[rank] >= self.windows:
-                health.metrics[f"straggler/rank{rank}"] = ratio
-            if self._streaks[rank] == self.windows:
+            key = (what, number)
+            self._streaks[key] = self._streaks.get(key, 0) + 1 if ratio > self.factor else 0
+            if self._streaks[key] >= self.windows:
+                health.metrics[f"straggler/{what}{number}"] = ratio
+            if self._streaks[key] == self.windows:
                 health.messages.append(
-                    f"rank {rank} is a straggler: its batch fetch + forward takes {ratio:.1f}× "
-                    f"the median rank's ({seconds * 1e3:.1f} ms vs {median * 1e3:.1f} ms) for "
-                    f"{self.windows} reporting windows in a row"
+                    f"{what} {number} is a straggler: its batch fetch + forward takes "
+                    f"{ratio:.1f}× the median {what}'s ({seconds * 1e3:.1f} ms vs "
+                    f"{median * 1e3:.1f} ms) for {self.windows} reporting windows in a row"
                 )
 
     def close(self) -> None:

@@ -131,6 +131,11 @@ def error_of(store: Any, slot: int, incarnation: int) -> dict[str, Any] | None:
     return json.loads(store.get(key)) if store.check([key]) else None
 
 
+def work_key(slot: int) -> str:
+    """Where a replica says its own work per step (`LiveGroup.work`)."""
+    return f"sw/work/{slot}"
+
+
 def healed_key(slot: int) -> str:
     """Where a replacement of `slot` says it has healed and trains: its incarnation."""
     return f"sw/healed/{slot}"
@@ -237,6 +242,18 @@ class LiveGroup:
         assert self.generation is not None
         following = newer(self.store, self.generation.number, self.timeout_s)
         return self._move(following, state, allocate)
+
+    def work(self, seconds: float) -> dict[int, float]:
+        """Say this replica's own work per step (its first process does), and read every
+        member's as each last said it, by slot (those that have not said yet left out): the
+        replicas' straggler check, off any process group (fault/health.py)."""
+        if self.local == 0:
+            self.store.set(work_key(self.slot), repr(seconds))
+        assert self.generation is not None
+        slots = list(self.generation.slots)
+        said = [s for s in slots if self.store.check([work_key(s)])]
+        values = self.store.multi_get([work_key(s) for s in said]) if said else []
+        return {s: float(v) for s, v in zip(said, values, strict=True)}
 
     def failed(self, message: str, *, config: bool) -> None:
         """Say the error this replica ends on, for the coordinator to report (`config`: the

@@ -198,6 +198,7 @@ def _session(
         interval_s=config.fault.check_interval_s,
         adaptive=run.sync.meets_every_step,
         on_signal=watchdog.hurry,
+        replicas=live.work if live is not None else None,
     )
     loop = Loop(
         run,
