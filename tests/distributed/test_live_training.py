@@ -316,6 +316,38 @@ HSDP_KILLS = {
 }
 
 
+@pytest.mark.parametrize("killed", [False, True])
+def test_replicas_of_two_tensor_parallel_ranks_train_what_restart_mode_trains(
+    tmp_path, monkeypatch, killed
+):
+    """Tensor parallelism inside the replicas: two replicas of two processes that read the same
+    samples and hold half of each large layer; their shards are summed rank by rank. The same
+    run as the default mode's on the same layout (tp = 2, two data-parallel replicas), also
+    where replica 0's second process dies after step 2 and its replacement heals, shard by
+    shard."""
+    from helpers import gpt_job
+
+    train = {"steps": 6, "global_batch": 16, "micro_batch": 4}
+    model = {"name": "gpt", "args": {"layers": 2, "heads": 2, "hidden": 32, "seq_len": 32}}
+    sections = {"train": train, "model": model, "parallel": {"tp": 2}}
+    restart, live = tmp_path / "restart", tmp_path / "live"
+    shardwise.train(gpt_job(restart, checkpoint={"every_steps": 6}, **sections), nproc=4)
+    if killed:
+        monkeypatch.setenv("SHARDWISE_FAULT", "kill:rank=1:step=2")
+    fault = {"mode": "live", "max_restarts": 1, "timeout_s": 60}
+    config = gpt_job(live, checkpoint={"every_steps": 6}, fault=fault, **sections)
+    shardwise.train(config, nproc=4)
+    if killed:
+        records = read_metrics(live / "metrics.jsonl")
+        assert [r["step"] for r in records if "live/heal_bytes" in r] == [3]
+    want, got = losses(restart), losses(live)
+    assert [got[s] for s in range(1, 7)] == pytest.approx([want[s] for s in range(1, 7)], rel=1e-4)
+    final = "checkpoints/step_00000006"
+    want_params, got_params = load_params(restart / final), load_params(live / final)
+    for name, value in want_params.items():
+        torch.testing.assert_close(got_params[name], value, **TOLERANCE, msg=name)
+
+
 @pytest.mark.parametrize("kill", list(HSDP_KILLS))
 def test_hsdp_a_killed_rank_takes_its_replica_down_and_the_replacement_heals_rank_by_rank(
     tmp_path, monkeypatch, one_process, kill
@@ -344,7 +376,7 @@ def test_hsdp_a_killed_rank_takes_its_replica_down_and_the_replacement_heals_ran
     [
         (2, {"train": {"sync": "local_sgd", "sync_every": 2}}, "reduces gradients every step"),
         (3, {"parallel": {"dp_shard": 2}}, "use a multiple of it"),
-        (4, {"parallel": {"tp": 2}}, "not yet tensor or pipeline parallelism"),
+        (4, {"parallel": {"pp": 2}}, "not yet a pipeline"),
     ],
 )
 def test_live_mode_refuses_what_it_cannot_run(tmp_path, nproc, sections, why):

@@ -255,10 +255,10 @@ class LiveGroup:
         values = self.store.multi_get([work_key(s) for s in said]) if said else []
         return {s: float(v) for s, v in zip(said, values, strict=True)}
 
-    def failed(self, message: str, *, config: bool) -> None:
+    def failed(self, message: str, *, config: bool, traceback: str = "") -> None:
         """Say the error this replica ends on, for the coordinator to report (`config`: the
-        job is wrong, and no replacement would fare better)."""
-        described = json.dumps({"message": message, "config": config})
+        job is wrong, and no replacement would fare better; `traceback`: where it came from)."""
+        described = json.dumps({"message": message, "config": config, "traceback": traceback})
         self.store.set(error_key(self.slot, self.incarnation), described)
 
     def close(self) -> None:

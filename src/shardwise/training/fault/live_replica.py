@@ -71,6 +71,9 @@ class Parts:
     parameters: Callable[[], list[nn.Parameter]]
     traffic: Any = None
     """The run's `comm.base.Traffic`, which counts the bytes the all-reduce sends."""
+    position: tuple[int, int] = (0, 1)
+    """This process's data-parallel rank and their number inside its replica (its FSDP rank:
+    tensor-parallel peers read the same samples)."""
     reseed: Callable[[int, int], None] | None = None
     """Seeds this process's generators (dropout) from (step, rank), as a data-parallel rank's
     are seeded (trainer/state.reseed): each replica its own stream, drawn again from the step a
@@ -192,8 +195,8 @@ class LiveReplica:
         flat = self._flat
         assert flat is not None, "begin() binds the gradients"
         for p, view in zip(self._params, self._views, strict=True):
-            if isinstance(p, DTensor):  # FSDP's shard of the replica's gradient
-                view.copy_(_local(p.grad)) if p.grad is not None else view.zero_()
+            if isinstance(p, DTensor):  # this process's shard of the replica's gradient
+                view.copy_(_local(_placed(p.grad, p))) if p.grad is not None else view.zero_()
             elif p.grad is not view:  # replaced by something other than the backward: copied in
                 view.copy_(p.grad if p.grad is not None else torch.zeros_like(view))
                 p.grad = view
@@ -210,8 +213,10 @@ class LiveReplica:
         copied back) and the floating buffers."""
         flat[:-2].div_(flat[-2].clone())
         for p, view in zip(self._params, self._views, strict=True):
-            if isinstance(p, DTensor) and p.grad is not None:
-                _local(p.grad).copy_(view)
+            if isinstance(p, DTensor) and p.grad is not None:  # placed as the parameter
+                p.grad = DTensor.from_local(
+                    view, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+                )
         offset = self._grad_numel
         for b in self._floating:
             b.copy_(flat[offset : offset + b.numel()].view_as(b))
@@ -219,11 +224,12 @@ class LiveReplica:
 
     def shares(self, sizes: list[int]) -> list[float] | None:
         """Each micro-batch's share of what this process's loss stands for: of its samples
-        (None where they are equal: 1/count each); under HSDP, of the replica's mean (times its
-        processes: FSDP averages them), so that its processes may read a sample more or less."""
+        (None where they are equal: 1/count each); in a replica of several processes, of the
+        replica's mean (times its FSDP ranks: FSDP averages them), so that they may read a
+        sample more or less than each other."""
         if self.width == 1:
             return None if len(set(sizes)) <= 1 else [size / sum(sizes) for size in sizes]
-        return [size * self.width / self._replica_samples for size in sizes]
+        return [size * self.parts.position[1] / self._replica_samples for size in sizes]
 
     def _lost_reply(self) -> bool:
         """Whether fault injection takes this completed all-reduce as failed (`lose`)."""
@@ -419,13 +425,15 @@ class LiveReplica:
 
     def _place(self) -> None:
         """This process's share of each step in the current generation: a replica's chunk of
-        the batch, split over its processes (contiguous: `sampling.chunk` of them all)."""
+        the batch, split over its data-parallel ranks (contiguous: `sampling.chunk` of them
+        all; tensor-parallel peers read the same)."""
         if self.group.generation is None:
             return
-        width, total = self.width, self.group.size * self.width
+        rank, width = self.parts.position
+        total = self.group.size * width
         first = self.group.rank * width
-        self.parts.loader.place(first + self.group.local, total)
-        self._rank = first + self.group.local
+        self.parts.loader.place(first + rank, total)
+        self._rank = first + rank
         batch = self.parts.loader.sampler.global_batch
         self._replica_samples = (
             chunk(batch, first + width, total)[0] - chunk(batch, first, total)[0]
@@ -512,6 +520,14 @@ def state_hash(tensors: dict[str, torch.Tensor]) -> bytes:
         digest.update(name.encode())
         digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.digest()
+
+
+def _placed(grad: torch.Tensor, param: DTensor) -> torch.Tensor:
+    """`grad` placed as `param` is (tensor parallelism's embedding leaves its gradient
+    replicated where the weight is sharded: the shard is then a slice of it, no traffic)."""
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        return grad.redistribute(param.device_mesh, param.placements)
+    return grad
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+import traceback
 from datetime import timedelta
 from typing import Any
 
@@ -33,8 +34,9 @@ from shardwise.training.trainer.train_summary import TrainSummary
 
 
 def width_of(config: JobConfig) -> int:
-    """The processes of one replica: its FSDP ranks (`parallel.dp_shard`), 1 without FSDP."""
-    return config.parallel.dp_shard
+    """The processes of one replica: its FSDP ranks times its tensor-parallel ones
+    (`parallel.dp_shard` × `parallel.tp`), 1 for a replica of one process."""
+    return config.parallel.dp_shard * config.parallel.tp
 
 
 def check_live(config: JobConfig, processes: int, *, nodes: bool) -> None:
@@ -45,17 +47,18 @@ def check_live(config: JobConfig, processes: int, *, nodes: bool) -> None:
     why = None
     if nodes:
         why = "runs on one machine for now (drop --nnodes)"
-    elif config.parallel.tp > 1 or config.parallel.pp > 1:
-        why = "keeps FSDP inside a replica, not yet tensor or pipeline parallelism (tp, pp = 1)"
+    elif config.parallel.pp > 1:
+        why = "keeps FSDP and tensor parallelism inside a replica, not yet a pipeline (pp = 1)"
     elif processes % width:
         why = (
-            f"splits --nproc {processes} into replicas of parallel.dp_shard = {width} "
+            f"splits --nproc {processes} into replicas of parallel.dp_shard × tp = {width} "
             "processes: use a multiple of it"
         )
     elif config.parallel.dp_replicate not in (-1, 1, replicas):  # -1: what is left
         why = (
-            f"makes each replica of parallel.dp_shard = {width} processes: --nproc {processes} "
-            f"gives {replicas}, not parallel.dp_replicate = {config.parallel.dp_replicate}"
+            f"makes each replica of parallel.dp_shard × tp = {width} processes: --nproc "
+            f"{processes} gives {replicas}, not parallel.dp_replicate = "
+            f"{config.parallel.dp_replicate}"
         )
     elif config.train.sync != "every_step":
         why = "reduces gradients every step (train.sync = 'every_step')"
@@ -101,7 +104,9 @@ def launch_live(config: JobConfig, processes: int, resume: str | None) -> TrainS
     except ReplicaFailed as failure:
         if failure.config:
             raise ConfigError(str(failure)) from None
-        raise WorkerFailed(failure.slot, failure.exitcode, str(failure), traceback="") from None
+        raise WorkerFailed(
+            failure.slot, failure.exitcode, str(failure), traceback=failure.traceback
+        ) from None
     path = config.run_dir / "summary.json"
     if not path.exists() or path.stat().st_mtime < started:
         return None
@@ -141,7 +146,9 @@ def run_replica(
                 live=group,
             )
         except Exception as error:  # said once, by the supervisor, rather than a traceback
-            group.failed(first_line(error), config=isinstance(error, ConfigError))
+            config_error = isinstance(error, ConfigError)
+            trace = "" if config_error else traceback.format_exc()
+            group.failed(first_line(error), config=config_error, traceback=trace)
             raise SystemExit(1) from None
         finally:
             group.close()

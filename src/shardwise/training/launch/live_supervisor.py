@@ -34,9 +34,13 @@ class ReplicaFailed(RuntimeError):
     """The job cannot go on: replicas died and too few are left with no restart left
     (`fault.max_restarts`, `fault.min_replicas`), or one found the job itself wrong (`config`)."""
 
-    def __init__(self, slot: int, exitcode: int, why: str, *, config: bool = False) -> None:
+    def __init__(
+        self, slot: int, exitcode: int, why: str, *, config: bool = False, traceback: str = ""
+    ) -> None:
         super().__init__(why)
         self.slot, self.exitcode, self.config = slot, exitcode, config
+        self.traceback = traceback
+        """Where the replica's own error came from (none where it was killed)."""
 
 
 def supervise(
@@ -133,12 +137,14 @@ class _Replicas:
             if error and error["config"]:  # every replica would: the job is wrong
                 raise ReplicaFailed(slot, exitcode, error["message"], config=True)
             self.members.discard(slot)
+            trace = error.get("traceback", "") if error else ""
             if not any(self._healed(s) for s in self.members):
                 raise ReplicaFailed(
                     slot,
                     exitcode,
                     f"{said}, the last replica: none is left to heal a replacement from; "
                     "--resume auto continues from the newest checkpoint",
+                    traceback=trace,
                 )
             restart = sum(self.incarnations.values()) < self.restarts
             if not restart and len(self.members) < self.min_replicas:
@@ -148,6 +154,7 @@ class _Replicas:
                     f"{said}; {len(self.members)} left, fewer than fault.min_replicas "
                     f"({self.min_replicas}), and no restart is left (fault.max_restarts = "
                     f"{self.restarts})",
+                    traceback=trace,
                 )
             self._publish()
             if restart:

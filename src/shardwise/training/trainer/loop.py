@@ -27,6 +27,7 @@ from shardwise.training.fault.live import LiveGroup
 from shardwise.training.fault.live_replica import LiveReplica, Parts, StepAgain, StepTaken
 from shardwise.training.fault.watchdog import Watchdog
 from shardwise.training.parallel import compilation
+from shardwise.training.parallel.mesh import dp_position
 from shardwise.training.tracking.metrics import last_logged_step
 from shardwise.training.trainer import display, flops
 from shardwise.training.trainer import state as train_state
@@ -270,6 +271,7 @@ def replica(run: Run, group: LiveGroup) -> LiveReplica:
         loader=run.loader,
         parameters=run.parameters,
         traffic=run.sync.traffic,
+        position=dp_position(run.mesh),
         reseed=lambda step, rank: train_state.reseed(run.config.job.seed, step, rank),
     )
     return LiveReplica(
