@@ -5,6 +5,8 @@ stays within 3% of a bf16 run's."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -81,10 +83,10 @@ def test_a_float8_run_resumes_bit_for_bit(tmp_path, monkeypatch, one_process):
     assert_bitwise_same_run(tmp_path, one_process, STEPS)
 
 
-def test_a_float8_checkpoint_loads_without_float8_and_back_and_exports_plain_tensors(
+def test_a_float8_checkpoint_loads_into_a_bf16_run_and_back_and_exports_plain_tensors(
     tmp_path, one_process
 ):
-    plain = {"float8": "off", "float8_layers": "auto", "float8_emulate": False}
+    plain = {"float8": "off", "float8_layers": "auto", "float8_emulate": False, "precision": "bf16"}
     checkpoint = one_process / "checkpoints" / f"step_{STEPS:08d}"
     without = tmp_path / "without"
     shardwise.train(_job(without, train={**plain, "steps": 14}), nproc=1, resume=str(checkpoint))
@@ -111,6 +113,16 @@ def test_over_fifty_steps_float8_stays_within_three_percent_of_bf16(tmp_path):
     bf16, float8 = losses(tmp_path / "bf16"), losses(tmp_path / "float8")
     last = [sum(run[s] for s in range(41, 51)) / 10 for run in (bf16, float8)]
     assert last[1] == pytest.approx(last[0], rel=0.03)
+
+
+def test_float8_compiles(tmp_path):
+    """torch.compile captures the float8 linears (their casts and scaled matrix multiplies) in
+    its graphs: `aot_eager` here, the same graphs inductor fuses on a GPU."""
+    train = {"steps": 4, "compile": True, "compile_backend": "aot_eager"}
+    summary = shardwise.train(_job(tmp_path, train=train), nproc=1)
+    assert summary is not None
+    assert all(math.isfinite(loss) for loss in losses(tmp_path).values())
+    assert sorted(losses(tmp_path)) == [1, 2, 3, 4]
 
 
 def test_an_fsdp_unit_of_bias_free_float8_linears_is_refused_on_gloo(tmp_path):
