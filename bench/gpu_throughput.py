@@ -46,6 +46,9 @@ SIZES = {
         "86M": (12, 12, 768, 1024, 8),
         "304M": (24, 16, 1024, 1024, 8),
         "1.2B": (24, 16, 2048, 1024, 4),
+        # float8 (issue 60): sequences of 2048, as torchao's and torchtitan's figures
+        "1.2B-2k": (24, 16, 2048, 2048, 4),
+        "3B": (28, 24, 3072, 2048, 4),
     },
     "cpu": {"tiny": TINY, "small": (2, 4, 128, 128, 8)},
 }
@@ -65,12 +68,15 @@ def shardwise_cmd(sets: list[str], compiled: bool, run_dir: Path, threads: int) 
     return [str(BIN / "shardwise"), "train", str(JOB), "--nproc", "1", *flags]
 
 
-def hand_cmd(sets: list[str], compiled: bool, counts: Path, threads: int) -> list[str]:
+def hand_cmd(
+    sets: list[str], compiled: bool, counts: Path, threads: int, float8: str = ""
+) -> list[str]:
     flags = [a for s in sets for a in ("--set", s)]
     return [
         sys.executable,
         str(Path(__file__).with_name("hand_loop.py")),
         *(["--compiled"] if compiled else []),
+        *(["--float8", float8] if float8 else []),
         "--counts",
         str(counts),
         *(["--threads", str(threads)] if threads else []),
@@ -98,6 +104,8 @@ def measure(
     precision = "bf16" if kind == "cuda" else "fp32"
     sets = job_sets(size, precision, args.steps)
     threads = 0 if kind == "cuda" else 1
+    if args.float8:
+        return _float8(label, sets, args, kind, tmp)
     modes = [False] if args.no_compile else [False, True]
     found: dict[str, dict] = {}
     for repeat in range(args.repeats):
@@ -122,6 +130,48 @@ def measure(
                 if source.exists() and who != "shardwise, no profile window":
                     entry["profiles"].append(json.loads(source.read_text()))
                 print(f"  {label} repeat {repeat + 1}: {who} {mode} {per_step * 1e3:.2f} ms/step")
+    return found
+
+
+def _float8(
+    label: str, sets: list[str], args: argparse.Namespace, kind: str, tmp: Path
+) -> dict[str, dict]:
+    """Compiled, bf16 against float8 (`args.float8`'s recipe), shardwise and the hand loop,
+    interleaved; on a CPU in torchao's emulation, the GPT's linears named (too small for
+    `auto`)."""
+    float8 = [f"train.float8={args.float8}"]
+    if kind == "cpu":
+        float8 += ["train.float8_emulate=true", 'train.float8_layers=["*.mlp.*","*.attn.*"]']
+    threads = 0 if kind == "cuda" else 1
+    base = "bf16" if kind == "cuda" else "fp32"  # float8's weights and the rest of the model
+    found: dict[str, dict] = {}
+    for repeat in range(args.repeats):
+        for precision in (base, "float8"):
+            extra = float8 if precision == "float8" else []
+            run_dir = tmp / f"{label}-{precision}-{repeat}"
+            counts = tmp / f"{label}-hand-{precision}-{repeat}.json"
+            contenders = [
+                ("shardwise", shardwise_cmd([*sets, *extra], True, run_dir, threads)),
+                (
+                    "hand loop",
+                    hand_cmd([*sets, *extra], True, counts, threads, args.float8 if extra else ""),
+                ),
+            ]
+            for who, cmd in contenders:
+                per_step, _ = timed(cmd, args.warmup, args.steps)
+                found.setdefault(f"{who} {precision}", {"times": [], "profiles": []})
+                found[f"{who} {precision}"]["times"].append(per_step)
+                print(
+                    f"  {label} repeat {repeat + 1}: {who} {precision} {per_step * 1e3:.2f} ms/step"
+                )
+    for who in ("shardwise", "hand loop"):
+        plain, f8 = found[f"{who} {base}"]["times"], found[f"{who} float8"]["times"]
+        ratios = [b / f for b, f in zip(plain, f8, strict=True)]
+        print(
+            f"  {label}: {who} tokens/s float8 / {base}, compiled: median "
+            f"{statistics.median(ratios):.3f} (spread {min(ratios):.3f}-{max(ratios):.3f})",
+            flush=True,
+        )
     return found
 
 
@@ -225,6 +275,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="per run")
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--no-compile", action="store_true", help="eager contenders only")
+    parser.add_argument(
+        "--float8",
+        default="",
+        help="a recipe (tensorwise, rowwise): bf16 against float8, compiled (issue 60's sizes: "
+        "1.2B-2k 3B)",
+    )
     parser.add_argument(
         "--unprofiled",
         action="store_true",

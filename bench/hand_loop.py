@@ -51,10 +51,16 @@ def job_sets(size: tuple[int, int, int, int, int], precision: str, steps: int) -
 
 
 def hand_loop(
-    sets: list[str], *, compiled: bool, profile_window: tuple[int, int] | None = None
+    sets: list[str],
+    *,
+    compiled: bool,
+    profile_window: tuple[int, int] | None = None,
+    float8: str = "",
 ) -> list[dict[str, Any]]:
     """Train as a user would; prints `step N loss L` every `tracking.log_every` steps. With
-    `profile_window` (first step, count) those steps are profiled and their counts returned."""
+    `profile_window` (first step, count) those steps are profiled and their counts returned;
+    `float8`: a torchao recipe, the linears `train.float8_layers` names converted (as a user of
+    torchao converts them: `convert_to_float8_training`, before compiling)."""
     from torch.profiler import ProfilerActivity, profile, record_function
     from torch.utils.data import DataLoader, RandomSampler
 
@@ -69,6 +75,8 @@ def hand_loop(
     torch.manual_seed(config.job.seed)
     model = job_names.build_model(config).to(device)
     train = config.train
+    if float8:
+        _to_float8(model, float8, train.float8_layers, emulate=not cuda)
     optimizer = build_optimizer(model, train, lr=train.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: lr_factor(k + 1, train))
     forward = torch.compile(model) if compiled else model
@@ -114,9 +122,23 @@ def hand_loop(
     return step_counts(profiler.events(), {}) if count else []
 
 
+def _to_float8(model: torch.nn.Module, recipe: str, layers: Any, *, emulate: bool) -> None:
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from shardwise.training.parallel.float8 import chosen
+
+    names = set(chosen(model, recipe, layers)[0])  # the layers shardwise converts
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+    convert_to_float8_training(model, module_filter_fn=lambda _, n: n in names, config=config)
+    print(f"float8 ({recipe}): {len(names)} linear layers converted", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--compiled", action="store_true")
+    parser.add_argument("--float8", default="", help="a torchao recipe: tensorwise, rowwise, …")
     parser.add_argument("--set", dest="sets", action="append", default=[])
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument(
@@ -125,7 +147,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     window = (10, 2) if args.counts else None
-    counts = hand_loop(args.sets, compiled=args.compiled, profile_window=window)
+    counts = hand_loop(args.sets, compiled=args.compiled, profile_window=window, float8=args.float8)
     if args.counts:
         args.counts.write_text(json.dumps({"steps": counts}))
 
