@@ -63,6 +63,19 @@ def _same(got_losses, got_params, want):
         )
 
 
+def _same_run(got, want, *, steps):
+    """Two runs' directories: the same losses and final parameters, within TOLERANCE."""
+    want_losses, got_losses = losses(want), losses(got)
+    every = range(1, steps + 1)
+    assert [got_losses[s] for s in every] == pytest.approx(
+        [want_losses[s] for s in every], rel=1e-4
+    )
+    final = f"checkpoints/step_{steps:08d}"
+    want_params, got_params = load_params(want / final), load_params(got / final)
+    for name, value in want_params.items():
+        torch.testing.assert_close(got_params[name], value, **TOLERANCE, msg=name)
+
+
 def test_three_live_replicas_train_what_one_process_trains(tmp_path, one_process):
     summary = shardwise.train(_job(tmp_path, fault={"mode": "live"}), nproc=3)
     assert summary is not None and summary.checkpoint is not None
@@ -82,12 +95,7 @@ def test_live_replicas_draw_dropout_as_ddps_ranks_do(tmp_path):
     shardwise.train(gpt_job(ddp, train=train, checkpoint={"every_steps": 6}), nproc=2)
     config = gpt_job(live, train=train, checkpoint={"every_steps": 6}, fault={"mode": "live"})
     shardwise.train(config, nproc=2)
-    want, got = losses(ddp), losses(live)
-    assert [got[s] for s in range(1, 7)] == pytest.approx([want[s] for s in range(1, 7)], rel=1e-4)
-    final = "checkpoints/step_00000006"
-    want_params, got_params = load_params(ddp / final), load_params(live / final)
-    for name, value in want_params.items():
-        torch.testing.assert_close(got_params[name], value, **TOLERANCE, msg=name)
+    _same_run(live, ddp, steps=6)
 
 
 def test_a_slow_replica_is_named_a_straggler(tmp_path, monkeypatch):
@@ -340,12 +348,7 @@ def test_replicas_of_two_tensor_parallel_ranks_train_what_restart_mode_trains(
     if killed:
         records = read_metrics(live / "metrics.jsonl")
         assert [r["step"] for r in records if "live/heal_bytes" in r] == [3]
-    want, got = losses(restart), losses(live)
-    assert [got[s] for s in range(1, 7)] == pytest.approx([want[s] for s in range(1, 7)], rel=1e-4)
-    final = "checkpoints/step_00000006"
-    want_params, got_params = load_params(restart / final), load_params(live / final)
-    for name, value in want_params.items():
-        torch.testing.assert_close(got_params[name], value, **TOLERANCE, msg=name)
+    _same_run(live, restart, steps=6)
 
 
 @pytest.mark.parametrize("kill", list(HSDP_KILLS))
