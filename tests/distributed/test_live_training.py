@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import shardwise
-from helpers import digits_job, load_params, losses
+from helpers import assert_bitwise_same_run, digits_job, load_params, losses
 from shardwise.common.errors import ConfigError
 from shardwise.training.checkpoint.disk_layout import problem
 from shardwise.training.launch.outcome import WorkerFailed
@@ -165,6 +165,29 @@ def test_a_replica_killed_anywhere_in_a_step_or_a_heal_costs_nothing(
     assert summary is not None and summary.checkpoint is not None
     _same(losses(tmp_path), load_params(summary.checkpoint), one_process)
     assert not (tmp_path / "hangs").exists()
+
+
+def test_a_kill_is_bit_for_bit_the_run_its_membership_makes_without_one(tmp_path, monkeypatch):
+    """Replica 2 dies after step 3 (no restart): its peers do step 4 again and go on as two.
+    The same membership without a kill: three replicas to step 3 (then every one stops, the
+    checkpoint of step 3 kept), two resumed from it. The losses of every step and the final
+    parameters are the same bits."""
+    # a synchronous save: the processes stop right after it
+    checkpoint = {"every_steps": 3, "async": False}
+    sections = {"fault": {"mode": "live", "max_restarts": 0}, "checkpoint": checkpoint}
+    killed, replay = tmp_path / "killed", tmp_path / "replay"
+    monkeypatch.setenv("SHARDWISE_FAULT", "kill:rank=2:step=3")
+    shardwise.train(_job(killed, **sections), nproc=3)
+    # every replica stops before step 4, the one that saves first (the others wait 3 s): the
+    # supervisor, ending the job, would otherwise kill it while it saves step 3
+    stop = "slow:rank=1:step=4:seconds=3,slow:rank=2:step=4:seconds=3,kill:step=4:at=before_forward"
+    monkeypatch.setenv("SHARDWISE_FAULT", stop)
+    with pytest.raises(WorkerFailed):
+        shardwise.train(_job(replay, **sections), nproc=3)
+    monkeypatch.delenv("SHARDWISE_FAULT")
+    resume = str(replay / "checkpoints" / "step_00000003")
+    shardwise.train(_job(replay, **sections), nproc=2, resume=resume)
+    assert_bitwise_same_run(replay, killed, STEPS)
 
 
 def test_a_replica_whose_all_reduce_failed_where_its_peers_completed_takes_their_step(
