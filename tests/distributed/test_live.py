@@ -130,3 +130,27 @@ def test_a_replica_that_finds_the_job_wrong_ends_the_job_with_its_one_line():
     with pytest.raises(ReplicaFailed, match="the job is wrong: fix it") as failed:
         supervise(2, _refusing, (), timeout_s=TIMEOUT_S, restarts=3)
     assert failed.value.config and failed.value.slot == 1
+
+
+def _saving_when_the_others_die(
+    slot: int, local: int, incarnation: int, endpoint: str, out: str
+) -> None:
+    live = LiveGroup(endpoint, slot, incarnation, TIMEOUT_S)
+    if slot == 0:  # the reporting replica, writing a checkpoint that takes a second
+        with live.saving():
+            time.sleep(1.0)
+            (Path(out) / "written").write_text("the whole checkpoint")
+        time.sleep(3600)  # the supervisor ends it
+    time.sleep(0.3)
+    raise SystemExit(1)  # dies: with no restart, fewer than min_replicas are left
+
+
+def test_a_job_that_ends_lets_a_checkpoint_being_written_finish(tmp_path):
+    """The job fails (two of three replicas die, no restart) while replica 0 writes a
+    checkpoint: the supervisor waits for the write before it kills replica 0."""
+    with pytest.raises(ReplicaFailed, match=r"fewer than fault\.min_replicas"):
+        supervise(
+            3, _saving_when_the_others_die, (str(tmp_path),), timeout_s=TIMEOUT_S, restarts=0,
+            min_replicas=2,
+        )  # fmt: skip
+    assert (tmp_path / "written").read_text() == "the whole checkpoint"

@@ -13,10 +13,11 @@ them its state before the next step (`heal.send_state`), so they start from the 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -129,6 +130,11 @@ def error_of(store: Any, slot: int, incarnation: int) -> dict[str, Any] | None:
     itself is wrong}; None where it said none (it was killed)."""
     key = error_key(slot, incarnation)
     return json.loads(store.get(key)) if store.check([key]) else None
+
+
+def saving_key(slot: int, local: int) -> str:
+    """Where a replica's process says it is writing a checkpoint ("1") or not ("0")."""
+    return f"sw/saving/{slot}/{local}"
 
 
 def work_key(slot: int) -> str:
@@ -254,6 +260,16 @@ class LiveGroup:
         said = [s for s in slots if self.store.check([work_key(s)])]
         values = self.store.multi_get([work_key(s) for s in said]) if said else []
         return {s: float(v) for s, v in zip(said, values, strict=True)}
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """While this process writes a checkpoint: a job the supervisor ends meanwhile (too
+        few replicas left) waits for the write to finish before it kills the process."""
+        self.store.set(saving_key(self.slot, self.local), "1")
+        try:
+            yield
+        finally:
+            self.store.set(saving_key(self.slot, self.local), "0")
 
     def failed(self, message: str, *, config: bool, traceback: str = "") -> None:
         """Say the error this replica ends on, for the coordinator to report (`config`: the

@@ -19,7 +19,13 @@ from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Any
 
-from shardwise.training.fault.live import alive_key, error_of, healed_key, join_key
+from shardwise.training.fault.live import (
+    alive_key,
+    error_of,
+    healed_key,
+    join_key,
+    saving_key,
+)
 from shardwise.training.fault.membership import Generation, publish
 from shardwise.training.launch.forkserver import fork_target, start_method
 from shardwise.training.launch.stores import LOOPBACK, host_store
@@ -75,6 +81,10 @@ def supervise(
             else:
                 replicas.evict_hung()
                 replicas.admit()
+    except ReplicaFailed as failure:
+        if not failure.config:  # a checkpoint being written is the one the job resumes from
+            replicas.let_saves_finish(timeout_s)
+        raise
     finally:
         replicas.kill()
     return replicas.generations
@@ -186,6 +196,25 @@ class _Replicas:
             for process in self.running.get(slot, []):
                 if process.exitcode is None:
                     process.kill()  # reaped as a death on the next pass
+
+    def let_saves_finish(self, timeout_s: float) -> None:
+        """Wait, up to `timeout_s`, for the replicas' processes that are writing a checkpoint
+        to finish it (the job is ending; the others are killed at once after)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            writing = [
+                (slot, local)
+                for slot, processes in self.running.items()
+                for local, process in enumerate(processes)
+                if process.exitcode is None and self._saving(slot, local)
+            ]
+            if not writing:
+                return
+            time.sleep(0.02)
+
+    def _saving(self, slot: int, local: int) -> bool:
+        key = saving_key(slot, local)
+        return bool(self.store.check([key])) and self.store.get(key) == b"1"
 
     def stop_unhealed(self) -> None:
         for slot in [s for s in self.running if not self._healed(s)]:

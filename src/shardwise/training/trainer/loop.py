@@ -8,6 +8,7 @@ environment variables.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Iterator
@@ -518,8 +519,10 @@ def _checkpoint(loop: Loop, step: int) -> None:
         return
     loop.watchdog.beat()
     began = time.perf_counter()
+    writing = run.live.group.saving() if run.live is not None else contextlib.nullcontext()
     try:
-        loop.checkpoint = save(run, step, final=step == run.config.train.steps)
+        with writing:  # a live job ending meanwhile lets the write finish
+            loop.checkpoint = save(run, step, final=step == run.config.train.steps)
         saved = {"checkpoint/save_s": time.perf_counter() - began}
     except SaveFailed as failure:
         if run.config.checkpoint.fail_on_save_error:
