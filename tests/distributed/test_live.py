@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from shardwise.training.fault.heal import load_param_groups, state_of
-from shardwise.training.fault.live import LiveGroup
+from shardwise.training.fault.live import LiveGroup, saving_key
 from shardwise.training.fault.membership import published
 from shardwise.training.launch.live_supervisor import ReplicaFailed, supervise
 
@@ -141,7 +141,9 @@ def _saving_when_the_others_die(
             time.sleep(1.0)
             (Path(out) / "written").write_text("the whole checkpoint")
         time.sleep(3600)  # the supervisor ends it
-    time.sleep(0.3)
+    key = saving_key(0, 0)
+    while not (live.store.check([key]) and live.store.get(key) == b"1"):
+        time.sleep(0.01)  # until replica 0 is writing
     raise SystemExit(1)  # dies: with no restart, fewer than min_replicas are left
 
 

@@ -74,10 +74,10 @@ class Siblings:
         self._dist.all_reduce(summed)
         return summed.tolist()
 
-    def max(self, value: int) -> int:
-        highest = torch.tensor([value], dtype=torch.int64)
+    def max(self, value: float) -> float:
+        highest = torch.tensor([value], dtype=torch.float64)  # exact for integers to 2**53
         self._dist.all_reduce(highest, op=self._dist.ReduceOp.MAX)
-        return int(highest.item())
+        return float(highest.item())
 
     def all(self, ok: bool) -> bool:
         """Whether every sibling's `ok` is true (and a barrier: all have come here)."""
@@ -322,7 +322,7 @@ class LiveGroup:
         next one."""
         while True:
             if self.siblings is not None:
-                highest = self.siblings.max(generation.number)
+                highest = int(self.siblings.max(generation.number))
                 generation = generation if highest == generation.number else at(self.store, highest)
             self.generation, self.pg = generation, None
             extra: dict[str, Any] = {}

@@ -159,13 +159,13 @@ class LiveReplica:
             for saved, b in zip(self._buffers, buffers, strict=True):
                 saved.copy_(b)
 
-    def reduce(self, loss: torch.Tensor, samples: int) -> torch.Tensor:
-        """Sum the replicas' gradients, each weighted by its `samples`, into every replica's
+    def reduce(self, loss: torch.Tensor) -> torch.Tensor:
+        """Sum the replicas' gradients, each weighted by its samples, into every replica's
         `.grad` (divided by the step's samples: the whole batch's mean), and their floating
         buffers likewise (a batch norm's running mean becomes the one the whole batch gives);
         the batch's mean loss (`loss`: this replica's mean). `StepAgain` where a replica died
         meanwhile."""
-        flat = self._pack(loss, samples)
+        flat = self._pack(loss)
         self._kill_at("reduce")
         ok = self.group.allreduce_in_place(flat) and not self._lost_reply()
         ok, summed = self.group.settle(ok, (float(flat[-3]),) if self.width > 1 else ())
@@ -187,7 +187,7 @@ class LiveReplica:
         self._loss = flat[-3].clone()
         return self._loss.to(loss.dtype)
 
-    def _pack(self, loss: torch.Tensor, samples: int) -> torch.Tensor:
+    def _pack(self, loss: torch.Tensor) -> torch.Tensor:
         """`_flat` as the all-reduce sends it: the gradients (FSDP's shards copied in), the
         floating buffers, the loss and the count, each weighted by the replica's samples: a
         replica of one process has reduced nothing yet; FSDP's shards hold the replica's mean
@@ -205,7 +205,7 @@ class LiveReplica:
             flat[offset : offset + b.numel()].copy_(b.detach().flatten())
             offset += b.numel()
         flat[-3], flat[-2] = loss.detach() / self.width, 1.0
-        flat[:-1].mul_(samples if self.width == 1 else self._replica_samples)
+        flat[:-1].mul_(self._replica_samples)
         return flat
 
     def _unpack(self, flat: torch.Tensor) -> None:
@@ -223,12 +223,11 @@ class LiveReplica:
             offset += b.numel()
 
     def shares(self, sizes: list[int]) -> list[float] | None:
-        """Each micro-batch's share of what this process's loss stands for: of its samples
-        (None where they are equal: 1/count each); in a replica of several processes, of the
-        replica's mean (times its FSDP ranks: FSDP averages them), so that they may read a
-        sample more or less than each other."""
+        """In a replica of several processes, each micro-batch's share of the replica's mean
+        (times its FSDP ranks: FSDP averages them), so that they may read a sample more or less
+        than each other; None in a replica of one (its shares are of its own samples)."""
         if self.width == 1:
-            return None if len(set(sizes)) <= 1 else [size / sum(sizes) for size in sizes]
+            return None
         return [size * self.parts.position[1] / self._replica_samples for size in sizes]
 
     def _lost_reply(self) -> bool:
@@ -405,7 +404,7 @@ class LiveReplica:
             siblings = self.group.siblings
             if siblings is not None:  # each of the replica's processes sent its shards
                 sent = siblings.sum([sent])[0]
-                seconds = siblings.max(round(seconds * 1e6)) / 1e6  # the slowest's
+                seconds = siblings.max(seconds)  # the slowest's
             self.events.append(
                 (
                     f"step {step}: replica {self.group.slot} healed replica"

@@ -150,13 +150,16 @@ def _listed(names: list[str], most: int = 8) -> str:
     return ", ".join(names[:most]) + more
 
 
+_LINEAR_ATTRIBUTES = frozenset(vars(nn.Linear(1, 1, device="meta")))
+"""The attributes every nn.Linear has (in_features, training, …)."""
+
+
 def _own_attributes(module: nn.Module) -> dict[str, Any]:
     """What a model set on a layer beyond nn.Linear's own attributes."""
-    plain = nn.Linear(1, 1, device="meta")
     return {
         k: v
         for k, v in vars(module).items()
-        if not k.startswith("_") and k not in vars(plain) and not isinstance(v, nn.Module)
+        if not k.startswith("_") and k not in _LINEAR_ATTRIBUTES and not isinstance(v, nn.Module)
     }
 
 

@@ -133,7 +133,7 @@ def train_step(run: Run, micro_batches: list[Any], *, step: int = 0) -> Stepped:
             (model,) = run.parts
             count, losses = len(micro_batches), []
             sizes = [len(mb[1]) for mb in micro_batches]
-            shares = run.live.shares(sizes) if run.live is not None else _shares(sizes)
+            shares = (run.live.shares(sizes) if run.live is not None else None) or _shares(sizes)
             for i, (inputs, target) in enumerate(micro_batches):
                 with run.sync.micro_batch(model, last=i == count - 1, step=step):
                     loss, seconds = _loss(run, inputs, target, shares[i] if shares else count)
@@ -143,7 +143,7 @@ def train_step(run: Run, micro_batches: list[Any], *, step: int = 0) -> Stepped:
             loss = losses[0] if count == 1 else torch.stack(losses).sum()
     if run.live is not None:  # the replicas' gradients summed (StepAgain: a replica died)
         with phase("live_reduce"):
-            loss = run.live.reduce(loss, sum(len(mb[1]) for mb in micro_batches))
+            loss = run.live.reduce(loss)
     if run.faults.faults:
         run.faults.corrupt_gradients(step, run.parameters())
     if run.scaler.is_enabled():
