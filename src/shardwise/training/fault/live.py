@@ -303,6 +303,11 @@ class LiveGroup:
         return self._move(following, state, allocate)
 
     @property
+    def width(self) -> int:
+        """The replica's processes: this one and its siblings."""
+        return 1 if self.siblings is None else self.siblings.size
+
+    @property
     def size(self) -> int:
         assert self.generation is not None
         return len(self.generation.slots)

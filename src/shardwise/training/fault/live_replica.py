@@ -118,8 +118,7 @@ class LiveReplica:
     @property
     def width(self) -> int:
         """The replica's processes (under HSDP its FSDP ranks; 1: the whole model in one)."""
-        siblings = self.group.siblings
-        return 1 if siblings is None else siblings.size
+        return self.group.width
 
     @property
     def step(self) -> int:

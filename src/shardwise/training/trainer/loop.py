@@ -175,12 +175,11 @@ def _session(
     baseline = current_bytes(device)
     run = build_run(config, device, node=node, resume=resume)
     if live is not None:  # its faults fire in incarnation 0, by slot (and process under HSDP)
-        width = 1 if live.siblings is None else live.siblings.size
-        run.rank, restarts = live.slot * width + live.local, live.incarnation
+        run.rank, restarts = live.slot * live.width + live.local, live.incarnation
     run.faults = FaultPlan.from_env(rank=run.rank, attempt=restarts)
     if live is not None:
         run.live = replica(run, live)
-    healed = run.live is not None and run.live.group.incarnation > 0
+    healed = live is not None and live.incarnation > 0
     if run.live is not None and healed:
         start = run.live.join()
     else:
