@@ -167,25 +167,37 @@ def test_a_replica_killed_anywhere_in_a_step_or_a_heal_costs_nothing(
     assert not (tmp_path / "hangs").exists()
 
 
-def test_a_kill_is_bit_for_bit_the_run_its_membership_makes_without_one(tmp_path, monkeypatch):
-    """Replica 2 dies after step 3 (no restart): its peers do step 4 again and go on as two.
-    The same membership without a kill: three replicas to step 3 (then every one stops, the
-    checkpoint of step 3 kept), two resumed from it. The losses of every step and the final
-    parameters are the same bits."""
-    # a synchronous save: the processes stop right after it
-    checkpoint = {"every_steps": 3, "async": False}
+REPLAYED = {
+    "after step 3": "kill:rank=2:step=3",
+    "before the forward pass of step 4": "kill:rank=2:step=4:at=before_forward",
+    "inside the all-reduce of step 4": "kill:rank=2:step=4:at=reduce",
+    "after the all-reduce of step 4, before the optimizer": "kill:rank=2:step=4:at=after_reduce",
+}
+
+
+@pytest.mark.parametrize("point", list(REPLAYED))
+def test_a_kill_is_bit_for_bit_the_run_its_membership_makes_without_one(
+    tmp_path, monkeypatch, point
+):
+    """Replica 2 dies (no restart) and its peers go on as two: from the step it died in, or
+    the next where its all-reduce had completed everywhere (the step committed by three).
+    The same membership without a kill, read from the killed run's metrics: three replicas to
+    the last step they committed (then every one stops, that step's checkpoint kept), two
+    resumed from it. The losses of every step and the final parameters are the same bits."""
+    # a synchronous save every step: the replay stops right after the last step of three
+    checkpoint = {"every_steps": 1, "async": False}
     sections = {"fault": {"mode": "live", "max_restarts": 0}, "checkpoint": checkpoint}
     killed, replay = tmp_path / "killed", tmp_path / "replay"
-    monkeypatch.setenv("SHARDWISE_FAULT", "kill:rank=2:step=3")
+    monkeypatch.setenv("SHARDWISE_FAULT", REPLAYED[point])
     shardwise.train(_job(killed, **sections), nproc=3)
-    # every replica stops before step 4, the one that saves first (the others wait 3 s): the
-    # supervisor, ending the job, would otherwise kill it while it saves step 3
-    stop = "slow:rank=1:step=4:seconds=3,slow:rank=2:step=4:seconds=3,kill:step=4:at=before_forward"
-    monkeypatch.setenv("SHARDWISE_FAULT", stop)
+    records = read_metrics(killed / "metrics.jsonl")
+    [lost] = [r["step"] for r in records if "live/detected_s" in r]  # the first step of two
+    assert lost in (4, 5)
+    monkeypatch.setenv("SHARDWISE_FAULT", f"kill:step={lost}:at=before_forward")
     with pytest.raises(WorkerFailed):
         shardwise.train(_job(replay, **sections), nproc=3)
     monkeypatch.delenv("SHARDWISE_FAULT")
-    resume = str(replay / "checkpoints" / "step_00000003")
+    resume = str(replay / "checkpoints" / f"step_{lost - 1:08d}")
     shardwise.train(_job(replay, **sections), nproc=2, resume=resume)
     assert_bitwise_same_run(replay, killed, STEPS)
 
@@ -273,13 +285,15 @@ def test_below_the_minimum_with_no_restart_left_the_run_fails_its_checkpoints_in
     assert problem(tmp_path / "checkpoints" / "step_00000004") is None
 
 
+@pytest.mark.parametrize("hang", ["stall", "stop"])
 def test_a_hung_replica_is_evicted_after_the_timeout_and_replaced(
-    tmp_path, monkeypatch, one_process
+    tmp_path, monkeypatch, one_process, hang
 ):
-    """Replica 1 stops making progress after step 4 (alive, silent: as SIGSTOP leaves it). The
-    others' all-reduce times out after fault.timeout_s, they say they are alive, the supervisor
-    kills the silent one, and its replacement heals and joins."""
-    monkeypatch.setenv("SHARDWISE_FAULT", "stall:rank=1:step=4,slow:rank=0:step=1:seconds=0.5")
+    """Replica 1 stops making progress after step 4: its training thread stalls (alive,
+    silent), or the whole process is SIGSTOPped (every thread of it frozen). The others'
+    all-reduce times out after fault.timeout_s, they say they are alive, the supervisor kills
+    the silent one, and its replacement heals and joins."""
+    monkeypatch.setenv("SHARDWISE_FAULT", f"{hang}:rank=1:step=4,slow:rank=0:step=1:seconds=0.5")
     config = _job(tmp_path, fault={"mode": "live", "max_restarts": 1, "timeout_s": 4})
     summary = shardwise.train(config, nproc=3)
     assert summary is not None and summary.checkpoint is not None

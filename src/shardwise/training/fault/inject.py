@@ -11,6 +11,8 @@
     nan:step=5                 step 5's gradients become NaN on every rank (or `rank=`)
     stall:rank=1:step=4        the rank stops making progress after step 4 (`seconds=`, default
                                forever) — a hung collective, a dead NIC
+    stop:rank=1:step=4         the rank SIGSTOPs itself after step 4: every thread of it
+                               frozen until a SIGCONT or SIGKILL (a stuck kernel, a debugger)
     sigterm:step=6             rank 0 sends SIGTERM to the launcher after step 6 (preemption)
     slow:rank=1:step=1:seconds=0.05
                                from step 1 on, the rank spends 50 ms more on every step before
@@ -42,7 +44,7 @@ from shardwise.common.environment import launcher_pid
 from shardwise.common.errors import ConfigError
 
 ENV = "SHARDWISE_FAULT"
-KINDS = ("kill", "nan", "stall", "sigterm", "save_error", "slow", "corrupt", "lose")
+KINDS = ("kill", "nan", "stall", "stop", "sigterm", "save_error", "slow", "corrupt", "lose")
 
 
 @dataclass(frozen=True)
@@ -165,5 +167,7 @@ class FaultPlan:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif fault.kind == "stall":
                 time.sleep(fault.seconds if fault.seconds != float("inf") else 10**9)
+            elif fault.kind == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
             elif fault.kind == "sigterm":
                 os.kill(launcher_pid(), signal.SIGTERM)  # the launcher (elastic agent)

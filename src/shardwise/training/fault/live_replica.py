@@ -92,7 +92,7 @@ class LiveReplica:
     """Compare the members' state hashes every this many steps too (0: after heals only)."""
     position: dict[str, Any] = field(default_factory=dict)
     """The data position at the start of the step in progress (what a replacement starts at)."""
-    events: list[tuple[str, dict[str, float]]] = field(default_factory=list)
+    events: list[tuple[int, str, dict[str, float]]] = field(default_factory=list)
     """What happened since the loop last asked (`drain`): a line to say and metrics to record."""
     _loss: torch.Tensor | None = None
     """The last committed step's loss, as reduced (what a member behind is sent with it)."""
@@ -272,7 +272,7 @@ class LiveReplica:
         if received:
             self._load(received)
         if self.group.generation != before:
-            self._moved(step)
+            self._moved(step + 1)
         elif self.check_every and step % self.check_every == 0:
             self._compare_hashes()
 
@@ -288,6 +288,7 @@ class LiveReplica:
         assert generation is not None
         self.events.append(
             (
+                self.step + 1,
                 f"replica {self.group.slot} (replacement {self.group.incarnation}) healed from "
                 f"replica {self.group.received_from} in "
                 f"{time.perf_counter() - began:.2f} s and continues after step {self.step} with "
@@ -311,7 +312,10 @@ class LiveReplica:
         generation = self.group.generation
         return generation is not None and generation.reporter == self.group.slot
 
-    def drain(self) -> list[tuple[str, dict[str, float]]]:
+    def drain(self) -> list[tuple[int, str, dict[str, float]]]:
+        """What happened since the last drain: each at the first step the membership it
+        describes does (a change at a step boundary: the next step), a line to say (or "")
+        and metrics to record."""
         events, self.events = self.events, []
         return events
 
@@ -341,6 +345,7 @@ class LiveReplica:
             )
         self.events.append(
             (
+                committed + 1,
                 f"step {committed + 1}: lost replica{'s' if len(lost) > 1 else ''} "
                 f"{', '.join(map(str, lost))}; {said} (generation {after.number})",
                 {
@@ -360,13 +365,14 @@ class LiveReplica:
     def _behind(self, committed: int, received: dict[str, Any]) -> None:
         """This replica received its peers' state after steps it had not committed."""
         self._load(received)
-        self.events.append(("", {"live/behind_steps": float(self.step - committed)}))
+        self.events.append((committed + 1, "", {"live/behind_steps": float(self.step - committed)}))
 
     def _wait_for_more(self) -> None:
         """Fewer replicas than `min_replicas`: nothing commits until a replacement joins."""
         left, began = self.group.size, time.perf_counter()
         self.events.append(
             (
+                self.step + 1,
                 f"step {self.step + 1}: {left} replica{'s' if left > 1 else ''} left, fewer "
                 f"than fault.min_replicas ({self.min_replicas}): nothing commits until a "
                 "replacement joins",
@@ -382,14 +388,15 @@ class LiveReplica:
                 f"({self.min_replicas}), and no replacement joined within fault.timeout_s "
                 f"({self.group.timeout_s:g} s): {first_line(e)}"
             ) from None
-        self.events.append(("", {"live/waited_s": time.perf_counter() - began}))
+        self.events.append((self.step + 1, "", {"live/waited_s": time.perf_counter() - began}))
         if received:
             self._behind(committed, received)
         self._moved(self.step + 1)
 
     def _stepping_again_after_loss(self) -> None:
         if self._lost_at is not None:
-            self.events.append(("", {"live/stall_s": time.perf_counter() - self._lost_at}))
+            stalled = time.perf_counter() - self._lost_at
+            self.events.append((self.step + 1, "", {"live/stall_s": stalled}))
             self._lost_at = None
 
     def _moved(self, step: int) -> None:
@@ -406,6 +413,7 @@ class LiveReplica:
                 seconds = siblings.max(seconds)  # the slowest's
             self.events.append(
                 (
+                    step,
                     f"step {step}: replica {self.group.slot} healed replica"
                     f"{'s' if len(heal.to) > 1 else ''} {', '.join(map(str, heal.to))} "
                     f"({human_bytes(int(sent))} in {seconds:.2f} s)",

@@ -391,7 +391,8 @@ def _after_step(loop: Loop, step: int) -> bool:
 
 
 def _live_events(loop: Loop, step: int) -> None:
-    """What live recovery did since the last step: said, and recorded at this step."""
+    """What live recovery did since the last step: said, and recorded at the step each change
+    applies from."""
     live = loop.run.live
     assert live is not None
     if live.reports and not loop.reporting:  # the replica that reported is gone: this one does
@@ -401,10 +402,10 @@ def _live_events(loop: Loop, step: int) -> None:
         logged = last_logged_step(loop.config.run_dir / "metrics.jsonl")
         if loop.last_progress is not None and (logged or 0) < loop.last_progress[0]:
             loop.reporter.progress(loop.last_progress[1], loop.last_progress[0])  # died first
-    for line, metrics in live.drain():
+    for at, line, metrics in live.drain():  # a change at this boundary: at the next step
         if line:
             loop.reporter.say(line)
-        loop.reporter.record(metrics, step)
+        loop.reporter.record(metrics, at)
 
 
 def _end(loop: Loop, preempted_at: int | None) -> TrainSummary:
