@@ -19,7 +19,8 @@ from torch import nn
 from shardwise.training.fault.heal import load_param_groups, state_of
 from shardwise.training.fault.live import LiveGroup, saving_key
 from shardwise.training.fault.membership import published
-from shardwise.training.launch.live_supervisor import ReplicaFailed, supervise
+from shardwise.training.launch.live_processes import ReplicaFailed
+from shardwise.training.launch.live_supervisor import supervise
 
 pytestmark = pytest.mark.slow
 STEPS, KILLED_AFTER, VICTIM, WAIT_AT = 30, 5, 1, 15

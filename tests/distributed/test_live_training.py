@@ -9,12 +9,21 @@ a replacement heals to the same bytes (checked by hash)."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
 
 import shardwise
-from helpers import assert_bitwise_same_run, digits_job, load_params, losses
+from helpers import (
+    assert_bitwise_same_run,
+    digits_job,
+    listening_sockets,
+    load_params,
+    losses,
+    shardwise_process,
+    write_job,
+)
 from shardwise.common.errors import ConfigError
 from shardwise.training.checkpoint.disk_layout import problem
 from shardwise.training.launch.outcome import WorkerFailed
@@ -423,3 +432,85 @@ def test_live_mode_refuses_what_it_cannot_run(tmp_path, nproc, sections, why):
     config = _job(tmp_path, fault={"mode": "live"}, **sections)
     with pytest.raises(ConfigError, match=rf"fault\.mode = 'live' .*{why}"):
         shardwise.train(config, nproc=nproc)
+
+
+def _live_on_two_nodes(tmp_path, faults, fault, *, during=None):
+    """`shardwise train` of the digits job in live mode on two simulated machines (network
+    namespaces joined by a veth pair), two replicas on each, the coordinator on node a;
+    `during(a, b, run_dir)` runs while they train. The two commands' exit codes and outputs."""
+    from netns import two_nodes
+
+    run_dir = tmp_path / "run"
+    job = write_job(_job(run_dir, fault=fault), tmp_path / "job.toml")
+    with two_nodes() as (a, b):
+        endpoint = f"{a.addr}:{a.free_port()}"
+        started = [
+            shardwise_process(
+                *("train", str(job), "--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", endpoint),
+                *("--local-addr", node.addr),
+                env={"GLOO_SOCKET_IFNAME": node.interface, "SHARDWISE_FAULT": faults},
+                stdout=(tmp_path / f"{name}.out").open("w"),
+                stderr=(tmp_path / f"{name}.err").open("w"),
+                netns=node.namespace,
+            )
+            for name, node in (("a", a), ("b", b))
+        ]
+        listening = set()  # what each node listens on while the job runs
+        deadline = time.monotonic() + 240
+        while any(p.poll() is None for p in started) and time.monotonic() < deadline:
+            for process in started:
+                listening.update((s[0], s[1]) for s in listening_sockets(process.pid))
+            if during is not None and during(a, b, run_dir):
+                during = None
+            time.sleep(0.2)
+        codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in started]
+        outputs = [(tmp_path / f"{n}.out").read_text() + (tmp_path / f"{n}.err").read_text()
+                   for n in "ab"]  # fmt: skip
+    # the coordinator's store and the replicas' gloo groups, on the nodes' own addresses only
+    assert listening and {address for address, _ in listening} <= {a.addr, b.addr}
+    return run_dir, codes, outputs
+
+
+def test_live_replicas_on_two_machines_replace_a_dead_one_on_its_own_machine(tmp_path, one_process):
+    """Four replicas, two per machine: replica 3 (on node b) dies after step 4; node b's
+    supervisor starts its replacement when the coordinator on node a says so, it heals from
+    a live replica across the link, and the run ends where one process ends."""
+    fault = {"mode": "live", "max_restarts": 1, "timeout_s": 60}
+    run_dir, codes, outputs = _live_on_two_nodes(
+        tmp_path, "kill:rank=3:step=4,slow:rank=0:step=1:seconds=0.3", fault
+    )
+    assert codes == [0, 0], outputs
+    assert "done: step 12" in outputs[0] and "done: step" not in outputs[1]
+    _same(losses(run_dir), load_params(run_dir / "checkpoints" / "step_00000012"), one_process)
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records if "live/detected_s" in r] == [5]
+    healed = [r for r in records if "live/heal_bytes" in r]
+    assert len(healed) == 1 and healed[0]["live/replicas"] == 4.0
+
+
+def test_when_a_machine_is_lost_the_replicas_on_the_others_go_on(tmp_path, one_process):
+    """Node b (its supervisor and both its replicas) is SIGKILLed whole after step 4, as a
+    machine that loses power: the coordinator sees its heartbeat stop, the two replicas on
+    node a go on without restarting (none can be started there), and the run ends where one
+    process ends."""
+
+    def lose_b(a, b, run_dir):
+        try:
+            records = read_metrics(run_dir / "metrics.jsonl")
+        except (OSError, ValueError):  # not there yet, or a line being written
+            return False
+        if not any(r["step"] >= 4 for r in records):
+            return False
+        b.kill_everything()
+        return True
+
+    fault = {"mode": "live", "max_restarts": 2, "timeout_s": 60}
+    run_dir, codes, outputs = _live_on_two_nodes(
+        tmp_path, "slow:rank=0:step=1:seconds=0.3", fault, during=lose_b
+    )
+    assert codes[0] == 0, outputs
+    assert "done: step 12" in outputs[0]
+    _same(losses(run_dir), load_params(run_dir / "checkpoints" / "step_00000012"), one_process)
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["live/replicas"] for r in records if "live/detected_s" in r] == [2.0]
+    assert not [r for r in records if "live/heal_bytes" in r]

@@ -85,20 +85,20 @@ def train(
     per_node = nproc or 1
     live = config.fault.mode == "live" and not dry_run
     if live:
-        check_live(config, per_node, nodes=nodes is not None)
-        if per_node == width_of(config):
+        check_live(config, per_node, nodes=1 if nodes is None else nodes.count)
+        if per_node == width_of(config) and (nodes is None or nodes.count == 1):
             warn(
                 "fault.mode = 'live' needs two replicas or more (--nproc, a multiple of "
                 "parallel.dp_shard × tp): one replica restarts as fault.mode = 'restart' does",
                 stacklevel=2,
             )
             live = False
-    # a live replica is a world of its own; its share of each step is not a fixed divisor
-    checked = width_of(config) if live else per_node
-    job = one_replica(config) if live else config
-    checkpoint = _checked_here(job, checked, nodes, None if dry_run else resume)
-    if live:
-        return publish(config, launch_live(config, per_node, checkpoint))
+    if live:  # each replica is a world of its own; its share of each step is not a fixed divisor
+        if nodes is not None:
+            nodes.check()
+        checkpoint = _checked_here(one_replica(config), width_of(config), None, resume)
+        return publish(config, launch_live(config, per_node, checkpoint, nodes))
+    checkpoint = _checked_here(config, per_node, nodes, None if dry_run else resume)
     store_host = LOOPBACK if nodes is None else ""
     args = (config.model_dump(mode="json"), checkpoint, dry_run, True, store_host)
     started = time.time()

@@ -23,6 +23,7 @@ from torch.distributed import DistNetworkError
 from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous import RendezvousError
+from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from shardwise.common.environment import LAUNCHER_PID, environment
@@ -76,6 +77,13 @@ class Nodes:
         if self.local_addr is None:
             return {}  # torch tells the host by matching the endpoint against this machine
         return {"is_host": self.local_addr == host}
+
+    def hosts_here(self) -> bool:
+        """Whether this node hosts what the nodes meet at: its --local-addr is the endpoint's
+        host, or without one, the endpoint names this machine (as torch's rendezvous tells)."""
+        host = self.endpoint.rsplit(":", 1)[0]
+        hosts = self.rendezvous_options().get("is_host")
+        return bool(hosts) if hosts is not None else _matches_machine_hostname(host)
 
 
 def launch(

@@ -26,8 +26,11 @@ from shardwise.common.errors import ConfigError, first_line
 from shardwise.common.redact import redacting_output
 from shardwise.training.config.derive import derive
 from shardwise.training.config.schema import JobConfig
+from shardwise.training.launch.agent import Nodes
 from shardwise.training.launch.forkserver import restore_sigterm
-from shardwise.training.launch.live_supervisor import ReplicaFailed, supervise
+from shardwise.training.launch.live_nodes import serve_node
+from shardwise.training.launch.live_processes import ReplicaFailed, Starter
+from shardwise.training.launch.live_supervisor import supervise
 from shardwise.training.launch.outcome import WorkerFailed
 from shardwise.training.launch.stores import loopback_collectives
 from shardwise.training.trainer.train_summary import TrainSummary
@@ -39,15 +42,14 @@ def width_of(config: JobConfig) -> int:
     return config.parallel.dp_shard * config.parallel.tp
 
 
-def check_live(config: JobConfig, processes: int, *, nodes: bool) -> None:
-    """Refuse, in one line, a job live recovery cannot run (yet): replicas on this machine of
-    one process or of an FSDP group each, their gradients summed every step uncompressed."""
+def check_live(config: JobConfig, processes: int, *, nodes: int = 1) -> None:
+    """Refuse, in one line, a job live recovery cannot run (yet): replicas of one process or
+    of an FSDP (and tensor-parallel) group each, `processes` on each of `nodes` machines, their
+    gradients summed every step uncompressed."""
     width = width_of(config)
-    replicas = processes // width
+    replicas = processes // width * nodes
     why = None
-    if nodes:
-        why = "runs on one machine for now (drop --nnodes)"
-    elif config.parallel.pp > 1:
+    if config.parallel.pp > 1:
         why = "keeps FSDP and tensor parallelism inside a replica, not yet a pipeline (pp = 1)"
     elif processes % width:
         why = (
@@ -57,7 +59,7 @@ def check_live(config: JobConfig, processes: int, *, nodes: bool) -> None:
     elif config.parallel.dp_replicate not in (-1, 1, replicas):  # -1: what is left
         why = (
             f"makes each replica of parallel.dp_shard × tp = {width} processes: --nproc "
-            f"{processes} gives {replicas}, not parallel.dp_replicate = "
+            f"{processes} on {nodes} node(s) gives {replicas}, not parallel.dp_replicate = "
             f"{config.parallel.dp_replicate}"
         )
     elif config.train.sync != "every_step":
@@ -82,25 +84,37 @@ def one_replica(config: JobConfig) -> JobConfig:
         update={"dp_replicate": 1})})  # fmt: skip
 
 
-def launch_live(config: JobConfig, processes: int, resume: str | None) -> TrainSummary | None:
+def launch_live(
+    config: JobConfig, processes: int, resume: str | None, nodes: Nodes | None = None
+) -> TrainSummary | None:
     """Train `config` on the live replicas `processes` make on this machine (of
-    `parallel.dp_shard` processes each), from the checkpoint `resume` (or the start); the
-    summary the reporting replica wrote."""
+    `parallel.dp_shard` × tp processes each), and on each of `nodes`' others, from the
+    checkpoint `resume` (or the start); the summary the reporting replica wrote (None on a node
+    that does not host the coordinator)."""
     started = time.time()
     width = width_of(config)
     args = (one_replica(config).model_dump(mode="json"), resume, processes)
+    count = 1 if nodes is None else nodes.count
+    timeout = config.fault.timeout_s
     try:
-        with loopback_collectives():  # the replicas' gloo groups, as the agent's ranks'
+        if nodes is None:
+            with loopback_collectives():  # the replicas' gloo groups, as the agent's ranks'
+                supervise(
+                    processes // width, run_replica, args, timeout_s=timeout,
+                    restarts=config.fault.max_restarts, min_replicas=config.fault.min_replicas,
+                    forked=True, width=width,
+                )  # fmt: skip
+        elif nodes.hosts_here():
+            host, _, port = nodes.endpoint.rpartition(":")
             supervise(
-                processes // width,
-                run_replica,
-                args,
-                timeout_s=config.fault.timeout_s,
-                restarts=config.fault.max_restarts,
-                min_replicas=config.fault.min_replicas,
-                forked=True,
-                width=width,
-            )
+                processes // width * count, run_replica, args, timeout_s=timeout,
+                restarts=config.fault.max_restarts, min_replicas=config.fault.min_replicas,
+                forked=True, width=width, nodes=count, host=host.strip("[]"), port=int(port),
+            )  # fmt: skip
+        else:
+            starter = Starter(run_replica, args, nodes.endpoint, forked=True, width=width)
+            serve_node(nodes.endpoint, starter, processes // width, timeout_s=timeout, nodes=count)
+            return None
     except ReplicaFailed as failure:
         if failure.config:
             raise ConfigError(str(failure)) from None

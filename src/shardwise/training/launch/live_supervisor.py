@@ -12,7 +12,7 @@ never restart.
 
 from __future__ import annotations
 
-import multiprocessing
+import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -27,26 +27,14 @@ from shardwise.training.fault.live import (
     saving_key,
 )
 from shardwise.training.fault.membership import Generation, publish
-from shardwise.training.launch.forkserver import fork_target, start_method
+from shardwise.training.launch.live_nodes import OtherNodes, Remote
+from shardwise.training.launch.live_processes import ReplicaFailed, Starter, ended, kill_all
 from shardwise.training.launch.stores import LOOPBACK, host_store
 
 HUNG_GRACE_S = 1.0
 """After a member says its collective failed, how long the others have to say so too before
 the silent ones are evicted as hung (a failed collective fails every member's within
 hundredths of a second: each closes its end of the group)."""
-
-
-class ReplicaFailed(RuntimeError):
-    """The job cannot go on: replicas died and too few are left with no restart left
-    (`fault.max_restarts`, `fault.min_replicas`), or one found the job itself wrong (`config`)."""
-
-    def __init__(
-        self, slot: int, exitcode: int, why: str, *, config: bool = False, traceback: str = ""
-    ) -> None:
-        super().__init__(why)
-        self.slot, self.exitcode, self.config = slot, exitcode, config
-        self.traceback = traceback
-        """Where the replica's own error came from (none where it was killed)."""
 
 
 def supervise(
@@ -59,6 +47,9 @@ def supervise(
     min_replicas: int = 1,
     forked: bool = False,
     width: int = 1,
+    nodes: int = 1,
+    host: str = LOOPBACK,
+    port: int = 0,
 ) -> list[Generation]:
     """Run `target(slot, local, incarnation, endpoint, *args)` (`endpoint`: this store's
     HOST:PORT) for slots 0..count-1, `width` processes each (`local` 0..width-1), until each
@@ -66,27 +57,40 @@ def supervise(
     is dropped from the next generation and replaced (at most `restarts` times in all), its
     replacement admitted once it has said it is ready; with no restart left the others go on
     while `min_replicas` are left; `forked`: from the ranks' fork server (launch/forkserver/,
-    a replacement in about a second), else spawned. The generations published, in order."""
+    a replacement in about a second), else spawned. Across `nodes` machines this one runs the
+    first count / nodes slots and hosts the store on `host`:`port`; the others' supervisors
+    (launch/live_nodes.py) join it there and run theirs. The generations published, in order."""
     store = host_store(
-        LOOPBACK, 0, world_size=None, timeout=timedelta(seconds=timeout_s), multi_tenant=False
+        host, port, world_size=None, timeout=timedelta(seconds=timeout_s), multi_tenant=False
     )
-    replicas = _Replicas(store, target, args, restarts, min_replicas, forked=forked, width=width)
+    endpoint = f"{socket.gethostbyname(host)}:{store.port}"
+    others = OtherNodes(store, nodes, count // nodes)
+    starter = Starter(target, args, endpoint, forked=forked, width=width)
+    replicas = _Replicas(store, starter, others, restarts, min_replicas)
+    why = "the job's first node ended"
     try:
+        others.wait_for(timeout_s, endpoint)
         replicas.start(count)
         while replicas.running:
-            wait([p.sentinel for ps in replicas.running.values() for p in ps], timeout=0.02)
+            sentinels = [
+                getattr(p, "sentinel", None) for ps in replicas.running.values() for p in ps
+            ]
+            wait([s for s in sentinels if s is not None], timeout=0.02)
             replicas.reap()
             if replicas.finished:  # a replacement still healing would wait for ended members
                 replicas.stop_unhealed()
             else:
                 replicas.evict_hung()
                 replicas.admit()
+        why = ""
     except ReplicaFailed as failure:
+        why = str(failure)
         if not failure.config:  # a checkpoint being written is the one the job resumes from
             replicas.let_saves_finish(timeout_s)
         raise
     finally:
         replicas.kill()
+        others.end(why)
     return replicas.generations
 
 
@@ -94,26 +98,10 @@ class _Replicas:
     """The replicas' processes by slot, their incarnations, and the generations published."""
 
     def __init__(
-        self,
-        store: Any,
-        target: Callable[..., None],
-        args: tuple[Any, ...],
-        restarts: int,
-        min_replicas: int,
-        *,
-        forked: bool,
-        width: int = 1,
+        self, store: Any, starter: Starter, nodes: OtherNodes, restarts: int, min_replicas: int
     ) -> None:
-        self.store, self.args, self.width = store, args, width
+        self.store, self.starter, self.nodes = store, starter, nodes
         self.restarts, self.min_replicas = restarts, min_replicas
-        method = start_method() if forked else "spawn"
-        self.context: Any = multiprocessing.get_context(method)
-        # forked: through the server, in this process's environment as it is now
-        self.target: Callable[..., Any] = target
-        self.before: tuple[Any, ...] = ()
-        if method != "spawn":
-            self.target, self.before = fork_target(target, ())
-        self.endpoint = f"{LOOPBACK}:{store.port}"
         self.running: dict[int, list[Any]] = {}
         self.incarnations: dict[int, int] = {}
         self.members: set[int] = set()
@@ -131,9 +119,11 @@ class _Replicas:
         self.generations.append(publish(self.store, 0, self.members))
 
     def reap(self) -> None:
-        """Replicas that ended: done, or dead and replaced (dropped from a new generation)."""
+        """Replicas that ended: done, or dead and replaced (dropped from a new generation: one
+        for all that ended together, as a lost machine's do)."""
+        restarts: list[int] = []
         for slot, processes in list(self.running.items()):
-            exitcode = _ended(processes)
+            exitcode = ended(processes)
             if exitcode is None:
                 continue
             del self.running[slot]
@@ -156,7 +146,9 @@ class _Replicas:
                     "--resume auto continues from the newest checkpoint",
                     traceback=trace,
                 )
-            restart = sum(self.incarnations.values()) < self.restarts
+            # a lost node's slots are not restarted: nothing is left there to start them
+            restart = sum(self.incarnations.values()) + len(restarts) < self.restarts
+            restart = restart and not self.nodes.lost(self.nodes.of(slot))
             if not restart and len(self.members) < self.min_replicas:
                 raise ReplicaFailed(
                     slot,
@@ -166,9 +158,11 @@ class _Replicas:
                     f"{self.restarts})",
                     traceback=trace,
                 )
+            restarts += [slot] if restart else []
+        if set(self.generations[-1].slots) != self.members:
             self._publish()
-            if restart:
-                self._spawn(slot, self.incarnations[slot] + 1)
+        for slot in restarts:
+            self._spawn(slot, self.incarnations[slot] + 1)
 
     def admit(self) -> None:
         """Replacements that said they are ready, each in a generation of its own."""
@@ -205,8 +199,8 @@ class _Replicas:
             writing = [
                 (slot, local)
                 for slot, processes in self.running.items()
-                for local, process in enumerate(processes)
-                if process.exitcode is None and self._saving(slot, local)
+                for local in range(self.starter.width)
+                if any(p.exitcode is None for p in processes) and self._saving(slot, local)
             ]
             if not writing:
                 return
@@ -218,19 +212,18 @@ class _Replicas:
 
     def stop_unhealed(self) -> None:
         for slot in [s for s in self.running if not self._healed(s)]:
-            _kill(self.running.pop(slot))
+            kill_all(self.running.pop(slot))
 
     def kill(self) -> None:
         for processes in self.running.values():
-            _kill(processes)
+            kill_all(processes)
 
     def _spawn(self, slot: int, incarnation: int) -> None:
-        processes = []
-        for local in range(self.width):
-            arguments = (*self.before, slot, local, incarnation, self.endpoint, *self.args)
-            processes.append(self.context.Process(target=self.target, args=arguments))
-            processes[-1].start()
-        self.running[slot], self.incarnations[slot] = processes, incarnation
+        if self.nodes.of(slot) == 0:
+            self.running[slot] = self.starter.start(slot, incarnation)
+        else:  # its node's supervisor starts it
+            self.running[slot] = [Remote(self.nodes, slot, incarnation)]
+        self.incarnations[slot] = incarnation
 
     def _publish(self, joined: tuple[int, ...] = ()) -> None:
         """The next generation: the members, of which `joined` and the replacements admitted
@@ -250,20 +243,3 @@ class _Replicas:
         return incarnation == 0 or (
             self.store.check([key]) and int(self.store.get(key)) == incarnation
         )
-
-
-def _ended(processes: list[Any]) -> int | None:
-    """A replica's exit code once it has ended: 0 when all its processes ended so; that of the
-    first to fail, the others then killed (they cannot go on without it); None while it runs."""
-    failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
-    if failed:
-        _kill(processes)
-        return int(failed[0])
-    return 0 if all(p.exitcode == 0 for p in processes) else None
-
-
-def _kill(processes: list[Any]) -> None:
-    for process in processes:
-        if process.exitcode is None:
-            process.kill()
-        process.join()
