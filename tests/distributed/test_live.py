@@ -157,3 +157,29 @@ def test_a_job_that_ends_lets_a_checkpoint_being_written_finish(tmp_path):
             min_replicas=2,
         )  # fmt: skip
     assert (tmp_path / "written").read_text() == "the whole checkpoint"
+
+
+def _each_failing_once(slot: int, local: int, incarnation: int, endpoint: str, out: str) -> None:
+    live = LiveGroup(endpoint, slot, incarnation, 10.0)
+    weight = torch.zeros(2)
+
+    def state() -> tuple[dict[str, torch.Tensor], dict]:
+        return {"weight": weight}, {}
+
+    assert live.allreduce(torch.ones(1))
+    # as after a collective that failed on every member (one stalled past the timeout and
+    # woke): each says it is alive and waits for the next generation
+    live.recover(state)
+    summed = torch.ones(1)
+    assert live.allreduce(summed)
+    (Path(out) / f"slot{slot}").write_text(f"{summed.item():g} in generation {live.generation}")
+    live.close()
+
+
+def test_when_every_member_says_its_collective_failed_the_same_members_form_the_next_generation(
+    tmp_path,
+):
+    generations = supervise(3, _each_failing_once, (str(tmp_path),), timeout_s=10.0, restarts=0)
+    assert [g.slots for g in generations] == [(0, 1, 2), (0, 1, 2)]
+    for slot in range(3):
+        assert (tmp_path / f"slot{slot}").read_text().startswith("3 in generation")

@@ -175,11 +175,15 @@ class _Replicas:
     def evict_hung(self) -> None:
         """Members silent while the others say their collective failed (it timed out on them:
         stopped, hung) are killed `HUNG_GRACE_S` after the first says so; their deaths are
-        then reaped as any other (replaced, dropped)."""
+        then reaped as any other (replaced, dropped). Where every member says so (one stalled
+        past the timeout and woke), the same members form the next generation."""
         number = len(self.generations) - 1
         alive = {s for s in self.members if self.store.check([alive_key(number, s)])}
         if not alive:
             self._failing_since = None
+            return
+        if alive == self.members:
+            self._publish()
             return
         now = time.monotonic()
         if self._failing_since is None or self._failing_since[0] != number:
