@@ -181,34 +181,65 @@ REPLAYED = {
     "before the forward pass of step 4": "kill:rank=2:step=4:at=before_forward",
     "inside the all-reduce of step 4": "kill:rank=2:step=4:at=reduce",
     "after the all-reduce of step 4, before the optimizer": "kill:rank=2:step=4:at=after_reduce",
+    # replica 2 dies after step 3 and is replaced; replica 1 dies forming the generation that
+    # leaves 2 out, or replica 0 while it heals the replacement, or the replacement itself
+    "re-forming": "kill:rank=2:step=3,kill:rank=1:step=4:at=reform",
+    "healing, the sender": "kill:rank=2:step=3,kill:rank=0:step=4:at=heal_send",
+    "healing, the receiver": "kill:rank=2:step=3,kill:rank=2:step=1:at=heal_receive",
 }
+
+
+def _membership(records: list[dict]) -> list[tuple[int, int]]:
+    """A live run's membership as its metrics recorded it: (the first step, replicas) of each
+    stretch of steps done by the same number of replicas."""
+    replicas = {1: 3}
+    for r in records:  # each change at the first step its membership does, in order
+        if "live/detected_s" in r or "live/heal_bytes" in r:
+            replicas[r["step"]] = int(r["live/replicas"])
+    stretches: list[tuple[int, int]] = []
+    for step, count in sorted(replicas.items()):
+        if not stretches or stretches[-1][1] != count:
+            stretches.append((step, count))
+    return stretches
+
+
+def _replay(run_dir, membership, sections, monkeypatch) -> None:
+    """`membership` without a failure: each stretch a run of its number of replicas from the
+    checkpoint of the step before it, every replica stopped before the next stretch's first
+    step (a synchronous save every step: that step's checkpoint is written by then)."""
+    for index, (first, count) in enumerate(membership):
+        resume = "never" if first == 1 else str(run_dir / "checkpoints" / f"step_{first - 1:08d}")
+        if index + 1 < len(membership):
+            stop = membership[index + 1][0]
+            monkeypatch.setenv("SHARDWISE_FAULT", f"kill:step={stop}:at=before_forward")
+            with pytest.raises(WorkerFailed):
+                shardwise.train(_job(run_dir, **sections), nproc=count, resume=resume)
+        else:
+            monkeypatch.delenv("SHARDWISE_FAULT", raising=False)
+            shardwise.train(_job(run_dir, **sections), nproc=count, resume=resume)
 
 
 @pytest.mark.parametrize("point", list(REPLAYED))
 def test_a_kill_is_bit_for_bit_the_run_its_membership_makes_without_one(
     tmp_path, monkeypatch, point
 ):
-    """Replica 2 dies (no restart) and its peers go on as two: from the step it died in, or
-    the next where its all-reduce had completed everywhere (the step committed by three).
-    The same membership without a kill, read from the killed run's metrics: three replicas to
-    the last step they committed (then every one stops, that step's checkpoint kept), two
-    resumed from it. The losses of every step and the final parameters are the same bits."""
-    # a synchronous save every step: the replay stops right after the last step of three
+    """Replicas die wherever they die (one replaced, when `max_restarts` allows), and the
+    others go on: from the step a replica died in, or the next where its all-reduce had
+    completed everywhere (the step committed by three). The same membership without a
+    failure, read from the killed run's metrics, replayed from checkpoints (three replicas to
+    the last step they committed, two resumed from it, and so on): the losses of every step
+    and the final parameters are the same bits."""
     checkpoint = {"every_steps": 1, "async": False}
-    sections = {"fault": {"mode": "live", "max_restarts": 0}, "checkpoint": checkpoint}
-    killed, replay = tmp_path / "killed", tmp_path / "replay"
-    monkeypatch.setenv("SHARDWISE_FAULT", REPLAYED[point])
+    restarts = 2 if "heal" in REPLAYED[point] or "reform" in REPLAYED[point] else 0
+    fault = {"mode": "live", "max_restarts": restarts, "timeout_s": 60}
+    sections = {"fault": fault, "checkpoint": checkpoint}
+    killed = tmp_path / "killed"
+    monkeypatch.setenv("SHARDWISE_FAULT", f"{REPLAYED[point]},slow:rank=0:step=1:seconds=0.1")
     shardwise.train(_job(killed, **sections), nproc=3)
-    records = read_metrics(killed / "metrics.jsonl")
-    [lost] = [r["step"] for r in records if "live/detected_s" in r]  # the first step of two
-    assert lost in (4, 5)
-    monkeypatch.setenv("SHARDWISE_FAULT", f"kill:step={lost}:at=before_forward")
-    with pytest.raises(WorkerFailed):
-        shardwise.train(_job(replay, **sections), nproc=3)
-    monkeypatch.delenv("SHARDWISE_FAULT")
-    resume = str(replay / "checkpoints" / f"step_{lost - 1:08d}")
-    shardwise.train(_job(replay, **sections), nproc=2, resume=resume)
-    assert_bitwise_same_run(replay, killed, STEPS)
+    membership = _membership(read_metrics(killed / "metrics.jsonl"))
+    assert len(membership) > 1 and membership[1][1] < 3, membership
+    _replay(tmp_path / "replay", membership, sections, monkeypatch)
+    assert_bitwise_same_run(tmp_path / "replay", killed, STEPS)
 
 
 def test_a_replica_whose_all_reduce_failed_where_its_peers_completed_takes_their_step(
