@@ -183,3 +183,41 @@ def test_when_every_member_says_its_collective_failed_the_same_members_form_the_
     assert [g.slots for g in generations] == [(0, 1, 2), (0, 1, 2)]
     for slot in range(3):
         assert (tmp_path / f"slot{slot}").read_text().startswith("3 in generation")
+
+
+def _late_survivor(slot: int, local: int, incarnation: int, endpoint: str, out: str) -> None:
+    live = LiveGroup(endpoint, slot, incarnation, TIMEOUT_S)
+    weight, step, tried = torch.zeros(2), 0, []
+    # each generation it forms after the first (the hook's other points: a heal it sends)
+    live.hook = lambda point: tried.append(live.generation.number) if point == "reform" else None
+
+    def state() -> tuple[dict[str, torch.Tensor], dict]:
+        return {"weight": weight}, {"step": step}
+
+    if incarnation:
+        step = live.join(state)["step"]
+    while step < 4:
+        if step == 2 and incarnation == 0 and slot == 2:
+            os.kill(os.getpid(), 9)
+        if step == 2 and slot == 0 and not tried[1:]:
+            time.sleep(4)  # comes to the failed collective after the replacement is ready
+        if not live.allreduce(torch.ones(1)):
+            live.recover(state)
+            continue
+        step += 1
+        live.committed = step
+        live.boundary(state)
+    (Path(out) / f"slot{slot}-{incarnation}").write_text(json.dumps(tried))
+    live.close()
+
+
+def test_a_replacement_is_admitted_only_once_every_member_formed_the_generation_before(
+    tmp_path,
+):
+    """Replica 2 dies; replica 1 forms the generation without it at once, replica 0 comes to
+    it late, after the replacement said it is ready. Had the generation admitting it been
+    published then, replica 0 would have formed that one and replica 1 would have waited for
+    it in the one before until its formation timed out: every member forms the same ones."""
+    supervise(3, _late_survivor, (str(tmp_path),), timeout_s=TIMEOUT_S, restarts=1)
+    tried = [json.loads((tmp_path / f"slot{s}-0").read_text()) for s in (0, 1)]
+    assert tried[0] == tried[1] == [1, 2]

@@ -120,6 +120,12 @@ def alive_key(generation: int, slot: int) -> str:
     return f"sw/g{generation}/alive/{slot}"
 
 
+def formed_key(generation: int, slot: int) -> str:
+    """Where a member says it formed `generation`'s group: one that admits a replacement is
+    published only then, so that no member forms a generation the others have passed over."""
+    return f"sw/g{generation}/formed/{slot}"
+
+
 def error_key(slot: int, incarnation: int) -> str:
     """Where a replica says the error it ended on (`LiveGroup.failed`)."""
     return f"sw/error/{slot}/{incarnation}"
@@ -341,6 +347,8 @@ class LiveGroup:
                 ok = False
             ok, _ = self.settle(ok)
             if ok:
+                if self.local == 0:  # the coordinator admits no one until every member has
+                    self.store.set(formed_key(generation.number, self.slot), "1")
                 return extra
             self.pg = None  # closed: the members still in it fail at once too
             self.store.set(alive_key(generation.number, self.slot), str(self.incarnation))

@@ -22,6 +22,7 @@ from typing import Any
 from shardwise.training.fault.live import (
     alive_key,
     error_of,
+    formed_key,
     healed_key,
     join_key,
     saving_key,
@@ -165,12 +166,21 @@ class _Replicas:
             self._spawn(slot, self.incarnations[slot] + 1)
 
     def admit(self) -> None:
-        """Replacements that said they are ready, each in a generation of its own."""
-        for slot in set(self.running) - self.members:
+        """Replacements that said they are ready, in one generation, once every member has
+        formed the newest: two published in a row could be taken apart (a member still forming
+        the first would wait for the others, gone on to the second, until its formation timed
+        out)."""
+        number = len(self.generations) - 1
+        if not all(self.store.check([formed_key(number, s)]) for s in self.members):
+            return
+        ready = []
+        for slot in sorted(set(self.running) - self.members):
             key = join_key(slot)
             if self.store.check([key]) and int(self.store.get(key)) == self.incarnations[slot]:
-                self.members.add(slot)
-                self._publish(joined=(slot,))
+                ready.append(slot)
+        if ready:
+            self.members.update(ready)
+            self._publish(joined=tuple(ready))
 
     def evict_hung(self) -> None:
         """Members silent while the others say their collective failed (it timed out on them:
