@@ -8,8 +8,10 @@ replica wherever it runs.
 The store holds, for the other nodes: which incarnation of each slot to start (`start_key`)
 or kill (`kill_key`), how each ended (`ended_key`), each node's heartbeat (`beat_key`: a count
 the node raises, so that no two machines' clocks are compared) and the job's end (`END_KEY`). A
-node whose count has not moved for `NODE_LOST_S` is lost: its replicas are taken as dead (their
-peers' collectives failed already), and its slots are not restarted.
+replica the coordinator kills (hung: its peers' collective failed and it did not say so) is out
+of every generation at once, whether its node is there to kill it or not. A node whose count
+has not moved for `NODE_LOST_S` is lost: its replicas are taken as dead, and its slots are not
+restarted.
 
 The node that hosts the coordinator is a single point of failure: when it is lost, the others
 end their replicas and fail (the newest checkpoint stays, for `--resume auto`).
@@ -122,6 +124,7 @@ class Remote:
 
     def __init__(self, nodes: OtherNodes, slot: int, incarnation: int) -> None:
         self.nodes, self.slot, self.incarnation = nodes, slot, incarnation
+        self.killed = False
         nodes.store.set(start_key(slot), str(incarnation))
 
     @property
@@ -129,10 +132,14 @@ class Remote:
         store, key = self.nodes.store, ended_key(self.slot, self.incarnation)
         if store.check([key]):
             return int(store.get(key))
-        return -signal.SIGKILL if self.nodes.lost(self.nodes.of(self.slot)) else None
+        # killed: out of every generation from now on, whether its node is there to kill it
+        # (it does) or lost with it; a lost node's replicas are dead
+        lost = self.killed or self.nodes.lost(self.nodes.of(self.slot))
+        return -signal.SIGKILL if lost else None
 
     def kill(self) -> None:
         self.nodes.store.set(kill_key(self.slot), str(self.incarnation))
+        self.killed = True
 
     def join(self) -> None:
         while self.exitcode is None:
@@ -205,6 +212,8 @@ def _follow(
     for slot in slots:
         key = start_key(slot)
         if store.check([key]) and int(store.get(key)) > started.get(slot, -1):
+            if slot in running:  # its predecessor, evicted: out of every generation already
+                kill_all(running.pop(slot)[1])
             started[slot] = incarnation = int(store.get(key))
             running[slot] = (incarnation, starter.start(slot, incarnation))
         key = kill_key(slot)
