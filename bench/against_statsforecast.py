@@ -7,7 +7,8 @@ line says where the models ran: worker processes or Ray, `runner.backend`), with
 horizon (12) and windows (3, 12 apart, each model fitted again on every one) and its defaults
 for the rest. statsforecast runs `cross_validation` of the same models with `n_jobs` = the cores
 and then `forecast`: what its user runs for the same outputs. Each side is a fresh process timed
-from start to exit, imports included: both are what a user waits for.
+from start to exit, imports included: both are what a user waits for. The CPU seconds of every
+process each side started are printed too (read from /proc), per series.
 
     python bench/against_statsforecast.py                          # about 25 minutes on 2 cores
     python bench/against_statsforecast.py --series 20,500 --repeats 3
@@ -93,13 +94,42 @@ n_windows = {WINDOWS}
     return path
 
 
-def timed(command: list[str], env: dict[str, str]) -> tuple[float, str]:
+def timed(command: list[str], env: dict[str, str]) -> tuple[float, str, float]:
+    """`command`'s wall seconds, its output, and the CPU seconds of it and every process below
+    it (each one's last reading from /proc, sampled every 0.1 s: a process that lives less
+    than that may be missed)."""
     began = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
-    seconds = time.perf_counter() - began
-    if done.returncode:
-        raise SystemExit(f"{command[:3]} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-    return seconds, done.stdout + done.stderr
+    with tempfile.TemporaryFile("w+") as output:
+        process = subprocess.Popen(
+            command, stdout=output, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        cpu: dict[int, float] = {}
+        while process.poll() is None:
+            cpu.update(_cpu_below(process.pid))
+            time.sleep(0.1)
+        seconds = time.perf_counter() - began
+        output.seek(0)
+        out = output.read()
+    if process.returncode:
+        raise SystemExit(f"{command[:3]} failed:\n{out[-4000:]}")
+    return seconds, out, sum(cpu.values())
+
+
+def _cpu_below(pid: int) -> dict[int, float]:
+    """User + system CPU seconds of `pid` and its descendants, by process id."""
+    tick, found, stack = os.sysconf("SC_CLK_TCK"), {}, [pid]
+    while stack:
+        current = stack.pop()
+        try:
+            with open(f"/proc/{current}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            found[current] = (int(fields[11]) + int(fields[12])) / tick
+            for task in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{task}/children") as children:
+                    stack += [int(child) for child in children.read().split()]
+        except OSError:  # it ended meanwhile
+            continue
+    return found
 
 
 def main() -> None:
@@ -134,6 +164,7 @@ def main() -> None:
             write_series(data, count)
             job = job_file(directory, data, models)
             times: dict[str, list[float]] = {"shardwise": [], "statsforecast": []}
+            cpu: dict[str, list[float]] = {"shardwise": [], "statsforecast": []}
             where = ""
             for _ in range(args.repeats):
                 run_dir = directory / f"run-{len(times['shardwise'])}"  # a fresh run each time
@@ -145,16 +176,22 @@ def main() -> None:
                     f"runner.backend={args.backend}",
                     *(part for pair in args.set for part in ("--set", pair)),
                 ]
-                seconds, out = timed([*command, *sets], env)
+                seconds, out, used = timed([*command, *sets], env)
                 times["shardwise"].append(seconds)
+                cpu["shardwise"].append(used)
                 where = next((ln for ln in out.splitlines() if "models run" in ln), where)
-                seconds, _ = timed([sys.executable, "-c", baseline, str(data)], env)
+                seconds, _, used = timed([sys.executable, "-c", baseline, str(data)], env)
                 times["statsforecast"].append(seconds)
+                cpu["statsforecast"].append(used)
             ours, theirs = (statistics.median(times[k]) for k in ("shardwise", "statsforecast"))
+            ours_cpu, theirs_cpu = (statistics.median(cpu[k]) for k in cpu)
             print(
                 f"{count:>6} series: shardwise {ours:7.1f} s {times['shardwise']}, statsforecast "
                 f"{theirs:7.1f} s {times['statsforecast']}: {theirs / ours:.2f}x "
-                f"(> 1: shardwise faster)\n        {where.strip()}",
+                f"(> 1: shardwise faster)\n        CPU, every process: shardwise "
+                f"{ours_cpu:.1f} s ({1000 * ours_cpu / count:.1f} ms a series), statsforecast "
+                f"{theirs_cpu:.1f} s ({1000 * theirs_cpu / count:.1f} ms a series)"
+                f"\n        {where.strip()}",
                 flush=True,
             )
             rows.append((count, ours, theirs))
