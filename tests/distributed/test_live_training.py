@@ -9,11 +9,13 @@ a replacement heals to the same bytes (checked by hash)."""
 from __future__ import annotations
 
 import math
+import subprocess
 import time
 
 import pytest
 import torch
 
+import command_server
 import shardwise
 from helpers import (
     assert_bitwise_same_run,
@@ -545,3 +547,30 @@ def test_when_a_machine_is_lost_the_replicas_on_the_others_go_on(tmp_path, one_p
     records = read_metrics(run_dir / "metrics.jsonl")
     assert [r["live/replicas"] for r in records if "live/detected_s" in r] == [2.0]
     assert not [r for r in records if "live/heal_bytes" in r]
+
+
+def test_nodes_of_a_live_job_given_different_nproc_each_say_so_in_one_line(tmp_path):
+    """Node b runs 4 replicas where node a, which hosts the coordinator, runs 2: node b says
+    so and ends; node a says which nodes never came, after fault.timeout_s. Exit 2 both."""
+    from netns import two_nodes
+
+    config = _job(tmp_path / "run", fault={"mode": "live", "timeout_s": 5})
+    job = write_job(config, tmp_path / "job.toml")
+    with two_nodes() as (a, b):
+        endpoint = f"{a.addr}:{a.free_port()}"
+        started = [
+            shardwise_process(
+                *("train", str(job), "--nproc", nproc, "--nnodes", "2"),
+                *("--rdzv-endpoint", endpoint, "--local-addr", node.addr),
+                env={"GLOO_SOCKET_IFNAME": node.interface},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                netns=node.namespace,
+            )
+            for node, nproc in ((a, "2"), (b, "4"))
+        ]
+        done = [command_server.completed(p, 60) for p in started]
+    assert [d.returncode for d in done] == [2, 2], done
+    assert "1 of 2 nodes came to" in done[0].stderr and "Traceback" not in done[0].stderr
+    assert "this node runs 4 replica(s) and the first node 2" in done[1].stderr
+    assert "Traceback" not in done[1].stderr

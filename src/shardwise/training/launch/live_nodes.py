@@ -90,8 +90,6 @@ class OtherNodes:
                     "with the same --nnodes and --rdzv-endpoint"
                 )
             time.sleep(0.05)
-        for node in range(1, self.count):
-            self._seen[node] = (b"", time.monotonic())
 
     def lost(self, node: int) -> bool:
         """Whether `node`'s heartbeat has not moved for `NODE_LOST_S`."""
@@ -99,8 +97,8 @@ class OtherNodes:
             return False
         key = beat_key(node)
         beat = self.store.get(key) if self.store.check([key]) else b""
-        last, when = self._seen[node]
         now = time.monotonic()
+        last, when = self._seen.setdefault(node, (beat, now))
         if beat != last:
             self._seen[node] = (beat, now)
             return False

@@ -73,10 +73,8 @@ def supervise(
         others.wait_for(timeout_s, endpoint)
         replicas.start(count)
         while replicas.running:
-            sentinels = [
-                getattr(p, "sentinel", None) for ps in replicas.running.values() for p in ps
-            ]
-            wait([s for s in sentinels if s is not None], timeout=0.02)
+            processes = [p for ps in replicas.running.values() for p in ps]
+            wait([p.sentinel for p in processes if not isinstance(p, Remote)], timeout=0.02)
             replicas.reap()
             if replicas.finished:  # a replacement still healing would wait for ended members
                 replicas.stop_unhealed()
