@@ -34,12 +34,16 @@ class Starter:
         self,
         target: Callable[..., None],
         args: tuple[Any, ...],
-        endpoint: str,
+        endpoint: str = "",
         *,
         forked: bool,
         width: int,
     ) -> None:
-        self.args, self.endpoint, self.width = args, endpoint, width
+        self.args, self.width = args, width
+        self.endpoint = endpoint
+        """The coordinator's store (HOST:PORT), once it runs: a server forked from a process
+        that runs one already starts processes that cannot read their arguments (Bad file
+        descriptor), so the coordinator makes its `Starter` first."""
         method = start_method() if forked else "spawn"
         self.context: Any = multiprocessing.get_context(method)
         # forked: through the server, in this process's environment as it is now

@@ -61,12 +61,13 @@ def supervise(
     a replacement in about a second), else spawned. Across `nodes` machines this one runs the
     first count / nodes slots and hosts the store on `host`:`port`; the others' supervisors
     (launch/live_nodes.py) join it there and run theirs. The generations published, in order."""
+    # the ranks' server before the store (started again where the environment changed since)
+    starter = Starter(target, args, forked=forked, width=width)
     store = host_store(
         host, port, world_size=None, timeout=timedelta(seconds=timeout_s), multi_tenant=False
     )
-    endpoint = f"{socket.gethostbyname(host)}:{store.port}"
+    endpoint = starter.endpoint = f"{socket.gethostbyname(host)}:{store.port}"
     others = OtherNodes(store, nodes, count // nodes)
-    starter = Starter(target, args, endpoint, forked=forked, width=width)
     replicas = _Replicas(store, starter, others, restarts, min_replicas)
     why = "the job's first node ended"
     try:
