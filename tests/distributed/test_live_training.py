@@ -239,7 +239,9 @@ def test_a_kill_is_bit_for_bit_the_run_its_membership_makes_without_one(
     monkeypatch.setenv("SHARDWISE_FAULT", f"{REPLAYED[point]},slow:rank=0:step=1:seconds=0.1")
     shardwise.train(_job(killed, **sections), nproc=3)
     membership = _membership(read_metrics(killed / "metrics.jsonl"))
-    assert len(membership) > 1 and membership[1][1] < 3, membership
+    # with no restart two are left; with replacements healed inside the step the others were
+    # doing again, every step may have been done by three
+    assert membership[-1][1] == 2 if not restarts else membership[0] == (1, 3), membership
     _replay(tmp_path / "replay", membership, sections, monkeypatch)
     assert_bitwise_same_run(tmp_path / "replay", killed, STEPS)
 
