@@ -432,6 +432,26 @@ def test_replicas_of_two_tensor_parallel_ranks_train_what_restart_mode_trains(
     _same_run(live, restart, steps=6)
 
 
+@pytest.mark.parametrize("fault", ["", "kill:rank=3:step=4"])
+def test_replicas_of_two_pipeline_stages_train_what_one_process_trains(
+    tmp_path, monkeypatch, one_process, fault
+):
+    """Three replicas of a two-stage pipeline (1F1B): each step's 8 micro-batches of 8 are
+    split 2, 3, 3 over them and each replica's schedule runs its own count. With the second
+    stage of replica 1 killed after step 4, the two left run 4 each, the replacement's two
+    stages heal from replica 0's, and the schedule goes back to 2 and 3."""
+    monkeypatch.setenv("SHARDWISE_FAULT", f"{fault},slow:rank=0:step=1:seconds=0.2".lstrip(","))
+    fault_section = {"mode": "live", "max_restarts": 1, "timeout_s": 60}
+    config = _job(tmp_path, parallel={"pp": 2}, fault=fault_section)
+    summary = shardwise.train(config, nproc=6)
+    assert summary is not None and summary.checkpoint is not None
+    _same(losses(tmp_path), load_params(summary.checkpoint), one_process)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    lost = [r for r in records if "live/detected_s" in r]
+    assert [r["step"] for r in lost] == ([5] if fault else [])
+    assert not (tmp_path / "hangs").exists()
+
+
 @pytest.mark.parametrize("kill", list(HSDP_KILLS))
 def test_hsdp_a_killed_rank_takes_its_replica_down_and_the_replacement_heals_rank_by_rank(
     tmp_path, monkeypatch, one_process, kill
@@ -460,7 +480,9 @@ def test_hsdp_a_killed_rank_takes_its_replica_down_and_the_replacement_heals_ran
     [
         (2, {"train": {"sync": "local_sgd", "sync_every": 2}}, "reduces gradients every step"),
         (3, {"parallel": {"dp_shard": 2}}, "use a multiple of it"),
-        (4, {"parallel": {"pp": 2}}, "not yet a pipeline"),
+        (4, {"parallel": {"pp": 2, "dp_shard": 2}}, "a pipeline, or FSDP and tensor .* not both"),
+        (4, {"parallel": {"pp": 2, "pipeline_schedule": "Interleaved1F1B"}}, "GPipe and 1F1B"),
+        (8, {"parallel": {"pp": 2}, "train": {"global_batch": 24}}, "fewer than its 2 pipeline"),
     ],
 )
 def test_live_mode_refuses_what_it_cannot_run(tmp_path, nproc, sections, why):

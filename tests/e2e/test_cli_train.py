@@ -221,6 +221,23 @@ def test_examples_run_as_written(tmp_path, job, nproc, extra):
     assert len(summary["memory"]) == nproc
 
 
+def test_live_replicas_of_a_pipeline_start_from_the_command(tmp_path):
+    """`fault.mode = "live"` with a pipeline, as a user runs it: the checks before launch set
+    TORCHINDUCTOR_CACHE_DIR, so the ranks' server starts again for the replicas; forked after
+    the supervisor's store ran, its replicas could not read their arguments (Bad file
+    descriptor) and the job died at once."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}  # a user's
+    done = subprocess.run(
+        [str(BIN / "shardwise"), "train", "examples/digits.toml", "--nproc", "4",
+         "--set", f"job.run_dir={tmp_path}", "--set", "tracking.mlflow=false",
+         "--set", "train.steps=6", "--set", "parallel.pp=2", "--set", "train.micro_batch=8",
+         "--set", "fault.mode=live"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "done: step 6" in done.stdout
+
+
 @pytest.fixture(scope="module")
 def tables(tmp_path_factory):
     """What examples/make_tables.py writes, as its docstring says to run it (into a temporary

@@ -89,7 +89,7 @@ def train(
         if per_node == width_of(config) and (nodes is None or nodes.count == 1):
             warn(
                 "fault.mode = 'live' needs two replicas or more (--nproc, a multiple of "
-                "parallel.dp_shard × tp): one replica restarts as fault.mode = 'restart' does",
+                "parallel.pp × dp_shard × tp): one replica restarts as fault.mode = 'restart' does",
                 stacklevel=2,
             )
             live = False

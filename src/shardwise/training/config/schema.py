@@ -357,9 +357,10 @@ class FaultSection(Section):
     max_restarts)."""
     mode: Literal["restart", "live"] = "restart"
     """What a dead worker costs. `restart`: the whole worker group restarts (up to
-    max_restarts times) and resumes from the newest complete checkpoint. `live` (data
-    parallelism alone, on one machine): the other replicas never stop; they do the step again
-    without it, a replacement is started and heals from a live replica's memory, and joins
+    max_restarts times) and resumes from the newest complete checkpoint. `live` (data-parallel
+    replicas of one process, an FSDP and tensor-parallel group, or a pipeline each; on one
+    machine or several): the other replicas never stop; they do the step again without it, a
+    replacement is started and heals from a live replica's memory, and joins
     (docs/fault-tolerance.md, "Live recovery")."""
     max_restarts: int = Field(0, ge=0)
     """When a worker dies (any signal or exception), restart the whole worker group up to this

@@ -64,6 +64,9 @@ class GlobalBatchSampler:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.seed = seed
+        self.unit = 1
+        """The samples the ranks' slices are made of (live recovery under a pipeline: whole
+        micro-batches)."""
         self.epoch = 0
         self.offset = 0
         self._perm: tuple[int, torch.Tensor] | None = None
@@ -80,7 +83,7 @@ class GlobalBatchSampler:
 
     def epoch_plan(self) -> list[list[int]]:
         """This rank's indices for each remaining step of the current epoch."""
-        first, end = chunk(self.global_batch, self.dp_rank, self.dp_size)
+        first, end = chunk(self.global_batch, self.dp_rank, self.dp_size, self.unit)
         perm = self.permutation(self.epoch)
         plan = []
         for start in range(
@@ -92,14 +95,14 @@ class GlobalBatchSampler:
     @property
     def per_rank(self) -> int:
         """The samples this rank reads each step."""
-        first, end = chunk(self.global_batch, self.dp_rank, self.dp_size)
+        first, end = chunk(self.global_batch, self.dp_rank, self.dp_size, self.unit)
         return end - first
 
-    def place(self, dp_rank: int, dp_size: int) -> bool:
-        """Read as rank `dp_rank` of `dp_size` from the next step on (live recovery's
-        membership changed); whether that is a change."""
-        moved = (dp_rank, dp_size) != (self.dp_rank, self.dp_size)
-        self.dp_rank, self.dp_size = dp_rank, dp_size
+    def place(self, dp_rank: int, dp_size: int, unit: int = 1) -> bool:
+        """Read as rank `dp_rank` of `dp_size` from the next step on, slices made of `unit`
+        samples (live recovery's membership changed); whether that is a change."""
+        moved = (dp_rank, dp_size, unit) != (self.dp_rank, self.dp_size, self.unit)
+        self.dp_rank, self.dp_size, self.unit = dp_rank, dp_size, unit
         return moved
 
     def advance(self) -> None:
@@ -117,10 +120,12 @@ class GlobalBatchSampler:
             self.epoch, self.offset = self.epoch + 1, 0
 
 
-def chunk(total: int, rank: int, ranks: int) -> tuple[int, int]:
+def chunk(total: int, rank: int, ranks: int, unit: int = 1) -> tuple[int, int]:
     """Rank `rank` of `ranks`'s slice [first, end) of `total` samples: contiguous slices in rank
-    order whose sizes differ by at most one (equal where `ranks` divides `total`)."""
-    return total * rank // ranks, total * (rank + 1) // ranks
+    order whose sizes differ by at most one `unit` (equal where `ranks` divides `total` /
+    `unit`; `unit` divides `total`)."""
+    units = total // unit
+    return units * rank // ranks * unit, units * (rank + 1) // ranks * unit
 
 
 class StepLoader:
@@ -182,9 +187,10 @@ class StepLoader:
         self.sampler.load_state_dict(state)
         self._micro = None
 
-    def place(self, dp_rank: int, dp_size: int) -> None:
-        """Read as data-parallel rank `dp_rank` of `dp_size` from the next step on."""
-        if self.sampler.place(dp_rank, dp_size):
+    def place(self, dp_rank: int, dp_size: int, unit: int = 1) -> None:
+        """Read as data-parallel rank `dp_rank` of `dp_size` from the next step on, in slices
+        of whole `unit`s of samples."""
+        if self.sampler.place(dp_rank, dp_size, unit):
             self._micro = None
 
     def close(self) -> None:

@@ -74,6 +74,13 @@ class Parts:
     position: tuple[int, int] = (0, 1)
     """This process's data-parallel rank and their number inside its replica (its FSDP rank:
     tensor-parallel peers read the same samples)."""
+    stages: int = 1
+    """The replica's pipeline ranks (its processes hold one stage each: the last the loss)."""
+    unit: int = 1
+    """What a replica's share of a step is made of: samples, or under a pipeline whole
+    micro-batches (its stages run equal ones)."""
+    reschedule: Callable[[int], None] | None = None
+    """Under a pipeline: run this many micro-batches a step from now on."""
     reseed: Callable[[int, int], None] | None = None
     """Seeds this process's generators (dropout) from (step, rank), as a data-parallel rank's
     are seeded (trainer/state.reseed): each replica its own stream, drawn again from the step a
@@ -203,7 +210,9 @@ class LiveReplica:
         for b in self._floating:
             flat[offset : offset + b.numel()].copy_(b.detach().flatten())
             offset += b.numel()
-        flat[-3], flat[-2] = loss.detach() / self.width, 1.0
+        # each process's part of the replica's mean loss: a pipeline's last stage holds it
+        # whole, its other stages nothing
+        flat[-3], flat[-2] = loss.detach() / (self.width // self.parts.stages), 1.0
         flat[:-1].mul_(self._replica_samples)
         return flat
 
@@ -436,14 +445,16 @@ class LiveReplica:
         if self.group.generation is None:
             return
         rank, width = self.parts.position
-        total = self.group.size * width
+        total, unit = self.group.size * width, self.parts.unit
         first = self.group.rank * width
-        self.parts.loader.place(first + rank, total)
+        self.parts.loader.place(first + rank, total, unit)
         self._rank = first + rank
         batch = self.parts.loader.sampler.global_batch
         self._replica_samples = (
-            chunk(batch, first + width, total)[0] - chunk(batch, first, total)[0]
+            chunk(batch, first + width, total, unit)[0] - chunk(batch, first, total, unit)[0]
         )
+        if self.parts.reschedule is not None:
+            self.parts.reschedule(self._replica_samples // unit)
 
     # the state a replacement receives
 

@@ -37,28 +37,29 @@ from shardwise.training.trainer.train_summary import TrainSummary
 
 
 def width_of(config: JobConfig) -> int:
-    """The processes of one replica: its FSDP ranks times its tensor-parallel ones
-    (`parallel.dp_shard` × `parallel.tp`), 1 for a replica of one process."""
-    return config.parallel.dp_shard * config.parallel.tp
+    """The processes of one replica: its pipeline ranks, or its FSDP ranks times its
+    tensor-parallel ones (`parallel.pp` × `dp_shard` × `tp`), 1 for a replica of one
+    process."""
+    return config.parallel.pp * config.parallel.dp_shard * config.parallel.tp
 
 
 def check_live(config: JobConfig, processes: int, *, nodes: int = 1) -> None:
-    """Refuse, in one line, a job live recovery cannot run (yet): replicas of one process or
-    of an FSDP (and tensor-parallel) group each, `processes` on each of `nodes` machines, their
-    gradients summed every step uncompressed."""
+    """Refuse, in one line, a job live recovery cannot run (yet): replicas of one process, of
+    an FSDP (and tensor-parallel) group, or of a pipeline's stages each, `processes` on each of
+    `nodes` machines, their gradients summed every step uncompressed."""
     width = width_of(config)
     replicas = processes // width * nodes
-    why = None
-    if config.parallel.pp > 1:
-        why = "keeps FSDP and tensor parallelism inside a replica, not yet a pipeline (pp = 1)"
+    why = _pipeline_refusal(config, width)
+    if why:
+        pass  # said below
     elif processes % width:
         why = (
-            f"splits --nproc {processes} into replicas of parallel.dp_shard × tp = {width} "
-            "processes: use a multiple of it"
+            f"splits --nproc {processes} into replicas of parallel.pp × dp_shard × tp = "
+            f"{width} processes: use a multiple of it"
         )
     elif config.parallel.dp_replicate not in (-1, 1, replicas):  # -1: what is left
         why = (
-            f"makes each replica of parallel.dp_shard × tp = {width} processes: --nproc "
+            f"makes each replica of parallel.pp × dp_shard × tp = {width} processes: --nproc "
             f"{processes} on {nodes} node(s) gives {replicas}, not parallel.dp_replicate = "
             f"{config.parallel.dp_replicate}"
         )
@@ -75,7 +76,29 @@ def check_live(config: JobConfig, processes: int, *, nodes: int = 1) -> None:
         )
     if why:
         raise ConfigError(f"fault.mode = 'live' {why}, or set fault.mode = 'restart'")
-    derive(one_replica(config), width)  # what one replica's world can run
+    derived = derive(one_replica(config), width)  # what one replica's world can run
+    share = derived.grad_accum // max(replicas, 1)
+    if config.parallel.pp > 1 and share < config.parallel.pp:
+        raise ConfigError(
+            f"fault.mode = 'live' gives each of {replicas} replicas {share} micro-batch(es) of "
+            f"{derived.micro_batch} a step, fewer than its {config.parallel.pp} pipeline "
+            "stages: raise train.global_batch or lower train.micro_batch"
+        )
+
+
+def _pipeline_refusal(config: JobConfig, width: int) -> str | None:
+    """Why a pipeline cannot be a replica (yet), or None: alone in it, under a schedule that
+    takes any number of micro-batches a step (a replica's share follows its membership)."""
+    if config.parallel.pp == 1:
+        return None
+    if width != config.parallel.pp:
+        return "keeps a pipeline, or FSDP and tensor parallelism, inside a replica, not both yet"
+    if config.parallel.pipeline_schedule not in ("GPipe", "1F1B"):
+        return (
+            "re-splits each step's micro-batches over the replicas, which the GPipe and 1F1B "
+            "pipeline schedules allow (parallel.pipeline_schedule)"
+        )
+    return None
 
 
 def one_replica(config: JobConfig) -> JobConfig:

@@ -275,6 +275,7 @@ class Pipeline:
     """Parameters held by more than one stage (tied weights), kept equal across them."""
     static_batch: int | None = None
     """A traced pipeline's stages run only at the batch size they were traced with."""
+    _loss_fn: Any = field(default=None, repr=False)
     split_by: str = "blocks"
     """How the model was cut: `blocks` (its own), `declared` (what transformers declares) or
     `traced`."""
@@ -294,8 +295,6 @@ class Pipeline:
     def start(self, loss_fn: Any, device: torch.device) -> None:
         """Create the stages and the schedule (after the stage modules are parallelized and
         materialized)."""
-        from torch.distributed.pipelining.schedules import get_schedule_class
-
         from shardwise.training.parallel.stage import TimedStage
 
         self.device = device
@@ -304,11 +303,22 @@ class Pipeline:
             TimedStage(module, index, self.num_stages, device, group=self.group)
             for index, module in sorted(self.modules.items())
         ]
+        self._loss_fn = loss_fn
+        self.reschedule(self.num_microbatches)
+
+    def reschedule(self, num_microbatches: int) -> None:
+        """The schedule over this many micro-batches a step (live recovery: a replica's share
+        changed with its membership); the stages stay, their buffers made again for it."""
+        from torch.distributed.pipelining.schedules import get_schedule_class
+
+        if self.schedule is not None and num_microbatches == self.num_microbatches:
+            return
+        self.num_microbatches = num_microbatches
         cls = get_schedule_class(self.schedule_name)
         target = self.stages[0] if self.schedule_name in SINGLE_STAGE else self.stages
         # scale_grads: the loss is a mean per micro-batch, so gradients summed over the
         # micro-batches are divided by their number: the gradient of the mean over the batch.
-        self.schedule = cls(target, self.num_microbatches, loss_fn=loss_fn, scale_grads=True)
+        self.schedule = cls(target, num_microbatches, loss_fn=self._loss_fn, scale_grads=True)
 
     def busy_seconds(self) -> float:
         return sum(s.busy_seconds for s in self.stages)

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from shardwise.common.errors import ConfigError
 from shardwise.training.checkpoint.disk_layout import name_of
@@ -263,6 +264,7 @@ def replica(run: Run, group: LiveGroup) -> LiveReplica:
             "fault.mode = 'live' re-splits each step's samples over the replicas, which a "
             "streamed table or an IterableDataset does not allow yet; set fault.mode = 'restart'"
         )
+    pipe = run.layout.pipeline
     parts = Parts(
         modules=run.parts,
         optimizers=run.optimizers,
@@ -272,6 +274,9 @@ def replica(run: Run, group: LiveGroup) -> LiveReplica:
         parameters=run.parameters,
         traffic=run.sync.traffic,
         position=dp_position(run.mesh),
+        stages=1 if run.pp_group is None else dist.get_world_size(run.pp_group),
+        unit=run.derived.micro_batch if pipe is not None else 1,
+        reschedule=pipe.reschedule if pipe is not None else None,
         reseed=lambda step, rank: train_state.reseed(run.config.job.seed, step, rank),
     )
     return LiveReplica(

@@ -361,6 +361,8 @@ def mean_loss(run: Run, losses: list[torch.Tensor], skipped: list[torch.Tensor])
     if skipped:
         loss = torch.where(torch.stack(skipped) == 0, loss, torch.nan).nanmean()
     loss = loss.mean()
+    if run.live is not None:  # every process of every replica holds the whole batch's already
+        return float(loss.item())
     if run.pp_group is not None:
         dist.all_reduce(loss, group=run.pp_group)
     if run.derived.dp > 1:
