@@ -50,8 +50,8 @@ def check_live(config: JobConfig, processes: int, *, nodes: int = 1) -> None:
     width = width_of(config)
     replicas = processes // width * nodes
     why = _pipeline_refusal(config, width)
-    if why:
-        pass  # said below
+    if why is not None:
+        pass  # refused below, as the others
     elif processes % width:
         why = (
             f"splits --nproc {processes} into replicas of parallel.pp × dp_shard × tp = "

@@ -162,7 +162,10 @@ def serve_node(
                 store.set(beat_key(node), str(beat))
             _follow(store, slots, starter, running, started)
             sentinels = [p.sentinel for _, ps in running.values() for p in ps]
-            wait(sentinels, timeout=0.02) if sentinels else time.sleep(0.02)
+            if sentinels:
+                wait(sentinels, timeout=0.02)
+            else:
+                time.sleep(0.02)
         why = store.get(END_KEY).decode()
         store.set(left_key(node), "1")
     except (RuntimeError, ConnectionError) as error:

@@ -356,7 +356,8 @@ def mean_loss(run: Run, losses: list[torch.Tensor], skipped: list[torch.Tensor])
     """The mean training loss over these steps and over data-parallel ranks (from the last
     pipeline stage, the only one that computes it). Where the steps were checked (`skipped`,
     one verdict per step), over the applied ones only, as a skipped step's loss may not be
-    finite: NaN when none was applied."""
+    finite: NaN when none was applied. A live replica's is the whole batch's already (every
+    stage of every replica holds it: fault/live_replica.py)."""
     loss = torch.stack(losses)
     if skipped:
         loss = torch.where(torch.stack(skipped) == 0, loss, torch.nan).nanmean()
