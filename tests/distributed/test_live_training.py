@@ -452,6 +452,23 @@ def test_replicas_of_two_pipeline_stages_train_what_one_process_trains(
     assert not (tmp_path / "hangs").exists()
 
 
+def test_replicas_of_fsdp_pipelines_give_each_fsdp_rank_as_many_micro_batches(tmp_path):
+    """Two replicas, each a 2-stage pipeline (GPipe) on 2 FSDP ranks, whose collectives run
+    per micro-batch: a step's 48 samples are 6 micro-batches of 8, split over the replicas in
+    pairs (one for each FSDP rank), 2 pairs and 1, never 1, 2, 1, 2 (which hangs: FSDP ranks
+    of one replica waiting in different micro-batches). The run is the one one process makes
+    on the whole batch."""
+    train = {"global_batch": 48}
+    reference = shardwise.train(_job(tmp_path / "one", train=train), nproc=1)
+    assert reference is not None and reference.checkpoint is not None
+    parallel = {"pp": 2, "dp_shard": 2, "pipeline_schedule": "GPipe"}
+    config = _job(tmp_path / "live", train=train, parallel=parallel, fault={"mode": "live"})
+    summary = shardwise.train(config, nproc=8)
+    assert summary is not None and summary.checkpoint is not None
+    want = (losses(tmp_path / "one"), load_params(reference.checkpoint))
+    _same(losses(tmp_path / "live"), load_params(summary.checkpoint), want)
+
+
 @pytest.mark.parametrize("kill", list(HSDP_KILLS))
 def test_hsdp_a_killed_rank_takes_its_replica_down_and_the_replacement_heals_rank_by_rank(
     tmp_path, monkeypatch, one_process, kill
@@ -480,9 +497,9 @@ def test_hsdp_a_killed_rank_takes_its_replica_down_and_the_replacement_heals_ran
     [
         (2, {"train": {"sync": "local_sgd", "sync_every": 2}}, "reduces gradients every step"),
         (3, {"parallel": {"dp_shard": 2}}, "use a multiple of it"),
-        (4, {"parallel": {"pp": 2, "dp_shard": 2}}, "a pipeline, or FSDP and tensor .* not both"),
+        (4, {"parallel": {"pp": 2, "tp": 2}}, "a pipeline, or tensor parallelism, .* not both"),
         (4, {"parallel": {"pp": 2, "pipeline_schedule": "Interleaved1F1B"}}, "GPipe and 1F1B"),
-        (8, {"parallel": {"pp": 2}, "train": {"global_batch": 24}}, "fewer than its 2 pipeline"),
+        (8, {"parallel": {"pp": 2}, "train": {"global_batch": 24}}, "fewer than the 2 1F1B needs"),
     ],
 )
 def test_live_mode_refuses_what_it_cannot_run(tmp_path, nproc, sections, why):

@@ -64,9 +64,9 @@ class GlobalBatchSampler:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.seed = seed
-        self.unit = 1
-        """The samples the ranks' slices are made of (live recovery under a pipeline: whole
-        micro-batches)."""
+        self.span: tuple[int, int] | None = None
+        """This rank's slice [first, end) of each step's samples where live recovery placed it
+        (`place_span`), instead of its `chunk` as a data-parallel rank."""
         self.epoch = 0
         self.offset = 0
         self._perm: tuple[int, torch.Tensor] | None = None
@@ -83,7 +83,7 @@ class GlobalBatchSampler:
 
     def epoch_plan(self) -> list[list[int]]:
         """This rank's indices for each remaining step of the current epoch."""
-        first, end = chunk(self.global_batch, self.dp_rank, self.dp_size, self.unit)
+        first, end = self.slice()
         perm = self.permutation(self.epoch)
         plan = []
         for start in range(
@@ -95,14 +95,25 @@ class GlobalBatchSampler:
     @property
     def per_rank(self) -> int:
         """The samples this rank reads each step."""
-        first, end = chunk(self.global_batch, self.dp_rank, self.dp_size, self.unit)
+        first, end = self.slice()
         return end - first
 
-    def place(self, dp_rank: int, dp_size: int, unit: int = 1) -> bool:
-        """Read as rank `dp_rank` of `dp_size` from the next step on, slices made of `unit`
-        samples (live recovery's membership changed); whether that is a change."""
-        moved = (dp_rank, dp_size, unit) != (self.dp_rank, self.dp_size, self.unit)
-        self.dp_rank, self.dp_size, self.unit = dp_rank, dp_size, unit
+    def slice(self) -> tuple[int, int]:
+        """This rank's [first, end) of each step's samples."""
+        return self.span or chunk(self.global_batch, self.dp_rank, self.dp_size)
+
+    def place(self, dp_rank: int, dp_size: int) -> bool:
+        """Read as rank `dp_rank` of `dp_size` from the next step on (live recovery's
+        membership changed); whether that is a change."""
+        moved = (dp_rank, dp_size, None) != (self.dp_rank, self.dp_size, self.span)
+        self.dp_rank, self.dp_size, self.span = dp_rank, dp_size, None
+        return moved
+
+    def place_span(self, first: int, end: int) -> bool:
+        """Read samples [first, end) of each step from the next step on (live recovery under
+        a pipeline: whole micro-batches); whether that is a change."""
+        moved = (first, end) != self.span
+        self.span = (first, end)
         return moved
 
     def advance(self) -> None:
@@ -187,10 +198,14 @@ class StepLoader:
         self.sampler.load_state_dict(state)
         self._micro = None
 
-    def place(self, dp_rank: int, dp_size: int, unit: int = 1) -> None:
-        """Read as data-parallel rank `dp_rank` of `dp_size` from the next step on, in slices
-        of whole `unit`s of samples."""
-        if self.sampler.place(dp_rank, dp_size, unit):
+    def place(self, dp_rank: int, dp_size: int) -> None:
+        """Read as data-parallel rank `dp_rank` of `dp_size` from the next step on."""
+        if self.sampler.place(dp_rank, dp_size):
+            self._micro = None
+
+    def place_span(self, first: int, end: int) -> None:
+        """Read samples [first, end) of each step from the next step on."""
+        if self.sampler.place_span(first, end):
             self._micro = None
 
     def close(self) -> None:

@@ -77,8 +77,8 @@ class Parts:
     stages: int = 1
     """The replica's pipeline ranks (its processes hold one stage each: the last the loss)."""
     unit: int = 1
-    """What a replica's share of a step is made of: samples, or under a pipeline whole
-    micro-batches (its stages run equal ones)."""
+    """Under a pipeline, its micro-batch: a replica's share of a step is whole ones (its
+    stages run equal ones)."""
     reschedule: Callable[[int], None] | None = None
     """Under a pipeline: run this many micro-batches a step from now on."""
     reseed: Callable[[int, int], None] | None = None
@@ -441,20 +441,28 @@ class LiveReplica:
     def _place(self) -> None:
         """This process's share of each step in the current generation: a replica's chunk of
         the batch, split over its data-parallel ranks (contiguous: `sampling.chunk` of them
-        all; tensor-parallel peers read the same)."""
+        all; tensor-parallel peers read the same). Under a pipeline, whole micro-batches, as
+        many for each of the replica's FSDP ranks (their collectives run per micro-batch): the
+        replica's chunk in units of that many, then split equally."""
         if self.group.generation is None:
             return
         rank, width = self.parts.position
-        total, unit = self.group.size * width, self.parts.unit
         first = self.group.rank * width
-        self.parts.loader.place(first + rank, total, unit)
         self._rank = first + rank
         batch = self.parts.loader.sampler.global_batch
-        self._replica_samples = (
-            chunk(batch, first + width, total, unit)[0] - chunk(batch, first, total, unit)[0]
-        )
-        if self.parts.reschedule is not None:
-            self.parts.reschedule(self._replica_samples // unit)
+        if self.parts.reschedule is None:
+            total = self.group.size * width
+            self.parts.loader.place(first + rank, total)
+            self._replica_samples = (
+                chunk(batch, first + width, total)[0] - chunk(batch, first, total)[0]
+            )
+            return
+        unit = self.parts.unit * width
+        start, end = chunk(batch, self.group.rank, self.group.size, unit)
+        self._replica_samples = each = end - start
+        each //= width
+        self.parts.loader.place_span(start + rank * each, start + (rank + 1) * each)
+        self.parts.reschedule(each // self.parts.unit)
 
     # the state a replacement receives
 

@@ -77,12 +77,14 @@ def check_live(config: JobConfig, processes: int, *, nodes: int = 1) -> None:
     if why:
         raise ConfigError(f"fault.mode = 'live' {why}, or set fault.mode = 'restart'")
     derived = derive(one_replica(config), width)  # what one replica's world can run
-    share = derived.grad_accum // max(replicas, 1)
-    if config.parallel.pp > 1 and share < config.parallel.pp:
+    share = derived.grad_accum // max(replicas, 1)  # a pipeline's, at the fewest
+    least = config.parallel.pp if config.parallel.pipeline_schedule == "1F1B" else 1
+    if config.parallel.pp > 1 and share < least:
         raise ConfigError(
-            f"fault.mode = 'live' gives each of {replicas} replicas {share} micro-batch(es) of "
-            f"{derived.micro_batch} a step, fewer than its {config.parallel.pp} pipeline "
-            "stages: raise train.global_batch or lower train.micro_batch"
+            f"fault.mode = 'live' gives each pipeline of its {replicas} replicas {share} "
+            f"micro-batch(es) of {derived.micro_batch} a step, fewer than the {least} "
+            f"{config.parallel.pipeline_schedule} needs: raise train.global_batch or lower "
+            "train.micro_batch"
         )
 
 
@@ -91,8 +93,8 @@ def _pipeline_refusal(config: JobConfig, width: int) -> str | None:
     takes any number of micro-batches a step (a replica's share follows its membership)."""
     if config.parallel.pp == 1:
         return None
-    if width != config.parallel.pp:
-        return "keeps a pipeline, or FSDP and tensor parallelism, inside a replica, not both yet"
+    if config.parallel.tp > 1:
+        return "keeps a pipeline, or tensor parallelism, inside a replica, not both yet"
     if config.parallel.pipeline_schedule not in ("GPipe", "1F1B"):
         return (
             "re-splits each step's micro-batches over the replicas, which the GPipe and 1F1B "
