@@ -469,6 +469,23 @@ def test_replicas_of_fsdp_pipelines_give_each_fsdp_rank_as_many_micro_batches(tm
     _same(losses(tmp_path / "live"), load_params(summary.checkpoint), want)
 
 
+def test_replicas_of_pipelines_with_tensor_parallel_stages_train_what_restart_mode_trains(
+    tmp_path,
+):
+    """Two replicas of a 2-stage pipeline whose stages are tensor-parallel over 2 processes
+    (8 in all): the same run as the default mode's on the same layout."""
+    from helpers import gpt_job
+
+    train = {"steps": 6, "global_batch": 16, "micro_batch": 4}
+    model = {"name": "gpt", "args": {"layers": 2, "heads": 2, "hidden": 32, "seq_len": 32}}
+    sections = {"train": train, "model": model, "parallel": {"tp": 2, "pp": 2}}
+    restart, live = tmp_path / "restart", tmp_path / "live"
+    shardwise.train(gpt_job(restart, checkpoint={"every_steps": 6}, **sections), nproc=8)
+    config = gpt_job(live, checkpoint={"every_steps": 6}, fault={"mode": "live"}, **sections)
+    shardwise.train(config, nproc=8)
+    _same_run(live, restart, steps=6)
+
+
 @pytest.mark.parametrize("kill", list(HSDP_KILLS))
 def test_hsdp_a_killed_rank_takes_its_replica_down_and_the_replacement_heals_rank_by_rank(
     tmp_path, monkeypatch, one_process, kill
@@ -497,7 +514,6 @@ def test_hsdp_a_killed_rank_takes_its_replica_down_and_the_replacement_heals_ran
     [
         (2, {"train": {"sync": "local_sgd", "sync_every": 2}}, "reduces gradients every step"),
         (3, {"parallel": {"dp_shard": 2}}, "use a multiple of it"),
-        (4, {"parallel": {"pp": 2, "tp": 2}}, "a pipeline, or tensor parallelism, .* not both"),
         (4, {"parallel": {"pp": 2, "pipeline_schedule": "Interleaved1F1B"}}, "GPipe and 1F1B"),
         (8, {"parallel": {"pp": 2}, "train": {"global_batch": 24}}, "fewer than the 2 1F1B needs"),
     ],

@@ -44,9 +44,9 @@ def width_of(config: JobConfig) -> int:
 
 
 def check_live(config: JobConfig, processes: int, *, nodes: int = 1) -> None:
-    """Refuse, in one line, a job live recovery cannot run (yet): replicas of one process, of
-    an FSDP (and tensor-parallel) group, or of a pipeline's stages each, `processes` on each of
-    `nodes` machines, their gradients summed every step uncompressed."""
+    """Refuse, in one line, a job live recovery cannot run (yet): replicas of one process or
+    of FSDP, tensor-parallel and pipeline ranks each, `processes` on each of `nodes` machines,
+    their gradients summed every step uncompressed."""
     width = width_of(config)
     replicas = processes // width * nodes
     why = _pipeline_refusal(config, width)
@@ -89,12 +89,10 @@ def check_live(config: JobConfig, processes: int, *, nodes: int = 1) -> None:
 
 
 def _pipeline_refusal(config: JobConfig, width: int) -> str | None:
-    """Why a pipeline cannot be a replica (yet), or None: alone in it, under a schedule that
-    takes any number of micro-batches a step (a replica's share follows its membership)."""
+    """Why a pipeline cannot be a replica (yet), or None: under a schedule that takes any
+    number of micro-batches a step (a replica's share follows its membership)."""
     if config.parallel.pp == 1:
         return None
-    if config.parallel.tp > 1:
-        return "keeps a pipeline, or tensor parallelism, inside a replica, not both yet"
     if config.parallel.pipeline_schedule not in ("GPipe", "1F1B"):
         return (
             "re-splits each step's micro-batches over the replicas, which the GPipe and 1F1B "
