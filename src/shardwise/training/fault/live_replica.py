@@ -457,12 +457,11 @@ class LiveReplica:
                 chunk(batch, first + width, total)[0] - chunk(batch, first, total)[0]
             )
             return
-        unit = self.parts.unit * width
-        start, end = chunk(batch, self.group.rank, self.group.size, unit)
-        self._replica_samples = each = end - start
-        each //= width
-        self.parts.loader.place_span(start + rank * each, start + (rank + 1) * each)
-        self.parts.reschedule(each // self.parts.unit)
+        start, end = chunk(batch, self.group.rank, self.group.size, self.parts.unit * width)
+        self._replica_samples = end - start
+        mine = self._replica_samples // width  # whole micro-batches, as many for each rank
+        self.parts.loader.place_span(start + rank * mine, start + (rank + 1) * mine)
+        self.parts.reschedule(mine // self.parts.unit)
 
     # the state a replacement receives
 
