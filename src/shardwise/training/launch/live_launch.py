@@ -10,6 +10,7 @@ sharding it with FSDP.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import traceback
@@ -32,7 +33,7 @@ from shardwise.training.launch.live_nodes import serve_node
 from shardwise.training.launch.live_processes import ReplicaFailed, Starter
 from shardwise.training.launch.live_supervisor import supervise
 from shardwise.training.launch.outcome import WorkerFailed
-from shardwise.training.launch.stores import loopback_collectives
+from shardwise.training.launch.stores import LOOPBACK, loopback_collectives
 from shardwise.training.trainer.train_summary import TrainSummary
 
 
@@ -49,31 +50,7 @@ def check_live(config: JobConfig, processes: int, *, nodes: int = 1) -> None:
     their gradients summed every step uncompressed."""
     width = width_of(config)
     replicas = processes // width * nodes
-    why = _pipeline_refusal(config, width)
-    if why is not None:
-        pass  # refused below, as the others
-    elif processes % width:
-        why = (
-            f"splits --nproc {processes} into replicas of parallel.pp × dp_shard × tp = "
-            f"{width} processes: use a multiple of it"
-        )
-    elif config.parallel.dp_replicate not in (-1, 1, replicas):  # -1: what is left
-        why = (
-            f"makes each replica of parallel.pp × dp_shard × tp = {width} processes: --nproc "
-            f"{processes} on {nodes} node(s) gives {replicas}, not parallel.dp_replicate = "
-            f"{config.parallel.dp_replicate}"
-        )
-    elif config.train.sync != "every_step":
-        why = "reduces gradients every step (train.sync = 'every_step')"
-    elif config.parallel.grad_compression != "none":
-        why = "reduces gradients in full (parallel.grad_compression = 'none')"
-    elif config.train.precision == "fp16":
-        why = "does not carry fp16's loss scaling across replicas yet (train.precision = 'bf16')"
-    elif replicas < config.fault.min_replicas and replicas > 1:
-        why = (
-            f"starts {replicas} replicas, fewer than fault.min_replicas "
-            f"({config.fault.min_replicas}): use --nproc {config.fault.min_replicas}"
-        )
+    why = _pipeline_refusal(config) or _refusal(config, processes, width, replicas, nodes)
     if why:
         raise ConfigError(f"fault.mode = 'live' {why}, or set fault.mode = 'restart'")
     derived = derive(one_replica(config), width)  # what one replica's world can run
@@ -88,15 +65,42 @@ def check_live(config: JobConfig, processes: int, *, nodes: int = 1) -> None:
         )
 
 
-def _pipeline_refusal(config: JobConfig, width: int) -> str | None:
+def _pipeline_refusal(config: JobConfig) -> str | None:
     """Why a pipeline cannot be a replica (yet), or None: under a schedule that takes any
     number of micro-batches a step (a replica's share follows its membership)."""
-    if config.parallel.pp == 1:
-        return None
-    if config.parallel.pipeline_schedule not in ("GPipe", "1F1B"):
+    if config.parallel.pp > 1 and config.parallel.pipeline_schedule not in ("GPipe", "1F1B"):
         return (
             "re-splits each step's micro-batches over the replicas, which the GPipe and 1F1B "
             "pipeline schedules allow (parallel.pipeline_schedule)"
+        )
+    return None
+
+
+def _refusal(
+    config: JobConfig, processes: int, width: int, replicas: int, nodes: int
+) -> str | None:
+    """Why these replicas cannot run live (yet), or None."""
+    if processes % width:
+        return (
+            f"splits --nproc {processes} into replicas of parallel.pp × dp_shard × tp = "
+            f"{width} processes: use a multiple of it"
+        )
+    if config.parallel.dp_replicate not in (-1, 1, replicas):  # -1: what is left
+        return (
+            f"makes each replica of parallel.pp × dp_shard × tp = {width} processes: --nproc "
+            f"{processes} on {nodes} node(s) gives {replicas}, not parallel.dp_replicate = "
+            f"{config.parallel.dp_replicate}"
+        )
+    if config.train.sync != "every_step":
+        return "reduces gradients every step (train.sync = 'every_step')"
+    if config.parallel.grad_compression != "none":
+        return "reduces gradients in full (parallel.grad_compression = 'none')"
+    if config.train.precision == "fp16":
+        return "does not carry fp16's loss scaling across replicas yet (train.precision = 'bf16')"
+    if replicas < config.fault.min_replicas and replicas > 1:
+        return (
+            f"starts {replicas} replicas, fewer than fault.min_replicas "
+            f"({config.fault.min_replicas}): use --nproc {config.fault.min_replicas}"
         )
     return None
 
@@ -111,33 +115,26 @@ def launch_live(
     config: JobConfig, processes: int, resume: str | None, nodes: Nodes | None = None
 ) -> TrainSummary | None:
     """Train `config` on the live replicas `processes` make on this machine (of
-    `parallel.dp_shard` × tp processes each), and on each of `nodes`' others, from the
-    checkpoint `resume` (or the start); the summary the reporting replica wrote (None on a node
-    that does not host the coordinator)."""
+    `parallel.pp` × `dp_shard` × `tp` processes each), and on each of `nodes`' others, from
+    the checkpoint `resume` (or the start); the summary the reporting replica wrote (None on a
+    node that does not host the coordinator)."""
     started = time.time()
     width = width_of(config)
     args = (one_replica(config).model_dump(mode="json"), resume, processes)
-    count = 1 if nodes is None else nodes.count
-    timeout = config.fault.timeout_s
+    count, timeout = 1 if nodes is None else nodes.count, config.fault.timeout_s
     try:
-        if nodes is None:
-            with loopback_collectives():  # the replicas' gloo groups, as the agent's ranks'
-                supervise(
-                    processes // width, run_replica, args, timeout_s=timeout,
-                    restarts=config.fault.max_restarts, min_replicas=config.fault.min_replicas,
-                    forked=True, width=width,
-                )  # fmt: skip
-        elif nodes.hosts_here():
-            host, _, port = nodes.endpoint.rpartition(":")
-            supervise(
-                processes // width * count, run_replica, args, timeout_s=timeout,
-                restarts=config.fault.max_restarts, min_replicas=config.fault.min_replicas,
-                forked=True, width=width, nodes=count, host=host.strip("[]"), port=int(port),
-            )  # fmt: skip
-        else:
+        if nodes is not None and not nodes.hosts_here():
             starter = Starter(run_replica, args, nodes.endpoint, forked=True, width=width)
             serve_node(nodes.endpoint, starter, processes // width, timeout_s=timeout, nodes=count)
             return None
+        host, port = (LOOPBACK, 0) if nodes is None else _host_port(nodes.endpoint)
+        # on one machine the replicas' gloo groups use loopback, as the agent's ranks'
+        with loopback_collectives() if nodes is None else contextlib.nullcontext():
+            supervise(
+                processes // width * count, run_replica, args, timeout_s=timeout,
+                restarts=config.fault.max_restarts, min_replicas=config.fault.min_replicas,
+                forked=True, width=width, nodes=count, host=host, port=port,
+            )  # fmt: skip
     except ReplicaFailed as failure:
         if failure.config:
             raise ConfigError(str(failure)) from None
@@ -148,6 +145,11 @@ def launch_live(
     if not path.exists() or path.stat().st_mtime < started:
         return None
     return TrainSummary(**json.loads(path.read_text()))
+
+
+def _host_port(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 def run_replica(

@@ -17,7 +17,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from shardwise.common.errors import ConfigError
 from shardwise.training.checkpoint.disk_layout import name_of
@@ -274,7 +273,7 @@ def replica(run: Run, group: LiveGroup) -> LiveReplica:
         parameters=run.parameters,
         traffic=run.sync.traffic,
         position=dp_position(run.mesh),
-        stages=1 if run.pp_group is None else dist.get_world_size(run.pp_group),
+        stages=run.config.parallel.pp,
         unit=run.derived.micro_batch if pipe is not None else 1,
         reschedule=pipe.reschedule if pipe is not None else None,
         reseed=lambda step, rank: train_state.reseed(run.config.job.seed, step, rank),
