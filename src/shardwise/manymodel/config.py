@@ -148,7 +148,8 @@ class ModelsSection(Section):
     """Keyword arguments per model name, e.g. args.lightgbm = {n_estimators = 50}."""
     scale: dict[str, Literal["none", "mean", "standard"]] = Field(default_factory=dict)
     """Target scaling per model name, e.g. scale.ridge = "mean"; a model not named here gets
-    `features.scale`, except the statistical models, which get "none" (they model the level)."""
+    `features.scale`, except the statistical models and seasonal naive, which get "none" (they
+    model the level; a seasonal naive forecast repeats values, which scaling would only round)."""
     difference: dict[str, bool] = Field(default_factory=dict)
     """difference.lightgbm = true: the model predicts the target minus its smallest lag (the
     value `horizon` steps earlier, by default), and level features are taken relative to it, so
@@ -478,7 +479,7 @@ def _check_synthetic(config: ManyModelsConfig) -> None:
 def model_scale(config: ManyModelsConfig, name: str) -> str:
     """How the target is scaled for model `name` (see ModelsSection.scale)."""
     label = model_label(name)
-    default = "none" if name in STATISTICAL_MODELS else config.features.scale
+    default = "none" if name in TARGET_ONLY_MODELS else config.features.scale
     return config.models.scale.get(label, default)
 
 

@@ -13,7 +13,7 @@ from shardwise.common.job_files import validate_as
 from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.manymodel.data.long_table import SeriesTable, load_series
-from shardwise.manymodel.evaluation.backtest import _metrics
+from shardwise.manymodel.evaluation.backtest import _metrics, origins
 from shardwise.manymodel.evaluation.selection import select
 from shardwise.manymodel.features.spec import FeatureSpec, polars_features
 from shardwise.manymodel.run.chunk import run_chunk
@@ -274,3 +274,30 @@ def test_reselect_false_reestimates_a_user_model_from_its_last_fit(tmp_path):
         got = dict(windows.iter_rows())
         assert got == {0: [1.0], 1: [later[0]], 2: [later[1]]}, reselect
         assert tables["forecasts"]["forecast"].unique().to_list() == [later[2]], reselect
+
+
+def test_seasonal_naive_repeats_the_season_before_exactly(tmp_path):
+    """The seasonal naive forecast of every window and of the future is the season before its
+    origin, value for value (a missing value the one before it): no scaling stands between them,
+    whatever `features.scale` says for the other models."""
+    config, table = tiny_job(tmp_path, ["seasonal_naive"], backtest={"horizon": 6, "n_windows": 3})
+    gap = (pl.col(SERIES) == 1) & (pl.int_range(pl.len()).over(SERIES) == 40)
+    noise = np.random.default_rng(0).uniform(0.1, 3.0, table.frame.height)  # no round trip
+    table.frame = table.frame.with_columns(
+        pl.when(gap).then(None).otherwise(pl.Series(noise)).alias("units")
+    )
+    spec = FeatureSpec.from_config(config, table.season_length)
+    plan = make_plan(config, table, spec)
+    tables = run_in_process(config, table).tables()
+    for (series,), rows in table.frame.group_by(SERIES):
+        observed = rows.filter(~pl.col("_future"))["units"].fill_null(strategy="forward")
+        y = observed.to_numpy()
+        for window, origin in enumerate(origins(observed.len(), plan)):
+            got = (
+                tables["backtest"]
+                .filter(pl.col(SERIES) == series, pl.col("window") == window)
+                .sort("step")
+            )
+            assert got["forecast"].to_list() == y[origin - 12 : origin - 6].tolist()
+        future = tables["forecasts"].filter(pl.col(SERIES) == series).sort("step")
+        assert future["forecast"].to_list() == y[-12:-6].tolist()

@@ -105,8 +105,7 @@ def forecast_series(
     """One series: backtest every model, score the choices made on earlier windows, refit every
     model on all rows and forecast; results appended to `out`."""
     series = int(frame[SERIES][0])
-    observed = frame.filter(~pl.col(FUTURE))
-    future = frame.filter(pl.col(FUTURE))
+    observed, future = _observed_and_future(frame)
     tracks = {label: _Track(model) for label, model in models.items()}  # failed ones leave
     truths: list[_Truth] = []
     for window, origin in enumerate(origins(observed.height, plan)):
@@ -146,6 +145,16 @@ def forecast_series(
                 )
     out.series += 1
     _refit(plan, series, tracks, (observed, _without_target(future)), truths, out)
+
+
+def _observed_and_future(frame: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """A series' observed rows and its future ones: slices where the future rows come last (in
+    time order they do), not a query per series."""
+    flags = frame[FUTURE]
+    observed = frame.height - int(flags.sum())
+    if flags.head(observed).any():
+        return frame.filter(~flags), frame.filter(flags)
+    return frame.head(observed), frame.slice(observed)
 
 
 def _without_target(frame: pl.DataFrame) -> pl.DataFrame:
@@ -272,22 +281,17 @@ def _refit(
             for truth, mean in zip(truths, means, strict=True)
         )
     scale = seasonal_mae(observed[TARGET].to_numpy().astype(np.float64), plan.context.season_length)
-    out.forecasts.extend(
-        {
-            SERIES: series,
-            "step": k + 1,
-            "model": label,
-            "forecast": float(v),
-            "scale": scale,
-            **{
-                name: float(predicted.own[level][side][k])
-                for level in predicted.own
-                for side, name in enumerate(own_bounds((level,)))
-            },
-        }
-        for label, predicted in finals.items()
-        for k, v in enumerate(predicted.values)
-    )
+    for label, predicted in finals.items():
+        bounds = [
+            (name, predicted.own[level][side])
+            for level in predicted.own
+            for side, name in enumerate(own_bounds((level,)))
+        ]
+        for k, v in enumerate(predicted.values.tolist()):
+            row = {SERIES: series, "step": k + 1, "model": label, "forecast": v, "scale": scale}
+            for name, values in bounds:
+                row[name] = float(values[k])
+            out.forecasts.append(row)
 
 
 def _score(values: list[float]) -> float:

@@ -68,8 +68,10 @@ class SeasonalNaive:
         self.context = context
 
     def fit(self, frame: pl.DataFrame) -> np.ndarray:
-        y = frame[self.context.target].fill_null(strategy="forward").drop_nulls().to_numpy()
-        return y[-self.context.season_length :]
+        y = frame[self.context.target]
+        if y.has_nulls():  # a missing value is the one before it
+            y = y.fill_null(strategy="forward").drop_nulls()
+        return y.to_numpy()[-self.context.season_length :]
 
     def predict(self, fitted: np.ndarray, frame: pl.DataFrame) -> np.ndarray:
         return fitted[np.arange(frame.height) % len(fitted)]
