@@ -301,3 +301,14 @@ def test_seasonal_naive_repeats_the_season_before_exactly(tmp_path):
             assert got["forecast"].to_list() == y[origin - 12 : origin - 6].tolist()
         future = tables["forecasts"].filter(pl.col(SERIES) == series).sort("step")
         assert future["forecast"].to_list() == y[-12:-6].tolist()
+
+
+def test_a_series_splits_into_its_observed_and_future_rows_in_any_order():
+    from shardwise.manymodel.columns import FUTURE
+    from shardwise.manymodel.evaluation.backtest import _observed_and_future
+
+    frame = pl.DataFrame({"t": [0, 1, 2, 3, 4], FUTURE: [False, False, False, True, True]})
+    for rows in (frame, frame.reverse()):
+        observed, future = _observed_and_future(rows)
+        assert sorted(observed["t"]) == [0, 1, 2]
+        assert sorted(future["t"]) == [3, 4]
