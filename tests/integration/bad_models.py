@@ -14,14 +14,17 @@ FAILING = {"CEU0500000001", "CEU0600000001"}
 
 
 class Misbehaves:
-    """Raises for two sectors; kills its worker process on the first series it ever sees
-    (once per test, tracked by a marker file) to exercise Ray's task retry."""
+    """Raises for two sectors; kills its worker process on the first series it ever sees, or
+    on the series `crash_on` (once per test, tracked by a marker file) to exercise the retry of
+    a task."""
 
-    def __init__(self, marker: str) -> None:
+    def __init__(self, marker: str, crash_on: str = "") -> None:
         self.marker = Path(marker)
+        self.crash_on = crash_on
 
     def fit(self, frame: pl.DataFrame) -> float:
-        if not self.marker.exists():
+        here = not self.crash_on or frame["series_id"][0] == self.crash_on
+        if here and not self.marker.exists():
             self.marker.write_text(str(os.getpid()))
             os._exit(1)
         if frame["series_id"][0] in FAILING:

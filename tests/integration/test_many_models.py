@@ -150,6 +150,31 @@ def test_a_chunk_lost_for_good_fails_its_series_and_the_rest_are_assembled(
     assert forecasts["series_id"].n_unique() == 9 and "lo_80" in forecasts.columns
 
 
+@pytest.mark.parametrize("retries", [1, 0])
+def test_a_part_of_a_last_chunk_whose_worker_died_runs_again_or_fails_alone(tmp_path, retries):
+    """Worker processes run each of the last chunks in parts (12 series, 4 chunks of 3 on 2
+    slots: the last two in parts of one series). The worker that runs the last series dies
+    there once: the part runs again and every series is forecast; with no retries, that series
+    alone fails (the rest of its chunk came from the other parts)."""
+    from shardwise.manymodel.data.long_table import load_series
+
+    config = job(tmp_path, runner={"backend": "local", "chunk_size": 3, "max_retries": retries})
+    table = load_series(config)
+    last = table.frame.filter(pl.col("_series") == table.num_series - 1)["series_id"][0]
+    models = {
+        "names": ["seasonal_naive", "bad_models:Misbehaves"],
+        "args": {"Misbehaves": {"marker": str(tmp_path / "crashed"), "crash_on": last}},
+    }
+    config = job(tmp_path, models=models, runner=config.runner.model_dump())
+    summary = run(config)
+    assert (tmp_path / "crashed").exists()
+    lost = pl.read_parquet(tmp_path / "run" / "failures.parquet").filter(pl.col("stage") == "task")
+    assert lost["series_id"].to_list() == ([] if retries else [last])
+    assert summary.completed == 12 - (0 if retries else 1)
+    forecasts = pl.read_parquet(tmp_path / "run" / "forecasts.parquet")
+    assert forecasts["series_id"].n_unique() == summary.completed
+
+
 def test_the_outputs_are_the_same_whichever_runs_the_job(ray_cluster, tmp_path):
     """Worker processes, this process alone (one task fits: num_cpus = the cores) and Ray give
     the same tables, with intervals: the backend changes where chunks run, not what they

@@ -80,3 +80,29 @@ def test_chunks_fill_the_slots_last_round(series, slots, size):
     assert got == size
     assert -(-chunks // slots) * got == -(-series // slots)  # the busiest slot: its fair share
     assert got <= 100 and (chunks >= 4 * slots or got == 1)
+
+
+def test_the_last_round_runs_in_parts_of_whole_series():
+    """Chunks run whole, except the last `slots` where there are more chunks than slots: each
+    in up to 8 parts, together every one of its series once, in order."""
+    from pathlib import Path
+
+    import polars as pl
+
+    from shardwise.manymodel.features.feature_files import FeatureChunks
+    from shardwise.manymodel.run.local_tasks import in_parts
+
+    features = FeatureChunks(Path("."), 25, 95, (1,) * 4, pl.Schema(), "t")
+    parts = in_parts(features, [3, 0, 1, 2], slots=2)
+    assert [(p.index, p.of) for p in parts[:2]] == [(3, 1), (0, 1)]
+    assert parts[0].series == range(75, 95) and parts[1].series == range(0, 25)
+    for index in (1, 2):
+        mine = [p for p in parts if p.index == index]
+        assert len(mine) == 8 and {p.of for p in mine} == {8}
+        assert [s for p in mine for s in p.series] == list(features.series_of(index))
+        assert {len(p.series) for p in mine} <= {3, 4}
+    assert [p.index for p in parts[2:]] == [1] * 8 + [2] * 8
+    whole = in_parts(features, [0, 1], slots=2)  # no more chunks than slots: one round
+    assert [(p.index, p.of) for p in whole] == [(0, 1), (1, 1)]
+    small = in_parts(FeatureChunks(Path("."), 2, 6, (1,) * 3, pl.Schema(), "t"), [0, 1, 2], 2)
+    assert [(p.index, len(p.series)) for p in small] == [(0, 2), (1, 1), (1, 1), (2, 1), (2, 1)]

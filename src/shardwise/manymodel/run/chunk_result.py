@@ -40,6 +40,24 @@ class ChunkResult:
     pid: int = 0
     levels: tuple[int, ...] = ()
 
+    @classmethod
+    def joined(cls, parts: Sequence[ChunkResult]) -> ChunkResult:
+        """One chunk's result from the results of its parts, in series order (local_tasks.py
+        runs the last chunks of a job in parts): the rows each would have had run whole."""
+        first = parts[0]
+        whole = cls(pid=first.pid, levels=first.levels)
+        whole.started = min(part.started for part in parts)
+        whole.finished = max(part.finished for part in parts)
+        for part in parts:
+            whole.metrics += part.metrics
+            whole.choices += part.choices
+            whole.forecasts += part.forecasts
+            whole.failures += part.failures
+            whole.backtest += part.backtest
+            whole.series += part.series
+            whole.failed_series += part.failed_series
+        return whole
+
     def tables(self) -> dict[str, pl.DataFrame]:
         bounds = dict.fromkeys(own_bounds(self.levels), pl.Float64)
         return {

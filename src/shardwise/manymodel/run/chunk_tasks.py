@@ -53,10 +53,17 @@ class Finished:
             "series", total=self._total, completed=self._finished, failed=0, eta="–"
         )
 
-    def chunk(self, index: int, result: ChunkResult, took: float | None) -> None:
-        """Chunk `index` finished with `result`, after `took` seconds in its task (None: lost)."""
+    def chunk(
+        self,
+        index: int,
+        result: ChunkResult,
+        took: float | None,
+        spans: list[tuple[float, float]] | None = None,
+    ) -> None:
+        """Chunk `index` finished with `result`, after `took` seconds in its tasks (None: lost),
+        which ran from start to end as `spans` says (None: one task, as `result` says)."""
         write_chunk(self.config.run_dir / "chunks", index, result)
-        self.intervals.append((result.started, result.finished))
+        self.intervals += spans or [(result.started, result.finished)]
         self._failed += result.failed_series
         self._finished += result.series
         self._eta.done(self.features.rows[index], took, result.pid)

@@ -7,11 +7,14 @@ Workers are forked from a fork server (multiprocessing's `forkserver`: a fresh p
 driver, which has polars' threads and a fork could copy a lock one of them holds) that imported
 the chunk runner and the models' libraries once (`warm_imports.py`; statsforecast takes a second
 of CPU to import, which spawned workers each paid), with one thread for each numeric library
-(`THREAD_ENV`), `runner.num_cpus` each: as many as the cores hold. Each takes one chunk at a
-time over a pipe, longest first, and sends its result back; the driver writes it to the chunk
-store as it arrives. A worker that dies (killed, out of memory, a model that exits) costs the
-chunk it ran an attempt: the chunk runs again on a new worker, up to `runner.max_retries` times,
-then its series fail (`lost_chunk`), as on Ray.
+(`THREAD_ENV`), `runner.num_cpus` each: as many as the cores hold. Each takes one task at a
+time over a pipe, longest first, and sends its result back; the driver gives it the next, then
+writes the result to the chunk store. A task is a chunk, except in the last round: each of the
+last chunks runs in parts (`in_parts`), so that no worker is left running a whole chunk at the
+end while the others idle, and is written once its parts have come (`ChunkResult.joined`: the
+tables a whole run would have made). A worker that dies (killed, out of memory, a model that
+exits) costs the task it ran an attempt: the task runs again on a new worker, up to
+`runner.max_retries` times, then its series fail (`lost_chunk`), as on Ray.
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+import polars as pl
 from rich.console import Console
 
 from shardwise.common.environment import environment
 from shardwise.common.spawned import without_main_module
+from shardwise.manymodel.columns import SERIES
 from shardwise.manymodel.config import ManyModelsConfig
 from shardwise.manymodel.evaluation.backtest import Plan
 from shardwise.manymodel.features.feature_files import FeatureChunks
@@ -62,12 +67,41 @@ def run_local(
     return finished.intervals
 
 
+TAIL_PARTS = 8
+"""The parts (of whole series) each of the last chunks runs in: the job's end does not wait on
+one worker running a whole chunk while the others have nothing left to take."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """Series of a chunk that one task runs: all of them, or a part of one of the last chunks."""
+
+    index: int
+    """The chunk."""
+    series: range
+    of: int
+    """The parts the chunk runs in (1: whole)."""
+
+
+def in_parts(features: FeatureChunks, queue: list[int], slots: int) -> list[Part]:
+    """The chunks `queue` as tasks, in that order: each whole, except the last `slots` where
+    there are more chunks than slots (the last round), each in up to `TAIL_PARTS` parts."""
+    last = len(queue) - slots if len(queue) > slots else len(queue)
+    parts = []
+    for position, index in enumerate(queue):
+        series = features.series_of(index)
+        of = min(TAIL_PARTS, len(series)) if position >= last else 1
+        size = len(series)
+        parts += [Part(index, series[k * size // of : (k + 1) * size // of], of) for k in range(of)]
+    return parts
+
+
 @dataclass
 class _Worker:
     process: Any
     conn: Connection
-    index: int | None = None
-    """The chunk it runs (None: idle)."""
+    part: int | None = None
+    """The task it runs (a position in the run's parts; None: idle)."""
     planned: bool = False
     """Whether it has been sent the plan."""
 
@@ -99,40 +133,44 @@ class Pool:
         self._workers = []
 
     def run(self, plan: Plan, features: FeatureChunks, queue: list[int], done: Finished) -> None:
-        """Run the chunks `queue` (in that order) of `features` by `plan`; each result to
-        `done` as it arrives."""
-        attempts: dict[int, int] = {}
-        wanted = max(1, min(self.slots, len(queue)))
+        """Run the chunks `queue` (in that order, the last ones in parts: `in_parts`) of
+        `features` by `plan`; each chunk's result to `done` once its parts have come."""
+        tasks = _Tasks(features, queue, self.slots, done)
+        wanted = max(1, min(self.slots, len(tasks.parts)))
         self._workers += [self._start() for _ in range(wanted - len(self._workers))]
         workers = self._workers[:wanted]
-        while queue or any(w.index is not None for w in workers):
-            for worker in workers:
-                if worker.index is None and queue:
-                    if not worker.planned:
-                        worker.conn.send(plan)
-                        worker.planned = True
-                    worker.index = queue.pop(0)
-                    worker.conn.send((worker.index, features.read(worker.index)))
-            busy = [w for w in workers if w.index is not None]
+        while tasks.todo or any(w.part is not None for w in workers):
+            _give(workers, plan, tasks)
+            busy = [w for w in workers if w.part is not None]
             wait([w.conn for w in busy] + [w.process.sentinel for w in busy])
-            for worker in busy:
-                index = worker.index
-                assert index is not None
-                result = _result(worker)
-                if result is not None:
-                    worker.index = None
-                    done.chunk(index, result, result.finished - result.started)
-                elif not worker.process.is_alive():  # died: its chunk again, or lost
-                    attempts[index] = attempts.get(index, 0) + 1
-                    if attempts[index] > self.retries:
-                        why = f"its worker exited with code {worker.process.exitcode}"
-                        series = features.series_of(index)
-                        done.chunk(index, lost_chunk(series, why, plan.levels), None)
-                    else:
-                        queue.insert(0, index)
-                    new = self._start()
-                    workers[workers.index(worker)] = new
-                    self._workers[self._workers.index(worker)] = new
+            finished = [came for w in busy if (came := self._take(w, workers, tasks, plan))]
+            _give(workers, plan, tasks)  # the next tasks out before the chunk store is written
+            for position, result, took in finished:
+                tasks.finish(position, result, took)
+
+    def _take(
+        self, worker: _Worker, workers: list[_Worker], tasks: _Tasks, plan: Plan
+    ) -> tuple[int, ChunkResult, float | None] | None:
+        """The busy `worker`'s task and its result where it has sent one, or the task lost for
+        good where the worker died once too often (where less often, the task is queued again);
+        a dead worker replaced. None: still running, or to run again."""
+        position = worker.part
+        assert position is not None
+        result = _result(worker)
+        if result is not None:
+            worker.part = None
+            return position, result, result.finished - result.started
+        if worker.process.is_alive():
+            return None
+        new = self._start()  # died: its task again, or lost
+        workers[workers.index(worker)] = new
+        self._workers[self._workers.index(worker)] = new
+        tasks.attempts[position] = tasks.attempts.get(position, 0) + 1
+        if tasks.attempts[position] <= self.retries:
+            tasks.todo.insert(0, position)
+            return None
+        why = f"its worker exited with code {worker.process.exitcode}"
+        return position, lost_chunk(tasks.parts[position].series, why, plan.levels), None
 
     def _start(self) -> _Worker:
         """A worker forked from the server (waiting, the first time, for its imports)."""
@@ -149,6 +187,59 @@ class Pool:
         return _Worker(process, ours)
 
 
+class _Tasks:
+    """A run's tasks (`in_parts`): those left to give out, each one's rows, and each chunk
+    handed on (`Finished.chunk`) once all its parts have come."""
+
+    def __init__(
+        self, features: FeatureChunks, queue: list[int], slots: int, done: Finished
+    ) -> None:
+        self.features, self.done = features, done
+        self.parts = in_parts(features, queue, slots)
+        self.todo = list(range(len(self.parts)))
+        """Positions in `parts` not yet given out (or to give out again)."""
+        self.attempts: dict[int, int] = {}
+        self._came: dict[int, dict[int, tuple[ChunkResult, float | None]]] = {}
+        self._read: tuple[int, pl.DataFrame] | None = None
+        """The chunk read last: its next parts come from it."""
+
+    def rows(self, position: int) -> pl.DataFrame:
+        part = self.parts[position]
+        if self._read is None or self._read[0] != part.index:
+            self._read = (part.index, self.features.read(part.index))
+        if part.of == 1:
+            return self._read[1]
+        first, last = part.series.start, part.series.stop - 1
+        return self._read[1].filter(pl.col(SERIES).is_between(first, last))
+
+    def finish(self, position: int, result: ChunkResult, took: float | None) -> None:
+        """Task `position` ran, giving `result` after `took` seconds (None: lost)."""
+        part = self.parts[position]
+        pieces = self._came.setdefault(part.index, {})
+        pieces[position] = (result, took)
+        if len(pieces) < part.of:
+            return
+        results = [pieces[k][0] for k in sorted(pieces)]
+        times = [pieces[k][1] for k in sorted(pieces)]
+        self.done.chunk(
+            part.index,
+            results[0] if part.of == 1 else ChunkResult.joined(results),
+            None if None in times else sum(t for t in times if t is not None),
+            [(r.started, r.finished) for r in results],
+        )
+
+
+def _give(workers: list[_Worker], plan: Plan, tasks: _Tasks) -> None:
+    """A task to every idle worker while there are tasks left (the plan first, once)."""
+    for worker in workers:
+        if worker.part is None and tasks.todo:
+            if not worker.planned:
+                worker.conn.send(plan)
+                worker.planned = True
+            worker.part = tasks.todo.pop(0)
+            worker.conn.send((worker.part, tasks.rows(worker.part)))
+
+
 def _result(worker: _Worker) -> ChunkResult | None:
     """The worker's result where it has sent one (None: still running, or dead)."""
     try:
@@ -157,7 +248,7 @@ def _result(worker: _Worker) -> ChunkResult | None:
         index, result = worker.conn.recv()
     except (EOFError, OSError):  # the worker died
         return None
-    assert index == worker.index
+    assert index == worker.part
     return result  # type: ignore[no-any-return]
 
 
