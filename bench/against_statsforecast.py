@@ -8,7 +8,7 @@ horizon (12) and windows (3, 12 apart, each model fitted again on every one) and
 for the rest. statsforecast runs `cross_validation` of the same models with `n_jobs` = the cores
 and then `forecast`: what its user runs for the same outputs. Each side is a fresh process timed
 from start to exit, imports included: both are what a user waits for. The CPU seconds of every
-process each side started are printed too (read from /proc), per series.
+process each side started are printed too (counted by the kernel), per series.
 
     python bench/against_statsforecast.py                          # about 25 minutes on 2 cores
     python bench/against_statsforecast.py --series 20,500 --repeats 3
@@ -20,7 +20,10 @@ process each side started are printed too (read from /proc), per series.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -95,41 +98,39 @@ n_windows = {WINDOWS}
 
 
 def timed(command: list[str], env: dict[str, str]) -> tuple[float, str, float]:
-    """`command`'s wall seconds, its output, and the CPU seconds of it and every process below
-    it (each one's last reading from /proc, sampled every 0.1 s: a process that lives less
-    than that may be missed)."""
-    began = time.perf_counter()
+    """`command`'s wall seconds (to its exit), its output, and the CPU seconds of it and of
+    every process below it, exactly: the kernel adds a process's CPU time to its parent's
+    children's time when the parent reaps it, and what a process leaves running when it ends is
+    reparented here (`_adopt_orphans`) and reaped here once it ends."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     with tempfile.TemporaryFile("w+") as output:
+        began = time.perf_counter()
         process = subprocess.Popen(
             command, stdout=output, stderr=subprocess.STDOUT, text=True, env=env
         )
-        cpu: dict[int, float] = {}
-        while process.poll() is None:
-            cpu.update(_cpu_below(process.pid))
-            time.sleep(0.1)
+        process.wait()
         seconds = time.perf_counter() - began
+        with contextlib.suppress(ChildProcessError):
+            while True:  # what it left running (a server ending after it), until none is left
+                os.wait()
         output.seek(0)
         out = output.read()
     if process.returncode:
         raise SystemExit(f"{command[:3]} failed:\n{out[-4000:]}")
-    return seconds, out, sum(cpu.values())
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return seconds, out, cpu
 
 
-def _cpu_below(pid: int) -> dict[int, float]:
-    """User + system CPU seconds of `pid` and its descendants, by process id."""
-    tick, found, stack = os.sysconf("SC_CLK_TCK"), {}, [pid]
-    while stack:
-        current = stack.pop()
-        try:
-            with open(f"/proc/{current}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-            found[current] = (int(fields[11]) + int(fields[12])) / tick
-            for task in os.listdir(f"/proc/{current}/task"):
-                with open(f"/proc/{current}/task/{task}/children") as children:
-                    stack += [int(child) for child in children.read().split()]
-        except OSError:  # it ended meanwhile
-            continue
-    return found
+def _adopt_orphans() -> None:
+    """Make this process the one that a command's descendants are reparented to when their
+    parent ends first (Linux's child subreaper), so that their CPU time is counted here."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 def main() -> None:
@@ -146,6 +147,7 @@ def main() -> None:
         help="more of shardwise's settings, e.g. tracking.mlflow=false (the baseline tracks none)",
     )
     args = parser.parse_args()
+    _adopt_orphans()
     models = args.models.split(",")
     cores = len(os.sched_getaffinity(0))
     env = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
