@@ -282,7 +282,8 @@ class RunnerSection(Section):
     """Ray actors that fit each global model together, each holding a part of the series; 0
     means one per task slot."""
     max_retries: int = Field(3, ge=0)
-    """Times a chunk whose worker process died runs again on a new one."""
+    """Times a task (a chunk, or a part of one of the last) whose worker process died runs again
+    on a new one."""
 
 
 class TrackingSection(Section):
