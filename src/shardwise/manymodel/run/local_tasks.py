@@ -90,8 +90,8 @@ def in_parts(features: FeatureChunks, queue: list[int], slots: int) -> list[Part
     parts = []
     for position, index in enumerate(queue):
         series = features.series_of(index)
-        of = min(TAIL_PARTS, len(series)) if position >= last else 1
         size = len(series)
+        of = min(TAIL_PARTS, size) if position >= last else 1
         parts += [Part(index, series[k * size // of : (k + 1) * size // of], of) for k in range(of)]
     return parts
 
