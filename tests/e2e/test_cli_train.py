@@ -236,6 +236,13 @@ def test_live_replicas_of_a_pipeline_start_from_the_command(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "done: step 6" in done.stdout
+    # one replica's world, the step shared: not one replica accumulating the whole batch
+    derived = next(line for line in done.stdout.splitlines() if line.startswith("derived:"))
+    assert derived.startswith("derived: each live replica: world size 2, mesh pp=2"), derived
+    assert (
+        "global batch 64 shared among the replicas alive, in whole micro-batches (8 a step)"
+        in derived
+    )
 
 
 @pytest.fixture(scope="module")

@@ -194,7 +194,8 @@ def start(
         return _open_trackers(run, start, config_toml, console, resumed=resumed)
     console.print(f"resolved config (saved to {cfg.run_dir / 'config.toml'}):", highlight=False)
     console.print(config_toml, highlight=False, markup=False, soft_wrap=True)
-    console.print(derived_line(derived, run.tokens_per_sample), highlight=False, soft_wrap=True)
+    line = derived_line(derived, run.tokens_per_sample, live=run.live is not None)
+    console.print(line, highlight=False, soft_wrap=True)
     for line in run.layout.applied:
         console.print(f"layout: {line}", highlight=False, soft_wrap=True)
     for note in run.notes:
@@ -278,17 +279,25 @@ def _open_mlflow(cfg: JobConfig, resumed: bool) -> MlflowTracker:
     )
 
 
-def derived_line(derived: Derived, tokens_per_sample: int) -> str:
+def derived_line(derived: Derived, tokens_per_sample: int, *, live: bool = False) -> str:
+    """What follows from the config and the world size, in one line. `live`: the world is one
+    replica's (fault.mode = "live"), and how much of each step a replica runs follows how many
+    replicas are alive: said so, not as one replica's accumulation of the whole batch."""
+    pipelined = derived.degrees["pp"] > 1
+    shared = " shared among the replicas alive" if live else ""
+    if live and pipelined:
+        shared += f", in whole micro-batches ({derived.grad_accum} a step)"
     parts = [
-        f"world size {derived.world_size}",
+        f"{'each live replica: ' if live else ''}world size {derived.world_size}",
         "mesh " + " × ".join(f"{a}={d}" for a, d in derived.degrees.items()),
-        f"global batch {derived.global_batch}",
+        f"global batch {derived.global_batch}{shared}",
         f"micro batch {derived.micro_batch}",
     ]
-    if derived.degrees["pp"] > 1:
-        parts.append(f"pipeline micro-batches {derived.grad_accum}")
+    if pipelined:
+        if not live:
+            parts.append(f"pipeline micro-batches {derived.grad_accum}")
         parts.append(f"stages per rank {derived.stages_per_rank}")
-    else:
+    elif not live:
         parts.append(f"gradient accumulation {derived.grad_accum}")
     parts += [f"samples/step {derived.global_batch}", f"lr {derived.lr:.3g}"]
     if tokens_per_sample > 1:
