@@ -106,3 +106,37 @@ def test_the_last_round_runs_in_parts_of_whole_series():
     assert [(p.index, p.of) for p in whole] == [(0, 1), (1, 1)]
     small = in_parts(FeatureChunks(Path("."), 2, 6, (1,) * 3, pl.Schema(), "t"), [0, 1, 2], 2)
     assert [(p.index, len(p.series)) for p in small] == [(0, 2), (1, 1), (1, 1), (2, 1), (2, 1)]
+
+
+def test_a_chunk_handed_on_is_not_held_by_the_pool():
+    """Once a chunk's parts have all come and it is handed on (written), the pool keeps no
+    result of it: the driver's memory does not grow with the chunks run."""
+    import gc
+    import weakref
+    from pathlib import Path
+
+    import polars as pl
+
+    from shardwise.manymodel.features.feature_files import FeatureChunks
+    from shardwise.manymodel.run.chunk_result import ChunkResult
+    from shardwise.manymodel.run.local_tasks import _Tasks
+
+    class Written:
+        def __init__(self):
+            self.chunks = []
+
+        def chunk(self, index, result, took, spans=None):
+            self.chunks.append((index, took, len(spans)))
+
+    features = FeatureChunks(Path("."), 2, 6, (1,) * 3, pl.Schema(), "t")
+    written = Written()
+    tasks = _Tasks(features, [0, 1, 2], slots=2, done=written)  # chunk 0 whole, 1 and 2 in 2
+    held = []
+    for position, part in enumerate(tasks.parts):
+        result = ChunkResult(series=len(part.series), started=0.0, finished=1.0)
+        held.append(weakref.ref(result))
+        tasks.finish(position, result, 1.0)
+        del result
+    assert written.chunks == [(0, 1.0, 1), (1, 2.0, 2), (2, 2.0, 2)]
+    gc.collect()
+    assert [ref() for ref in held] == [None] * 5

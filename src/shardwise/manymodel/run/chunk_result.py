@@ -43,7 +43,10 @@ class ChunkResult:
     @classmethod
     def joined(cls, parts: Sequence[ChunkResult]) -> ChunkResult:
         """One chunk's result from the results of its parts, in series order (local_tasks.py
-        runs the last chunks of a job in parts): the rows each would have had run whole."""
+        runs the last chunks of a job in parts): the rows each would have had run whole; a
+        chunk run whole, its one result."""
+        if len(parts) == 1:
+            return parts[0]
         first = parts[0]
         whole = cls(pid=first.pid, levels=first.levels)
         whole.started = min(part.started for part in parts)

@@ -219,11 +219,12 @@ class _Tasks:
         pieces[position] = (result, took)
         if len(pieces) < part.of:
             return
+        del self._came[part.index]  # handed on: not held while the rest of the run goes on
         results = [pieces[k][0] for k in sorted(pieces)]
         times = [pieces[k][1] for k in sorted(pieces)]
         self.done.chunk(
             part.index,
-            results[0] if part.of == 1 else ChunkResult.joined(results),
+            ChunkResult.joined(results),
             None if None in times else sum(t for t in times if t is not None),
             [(r.started, r.finished) for r in results],
         )
