@@ -194,8 +194,8 @@ def start(
         return _open_trackers(run, start, config_toml, console, resumed=resumed)
     console.print(f"resolved config (saved to {cfg.run_dir / 'config.toml'}):", highlight=False)
     console.print(config_toml, highlight=False, markup=False, soft_wrap=True)
-    line = derived_line(derived, run.tokens_per_sample, live=run.live is not None)
-    console.print(line, highlight=False, soft_wrap=True)
+    derived_text = derived_line(derived, run.tokens_per_sample, live=run.live is not None)
+    console.print(derived_text, highlight=False, soft_wrap=True)
     for line in run.layout.applied:
         console.print(f"layout: {line}", highlight=False, soft_wrap=True)
     for note in run.notes:
