@@ -1,3 +1,5 @@
+import multiprocessing
+import os
 import signal
 import sqlite3
 import subprocess
@@ -11,7 +13,13 @@ import mlflow
 from mlflow.tracking import MlflowClient
 
 from helpers import free_port
-from shardwise.common.mlflow import MlflowTracker, open_client
+from shardwise.common.mlflow import (
+    MlflowTracker,
+    experiment_id,
+    hasten,
+    open_client,
+    wait_while_working,
+)
 from shardwise.training.tracking.metrics import JsonlTracker, read_metrics
 
 
@@ -121,6 +129,97 @@ def test_mlflow_bad_uri_warns():
         )
         tracker.close("FINISHED")
     assert any("training continues" in str(w.message) for w in caught)
+
+
+def _experiments(uri: str, names: list[str], barrier, results) -> None:
+    client = open_client(uri)
+    found = []
+    for name in names:
+        barrier.wait()  # every process asks for the experiment at once
+        try:
+            found.append(experiment_id(client, name, None))
+        except Exception as e:  # what the test reports
+            found.append(f"{type(e).__name__}: {e}"[:200])
+    results.put(found)
+
+
+def test_processes_opening_a_new_experiment_at_once_all_get_it(tmp_path):
+    """Runs that start together on a new experiment (a live replica taking the reporting over
+    while the one it replaces still opens the run; two jobs launched at once) each find the
+    experiment that one of them created: none fails on "already exists"."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    open_client(uri)
+    context = multiprocessing.get_context("fork")
+    barrier, results = context.Barrier(3, timeout=60), context.Queue()
+    names = [f"new-{i}" for i in range(8)]
+    processes = [
+        context.Process(target=_experiments, args=(uri, names, barrier, results)) for _ in range(3)
+    ]
+    for process in processes:
+        process.start()
+    found = [results.get(timeout=120) for _ in processes]
+    for process in processes:
+        process.join(timeout=60)
+    assert all(process.exitcode == 0 for process in processes)
+    assert found[0] == found[1] == found[2], found
+    assert all(id.isdigit() for id in found[0]), found
+
+
+def _busy(seconds: float) -> None:
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
+def _niced_with_a_thread(ready) -> None:
+    import threading
+
+    os.nice(19)
+    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+    ready.set()
+    time.sleep(60)
+
+
+def test_closing_waits_for_the_tracker_while_it_works_and_not_once_it_is_stuck():
+    """The MLflow process runs at nice 19: on a machine other work keeps busy it can take
+    minutes to flush, and the run waits for it; one that has used no CPU for the limit is
+    stuck, and the wait ends."""
+    context = multiprocessing.get_context("fork")
+    working = context.Process(target=_busy, args=(3.0,))  # 3 CPU-s: past the 1 s limit
+    working.start()
+    assert wait_while_working(working, stalled_s=1.0)
+    assert working.exitcode == 0
+    stuck = context.Process(target=time.sleep, args=(60,))
+    stuck.start()
+    assert not wait_while_working(stuck, stalled_s=1.0)
+    assert stuck.exitcode is None
+    stuck.terminate()
+    stuck.join()
+
+
+def test_the_tracker_is_run_at_the_trainers_priority_once_the_trainer_waits_on_it():
+    """Closing the run: every thread of the nice-19 MLflow process gets this process's priority
+    where the system lets a process raise one (root here and in CI); elsewhere it keeps its
+    own."""
+    import psutil
+
+    context = multiprocessing.get_context("fork")
+    ready = context.Event()
+    niced = context.Process(target=_niced_with_a_thread, args=(ready,), daemon=True)
+    niced.start()
+    try:
+        assert ready.wait(60)
+        threads = [t.id for t in psutil.Process(niced.pid).threads()]
+        assert len(threads) == 2
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        hasten(niced.pid)
+        allowed = os.geteuid() == 0
+        expected = mine if allowed else min(19, mine + 19)
+        assert [os.getpriority(os.PRIO_PROCESS, t) for t in threads] == [expected] * 2
+    finally:
+        niced.terminate()
+        niced.join()
+    hasten(niced.pid)  # gone: nothing to do, and no error
 
 
 def test_an_uneven_pipeline_is_told_how_to_balance():
