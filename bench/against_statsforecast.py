@@ -134,7 +134,7 @@ _PR_SET_CHILD_SUBREAPER = 36
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--series", default="20,500,10000")
     parser.add_argument("--models", default="seasonal_naive,auto_ets,auto_theta")
     parser.add_argument("--repeats", type=int, default=1)

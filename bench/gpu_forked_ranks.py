@@ -22,7 +22,7 @@ from shardwise.training.launch import forkserver
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("run_dir")
     parser.add_argument("--device", default="cuda", help="cpu: the check's plumbing, on a CPU")
     args = parser.parse_args()

@@ -86,7 +86,7 @@ def checkpoint_seconds(mib: int, directory: Path) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--sizes", default="16,128,512", help="MiB of state, comma-separated")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where the checkpoint file goes")

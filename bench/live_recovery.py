@@ -114,7 +114,7 @@ def _spread(values: list[float]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kills", type=int, default=5)
     args = parser.parse_args()

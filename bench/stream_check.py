@@ -53,7 +53,7 @@ def open_pyarrow(url: str, fs) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--files", type=int, default=2000)
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)

@@ -105,7 +105,7 @@ def _tensor(record: pa.RecordBatch) -> torch.Tensor:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--files", type=int, default=32)
     parser.add_argument("--groups", type=int, default=8, help="row groups per file")
     parser.add_argument("--rows", type=int, default=2048, help="rows per row group")

@@ -51,7 +51,7 @@ def in_memory(*, path: str, eval_path: str, **_: Any) -> tuple[TensorDataset, Te
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--steps", type=int, default=40)
