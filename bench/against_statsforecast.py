@@ -15,6 +15,9 @@ process each side started are printed too (counted by the kernel), per series.
     python bench/against_statsforecast.py --models seasonal_naive,auto_ets,auto_theta,mstl
     python bench/against_statsforecast.py --series 20 --backend ray   # as before issue 57
     python bench/against_statsforecast.py --series 20 --set tracking.mlflow=false
+    python bench/against_statsforecast.py --series 10000 --repeats 2 --set tracking.mlflow=false
+
+Each repeat runs both sides, shardwise first in even repeats and statsforecast first in odd ones.
 """
 
 from __future__ import annotations
@@ -168,8 +171,8 @@ def main() -> None:
             times: dict[str, list[float]] = {"shardwise": [], "statsforecast": []}
             cpu: dict[str, list[float]] = {"shardwise": [], "statsforecast": []}
             where = ""
-            for _ in range(args.repeats):
-                run_dir = directory / f"run-{len(times['shardwise'])}"  # a fresh run each time
+            for repeat in range(args.repeats):
+                run_dir = directory / f"run-{repeat}"  # a fresh run each time
                 command = [str(BIN / "shardwise"), "many-models", str(job)]
                 sets = [
                     "--set",
@@ -178,13 +181,18 @@ def main() -> None:
                     f"runner.backend={args.backend}",
                     *(part for pair in args.set for part in ("--set", pair)),
                 ]
-                seconds, out, used = timed([*command, *sets], env)
-                times["shardwise"].append(seconds)
-                cpu["shardwise"].append(used)
-                where = next((ln for ln in out.splitlines() if "models run" in ln), where)
-                seconds, _, used = timed([sys.executable, "-c", baseline, str(data)], env)
-                times["statsforecast"].append(seconds)
-                cpu["statsforecast"].append(used)
+                commands = {
+                    "shardwise": [*command, *sets],
+                    "statsforecast": [sys.executable, "-c", baseline, str(data)],
+                }
+                # each side first in every other repeat: a machine that speeds up or slows
+                # down over a run favours neither
+                for side in sorted(commands, reverse=repeat % 2 == 1):
+                    seconds, out, used = timed(commands[side], env)
+                    times[side].append(seconds)
+                    cpu[side].append(used)
+                    if side == "shardwise":
+                        where = next((ln for ln in out.splitlines() if "models run" in ln), where)
             ours, theirs = (statistics.median(times[k]) for k in ("shardwise", "statsforecast"))
             ours_cpu, theirs_cpu = (statistics.median(cpu[k]) for k in cpu)
             print(
@@ -192,7 +200,8 @@ def main() -> None:
                 f"{theirs:7.1f} s {times['statsforecast']}: {theirs / ours:.2f}x "
                 f"(> 1: shardwise faster)\n        CPU, every process: shardwise "
                 f"{ours_cpu:.1f} s ({1000 * ours_cpu / count:.1f} ms a series), statsforecast "
-                f"{theirs_cpu:.1f} s ({1000 * theirs_cpu / count:.1f} ms a series)"
+                f"{theirs_cpu:.1f} s ({1000 * theirs_cpu / count:.1f} ms a series); each "
+                f"repeat: {_rounded(cpu['shardwise'])} and {_rounded(cpu['statsforecast'])}"
                 f"\n        {where.strip()}",
                 flush=True,
             )
@@ -201,6 +210,10 @@ def main() -> None:
     print("|---|---|---|---|")
     for count, ours, theirs in rows:
         print(f"| {count:,} | {ours:.1f} s | {theirs:.1f} s | {theirs / ours:.2f}× |")
+
+
+def _rounded(values: list[float]) -> str:
+    return "[" + ", ".join(f"{v:.1f}" for v in values) + "]"
 
 
 if __name__ == "__main__":

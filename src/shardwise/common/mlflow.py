@@ -1,10 +1,11 @@
 """MLflow tracking in a separate, low-priority process, so training never waits for the store.
 
 The training process only puts records on a queue (a background feeder thread writes them to a
-pipe). A child process, at lower CPU priority, imports MLflow, opens the store (an embedded SQLite
-file in the run directory by default, or a server), creates or reopens the run, and sends metrics
-in batches. It is a process rather than a thread because MLflow's work is Python (SQLAlchemy,
-request handling) that would otherwise hold the trainer's GIL and slow its steps.
+pipe). A child process, at lower CPU priority (the trainer's again when the run ends and the
+trainer waits on it, where the system allows it), imports MLflow, opens the store (an embedded
+SQLite file in the run directory by default, or a server), creates or reopens the run, and sends
+metrics in batches. It is a process rather than a thread because MLflow's work is Python
+(SQLAlchemy, request handling) that would otherwise hold the trainer's GIL and slow its steps.
 
 The child also samples the machine (CPU and memory, and GPU utilisation and memory where NVIDIA's
 management library sees a GPU) as MLflow's system metrics (`system/…`) every
@@ -416,8 +417,10 @@ def experiment_id(client: Any, name: str, artifact_dir: Path | None) -> str:
     try:
         return str(client.create_experiment(name, artifact_location=location))
     except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
         found = client.get_experiment_by_name(name)
-        if e.error_code != "RESOURCE_ALREADY_EXISTS" or found is None:
+        if found is None:
             raise
         return str(found.experiment_id)
 
