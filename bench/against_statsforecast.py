@@ -187,7 +187,10 @@ def main() -> None:
                 }
                 # each side first in every other repeat: a machine that speeds up or slows
                 # down over a run favours neither
-                for side in sorted(commands, reverse=repeat % 2 == 1):
+                sides = list(commands)
+                if repeat % 2:
+                    sides.reverse()
+                for side in sides:
                     seconds, out, used = timed(commands[side], env)
                     times[side].append(seconds)
                     cpu[side].append(used)

@@ -3,15 +3,22 @@ script without a `__main__` guard that calls the Python API runs its job once.""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
+import weakref
+from pathlib import Path
 
+import polars as pl
 import pytest
 
 from shardwise.common.environment import visible_cpus as cores
 from shardwise.common.errors import ConfigError
 from shardwise.common.job_files import validate_as
 from shardwise.manymodel.config import ManyModelsConfig
+from shardwise.manymodel.features.feature_files import FeatureChunks
+from shardwise.manymodel.run.chunk_result import ChunkResult
+from shardwise.manymodel.run.local_tasks import _Tasks, in_parts
 from shardwise.manymodel.run.placement import choose, describe
 
 
@@ -82,16 +89,14 @@ def test_chunks_fill_the_slots_last_round(series, slots, size):
     assert got <= 100 and (chunks >= 4 * slots or got == 1)
 
 
+def _three_chunks() -> FeatureChunks:
+    """6 series in 3 chunks of 2."""
+    return FeatureChunks(Path("."), 2, 6, (1,) * 3, pl.Schema(), "t")
+
+
 def test_the_last_round_runs_in_parts_of_whole_series():
     """Chunks run whole, except the last `slots` where there are more chunks than slots: each
     in up to 8 parts, together every one of its series once, in order."""
-    from pathlib import Path
-
-    import polars as pl
-
-    from shardwise.manymodel.features.feature_files import FeatureChunks
-    from shardwise.manymodel.run.local_tasks import in_parts
-
     features = FeatureChunks(Path("."), 25, 95, (1,) * 4, pl.Schema(), "t")
     parts = in_parts(features, [3, 0, 1, 2], slots=2)
     assert [(p.index, p.of) for p in parts[:2]] == [(3, 1), (0, 1)]
@@ -104,22 +109,13 @@ def test_the_last_round_runs_in_parts_of_whole_series():
     assert [p.index for p in parts[2:]] == [1] * 8 + [2] * 8
     whole = in_parts(features, [0, 1], slots=2)  # no more chunks than slots: one round
     assert [(p.index, p.of) for p in whole] == [(0, 1), (1, 1)]
-    small = in_parts(FeatureChunks(Path("."), 2, 6, (1,) * 3, pl.Schema(), "t"), [0, 1, 2], 2)
+    small = in_parts(_three_chunks(), [0, 1, 2], 2)
     assert [(p.index, len(p.series)) for p in small] == [(0, 2), (1, 1), (1, 1), (2, 1), (2, 1)]
 
 
 def test_a_chunk_handed_on_is_not_held_by_the_pool():
     """Once a chunk's parts have all come and it is handed on (written), the pool keeps no
     result of it: the driver's memory does not grow with the chunks run."""
-    import gc
-    import weakref
-    from pathlib import Path
-
-    import polars as pl
-
-    from shardwise.manymodel.features.feature_files import FeatureChunks
-    from shardwise.manymodel.run.chunk_result import ChunkResult
-    from shardwise.manymodel.run.local_tasks import _Tasks
 
     class Written:
         def __init__(self):
@@ -128,7 +124,7 @@ def test_a_chunk_handed_on_is_not_held_by_the_pool():
         def chunk(self, index, result, took, spans=None):
             self.chunks.append((index, took, len(spans)))
 
-    features = FeatureChunks(Path("."), 2, 6, (1,) * 3, pl.Schema(), "t")
+    features = _three_chunks()
     written = Written()
     tasks = _Tasks(features, [0, 1, 2], slots=2, done=written)  # chunk 0 whole, 1 and 2 in 2
     held = []
